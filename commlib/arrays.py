@@ -1,0 +1,189 @@
+"""DLPack adapters: any framework's array in, the same framework's array out.
+
+Collectives work on one array namespace, ``xp``: NumPy for host memory, CuPy
+for CUDA memory. ``unwrap`` turns a NumPy, CuPy, PyTorch or JAX array into
+that namespace without copying, and remembers how to turn a result back into
+the caller's framework (``Native.wrap``), so torch in gives torch out.
+
+Types that DLPack cannot carry (bfloat16, float8) travel as a same-sized
+integer view and are viewed back on arrival: on the host as ``ml_dtypes``
+types, which NumPy understands; on the GPU as raw integer storage, since CuPy
+has no bfloat16 (transfers move bytes; reductions read ``Native.dtype``).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Protocol, Tuple, runtime_checkable
+
+import numpy as np
+
+# DLPack device types (dlpack.h, DLDeviceType)
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
+
+
+@runtime_checkable
+class SupportsDLPack(Protocol):
+    """Anything that exports DLPack: NumPy, CuPy, PyTorch, JAX arrays."""
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def __dlpack_device__(self) -> Tuple[int, int]: ...
+
+
+@dataclass
+class Native:
+    """A caller's array seen as a NumPy or CuPy array.
+
+    ``data`` shares memory with the caller's array (it may be read-only; it is
+    never written). ``dtype`` is the logical element type, which differs from
+    ``data.dtype`` only for bfloat16/float8 on the GPU. ``wrap(y)`` turns a
+    result in ``xp`` with storage dtype ``data.dtype`` into the caller's
+    framework, on the caller's device.
+    """
+
+    data: Any
+    dtype: np.dtype
+    on_device: bool
+    framework: str
+    wrap: Callable[[Any], Any]
+
+    @property
+    def xp(self):
+        if self.on_device:
+            import cupy
+            return cupy
+        return np
+
+
+def _ml_dtypes_twins() -> Dict[str, Tuple[np.dtype, np.dtype]]:
+    """name -> (logical ml_dtypes dtype, same-sized integer storage dtype)."""
+    import ml_dtypes
+    names = ["bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"]
+    twins = {}
+    for name in names:
+        if hasattr(ml_dtypes, name):
+            logical = np.dtype(getattr(ml_dtypes, name))
+            twins[name] = (logical, np.dtype(f"uint{8 * logical.itemsize}"))
+    return twins
+
+
+def _identity(y):
+    return y
+
+
+def _from_numpy(x) -> Native:
+    return Native(x, x.dtype, False, "numpy", _identity)
+
+
+def _from_cupy(x) -> Native:
+    return Native(x, x.dtype, True, "cupy", _identity)
+
+
+def _from_torch(x) -> Native:
+    import torch
+
+    t = x.detach().resolve_conj().resolve_neg()
+    name = str(t.dtype).removeprefix("torch.")
+    twins = _ml_dtypes_twins()
+    on_device = t.device.type == "cuda"
+    if t.device.type not in ("cpu", "cuda"):
+        raise TypeError(f"torch tensors on {t.device.type!r} are not supported; "
+                        f"move the tensor to 'cpu' or 'cuda' first")
+    torch_dtype = t.dtype
+    if name in twins:
+        logical, storage = twins[name]
+        t = t.view(getattr(torch, str(storage)))
+    else:
+        logical = storage = None
+    if on_device:
+        import cupy
+        data = cupy.from_dlpack(t)
+        dtype = logical if logical is not None else data.dtype
+    else:
+        data = t.numpy()
+        if logical is not None:
+            data = data.view(logical)
+        dtype = data.dtype
+
+    def wrap(y):
+        if on_device:
+            out = torch.from_dlpack(y)
+        else:
+            out = torch.from_numpy(y.view(storage) if logical is not None else y)
+        return out.view(torch_dtype) if logical is not None else out
+
+    return Native(data, np.dtype(dtype), on_device, "torch", wrap)
+
+
+def _from_jax(x) -> Native:
+    import jax
+    import jax.numpy as jnp
+
+    on_device = x.__dlpack_device__()[0] in (_DL_CUDA, _DL_CUDA_MANAGED)
+    twins = _ml_dtypes_twins()
+    logical = np.dtype(x.dtype)
+    bitcast = logical.name in twins
+    if on_device:
+        import cupy
+        storage = twins[logical.name][1] if bitcast else logical
+        src = jax.lax.bitcast_convert_type(x, storage) if bitcast else x
+        data = cupy.from_dlpack(src)
+    else:
+        data = np.asarray(x)  # a read-only view of the host buffer; ml_dtypes for bfloat16
+
+    def wrap(y):
+        if on_device:
+            out = jnp.from_dlpack(y)
+            return jax.lax.bitcast_convert_type(out, logical) if bitcast else out
+        return jnp.asarray(y)
+
+    return Native(data, logical, on_device, "jax", wrap)
+
+
+def _from_dlpack(x) -> Native:
+    """Any other DLPack exporter: host memory as NumPy, device memory as CuPy."""
+    if x.__dlpack_device__()[0] in (_DL_CUDA, _DL_CUDA_MANAGED):
+        import cupy
+        data = cupy.from_dlpack(x)
+        return Native(data, data.dtype, True, "cupy", _identity)
+    data = np.from_dlpack(x)
+    return Native(data, data.dtype, False, "numpy", _identity)
+
+
+_ADAPTERS: Dict[str, Callable[[Any], Native]] = {
+    "numpy": _from_numpy,
+    "cupy": _from_cupy,
+    "torch": _from_torch,
+    "jax": _from_jax,
+    "jaxlib": _from_jax,
+}
+
+
+def unwrap(x: Any) -> Native:
+    """The caller's array as NumPy (host) or CuPy (CUDA), without copying."""
+    root = type(x).__module__.split(".")[0]
+    adapter = _ADAPTERS.get(root)
+    if adapter is not None and (root != "cupy" or "cupy" in sys.modules):
+        return adapter(x)
+    if isinstance(x, SupportsDLPack):
+        return _from_dlpack(x)
+    if isinstance(x, (list, tuple, int, float, bool, complex)):
+        return _from_numpy(np.asarray(x))
+    raise TypeError(f"expected an array (NumPy, CuPy, PyTorch, JAX or any DLPack "
+                    f"exporter), got {type(x).__module__}.{type(x).__qualname__}")
+
+
+def contiguous(native: Native):
+    """``native.data`` as a C-contiguous array: itself when it already is,
+    else one copy (the only copy commlib makes of an input)."""
+    data = native.data
+    if data.flags.c_contiguous:
+        return data
+    return native.xp.ascontiguousarray(data)
+
+
+def byte_view(data):
+    """The bytes of a C-contiguous array as a 1-D uint8 array (no copy)."""
+    return data.reshape(-1).view(np.uint8)

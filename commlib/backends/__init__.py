@@ -1,0 +1,45 @@
+"""Transports under the Communicator.
+
+A backend moves the bytes of C-contiguous arrays that the Communicator has
+already validated and allocated; it never allocates results or checks user
+input. ``mpi`` carries host arrays and all control traffic (count exchanges,
+error reports); ``nccl`` carries CUDA arrays. A new transport (UCC, a
+CUDA-aware MPI) is one new module with the methods of ``Backend``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+REDUCE_OPS = ("sum", "prod", "max", "min")
+
+
+class Backend(Protocol):
+    name: str
+
+    def alltoallv(self, send: Any, send_bytes: np.ndarray, out: Any,
+                  recv_bytes: np.ndarray) -> None:
+        """Send ``send_bytes[i]`` bytes (in rank order) to rank i; receive
+        ``recv_bytes[i]`` bytes from rank i into ``out``, in rank order."""
+
+    def alltoall(self, send: Any, out: Any) -> None:
+        """Equal byte chunks, chunk i to rank i."""
+
+    def sendrecv(self, send: Any, dest: int, out: Any, source: int) -> None:
+        """Send to ``dest`` while receiving from ``source``."""
+
+    def allgather(self, send: Any, out: Any) -> None: ...
+
+    def allreduce(self, send: Any, out: Any, dtype: np.dtype, op: str) -> None:
+        """Element-wise reduction; ``dtype`` is the logical element type."""
+
+    def bcast(self, buf: Any, root: int) -> None: ...
+
+
+def displacements(counts: Sequence[int]) -> np.ndarray:
+    """Exclusive prefix sum: where each rank's block starts."""
+    out = np.zeros(len(counts), dtype=np.int64)
+    np.cumsum(counts[:-1], out=out[1:])
+    return out

@@ -1,0 +1,138 @@
+"""NCCL transport for CUDA (CuPy) buffers, through CuPy's NcclCommunicator.
+
+The unique id is made on rank 0 and broadcast over MPI; every rank drives the
+GPU ``local rank % visible devices``. Payloads travel as ncclUint8, and
+all-to-all(v) is grouped point-to-point send/recv, as NCCL's own
+alltoall is built. Counts travel over MPI (the Communicator's control plane).
+Everything runs on one stream per communicator, which is synchronized before
+a call returns, so results are ready in any stream the caller uses next.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from ..arrays import byte_view
+from . import displacements
+
+# ncclDataType_t / ncclRedOp_t values (nccl.h); stable since NCCL 2.10
+_NCCL_TYPES = {
+    "int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5,
+    "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9,
+}
+_NCCL_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3}
+_UINT8 = _NCCL_TYPES["uint8"]
+
+
+def unavailable_reason() -> Optional[str]:
+    """None when NCCL can run here, else what is missing, in words."""
+    try:
+        import cupy
+    except ImportError:
+        return "CuPy is not installed (pip install 'commlib[gpu]')"
+    try:
+        from cupy.cuda import nccl
+    except ImportError as error:
+        return f"CuPy's NCCL module does not import ({error})"
+    if not getattr(nccl, "available", False):
+        return "the NCCL library was not found (pip install nvidia-nccl-cu12)"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:  # CUDARuntimeError: no driver, no device
+        return f"no usable CUDA device ({error})"
+    if count == 0:
+        return "no CUDA device is visible"
+    return None
+
+
+def reduction_type(dtype: np.dtype) -> int:
+    """The ncclDataType_t for reducing elements of ``dtype``."""
+    if dtype == np.bool_:
+        return _UINT8
+    try:
+        return _NCCL_TYPES[np.dtype(dtype).name]
+    except KeyError:
+        raise ValueError(f"NCCL cannot reduce {np.dtype(dtype).name}; NCCL reduces "
+                         f"{', '.join(_NCCL_TYPES)}: cast first") from None
+
+
+def reduction_op(dtype: np.dtype, op: str) -> int:
+    """bool "sum" is logical or and "prod" logical and, as on the MPI path."""
+    if dtype == np.bool_:
+        op = {"sum": "max", "prod": "min"}.get(op, op)
+    return _NCCL_OPS[op]
+
+
+class NcclBackend:
+    """Collectives on CUDA buffers over one NCCL communicator."""
+
+    name = "nccl"
+
+    def __init__(self, host, device_index: int):
+        import cupy
+        from cupy.cuda import nccl
+
+        self._cupy = cupy
+        self._nccl = nccl
+        self.device_index = device_index
+        cupy.cuda.Device(device_index).use()
+        uid = nccl.get_unique_id() if host.rank == 0 else None
+        uid = host.bcast_object(uid, 0)
+        self.comm = nccl.NcclCommunicator(host.size, uid, host.rank)
+        self.rank, self.size = host.rank, host.size
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+
+    def split(self, host) -> "NcclBackend":
+        return NcclBackend(host, self.device_index)
+
+    def free(self) -> None:
+        self.comm.destroy()
+
+    def _run(self, launch) -> None:
+        """Order the call after the caller's current stream, run it on ours,
+        and wait for it."""
+        self.stream.wait_event(self._cupy.cuda.get_current_stream().record())
+        launch(self.stream.ptr)
+        self.stream.synchronize()
+
+    def _grouped(self, sends, recvs) -> None:
+        """One NCCL group of point-to-point transfers: (buffer, nbytes, peer)."""
+        def launch(stream):
+            self._nccl.groupStart()
+            for buf, nbytes, peer in sends:
+                if nbytes:
+                    self.comm.send(buf, nbytes, _UINT8, peer, stream)
+            for buf, nbytes, peer in recvs:
+                if nbytes:
+                    self.comm.recv(buf, nbytes, _UINT8, peer, stream)
+            self._nccl.groupEnd()
+        self._run(launch)
+
+    def alltoallv(self, send, send_bytes, out, recv_bytes) -> None:
+        sbase, rbase = byte_view(send).data.ptr, byte_view(out).data.ptr
+        sdispl, rdispl = displacements(send_bytes), displacements(recv_bytes)
+        self._grouped(
+            [(sbase + int(sdispl[p]), int(send_bytes[p]), p) for p in range(self.size)],
+            [(rbase + int(rdispl[p]), int(recv_bytes[p]), p) for p in range(self.size)])
+
+    def alltoall(self, send, out) -> None:
+        chunk = send.nbytes // self.size
+        counts = np.full(self.size, chunk, dtype=np.int64)
+        self.alltoallv(send, counts, out, counts)
+
+    def sendrecv(self, send, dest, out, source) -> None:
+        self._grouped([(send.data.ptr, send.nbytes, dest)], [(out.data.ptr, out.nbytes, source)])
+
+    def allgather(self, send, out) -> None:
+        self._run(lambda s: self.comm.allGather(send.data.ptr, out.data.ptr, send.nbytes,
+                                                _UINT8, s))
+
+    def allreduce(self, send, out, dtype, op) -> None:
+        nccl_type = reduction_type(dtype)
+        self._run(lambda s: self.comm.allReduce(send.data.ptr, out.data.ptr, send.size,
+                                                nccl_type, reduction_op(dtype, op), s))
+
+    def bcast(self, buf, root) -> None:
+        self._run(lambda s: self.comm.bcast(buf.data.ptr, buf.nbytes, _UINT8, root, s))

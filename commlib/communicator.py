@@ -1,0 +1,279 @@
+"""The Communicator: commlib's collective layer.
+
+It validates arguments, allocates results, and hands C-contiguous arrays to
+a backend: the MPI backend for host arrays, the device backend (NCCL) for
+CUDA arrays. Inputs arrive through DLPack (``commlib.arrays``) and results go
+back in the caller's framework. Inputs are never written to.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from . import counts as _counts
+from .arrays import Native, contiguous, unwrap
+from .backends import REDUCE_OPS, Backend
+from .backends.mpi import MpiBackend
+from .errors import CollectiveMismatchError
+from .topology import Topology
+
+# per-peer header of alltoallv's count exchange: [status, rows, signature]
+_OK, _REJECTED = 0, 1
+
+
+def _normalize_axis(axis: int, ndim: int, what: str) -> int:
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{what}={axis} is out of range for an array with {ndim} dimensions")
+    return axis % ndim
+
+
+def _concat_blocks(xp, stacked, axis: int):
+    """[P, *block] -> the P blocks concatenated along ``axis``: one copy."""
+    blocks, block_shape = stacked.shape[0], stacked.shape[1:]
+    shape = list(block_shape)
+    shape[axis] *= blocks
+    return xp.ascontiguousarray(xp.moveaxis(stacked, 0, axis)).reshape(shape)
+
+
+def _row_signature(native: Native) -> int:
+    """What every rank must agree on for alltoallv: element type and the
+    shape of one row. A stable 31-bit hash, identical across processes."""
+    key = f"{native.dtype.name}:{native.dtype.itemsize}:{tuple(native.data.shape[1:])}"
+    return zlib.crc32(key.encode())
+
+
+def _describe_row(native: Native) -> str:
+    return f"dtype {native.dtype.name}, row shape {tuple(native.data.shape[1:])}"
+
+
+class Communicator:
+    """A group of ranks and the collectives they run together.
+
+    Create one with ``commlib.init()``; ``split`` makes sub-communicators.
+    ``backend`` names the transport for CUDA arrays ("nccl"), or "mpi" when
+    there is none; host arrays always travel over MPI.
+    """
+
+    def __init__(self, host: MpiBackend, topology: Topology,
+                 device: Optional[Backend] = None):
+        self._host = host
+        self._device = device
+        self.topology = topology
+
+    @property
+    def rank(self) -> int:
+        return self._host.rank
+
+    @property
+    def size(self) -> int:
+        return self._host.size
+
+    @property
+    def backend(self) -> str:
+        return self._device.name if self._device is not None else self._host.name
+
+    @property
+    def mpi_comm(self):
+        """The communicator's own MPI communicator (a duplicate, not the user's)."""
+        return self._host.comm
+
+    def __repr__(self) -> str:
+        return (f"Communicator(rank={self.rank}, size={self.size}, backend={self.backend!r}, "
+                f"nodes={self.topology.num_nodes})")
+
+    # -- plumbing ---------------------------------------------------------
+    def _backend_for(self, *natives: Native) -> Backend:
+        """The transport for these arrays; they must all live on one side."""
+        sides = {n.on_device for n in natives}
+        if len(sides) > 1:
+            raise ValueError("host and CUDA arrays were mixed in one call; commlib does not "
+                             "copy between them silently: move them to one device first")
+        if not sides.pop():
+            return self._host
+        if self._device is None:
+            raise ValueError("a CUDA array was passed to a communicator without a GPU backend "
+                             "(backend='mpi'); create it with commlib.init(backend='nccl') or "
+                             "'auto' on a machine with GPUs, or pass host arrays")
+        return self._device
+
+    def split(self, color: int, key: int = 0) -> "Communicator":
+        """Ranks with the same ``color`` form a new communicator, ordered by
+        ``key`` then by rank. Nodes of the topology are kept."""
+        if isinstance(color, bool) or not isinstance(color, (int, np.integer)) or color < 0:
+            raise ValueError(f"color must be a non-negative integer, got {color!r}")
+        sub = self._host.comm.Split(int(color), int(key))
+        host = MpiBackend(sub)
+        parent_ranks = host.allgather_object(self.rank)
+        topology = self.topology.restrict(parent_ranks, host.rank)
+        device = self._device.split(host) if self._device is not None else None
+        return Communicator(host, topology, device)
+
+    def free(self) -> None:
+        """Release the underlying communicators (collective)."""
+        if self._device is not None:
+            self._device.free()
+        self._host.comm.Free()
+
+    # -- collectives --------------------------------------------------------
+    def alltoallv(self, x: Any, send_counts: Any,
+                  recv_counts: Any = None) -> Tuple[Any, np.ndarray]:
+        """Variable-size all-to-all of rows along axis 0.
+
+        ``send_counts[i]`` consecutive rows of ``x`` go to rank i. The result
+        holds rank 0's rows first, then rank 1's, and so on; ``recv_counts``
+        (host int64) says how many came from each. When ``recv_counts`` is not
+        given it is exchanged, and that exchange also checks that all ranks
+        agree on dtype and row shape and accepted their inputs: a problem on
+        any rank raises ``CollectiveMismatchError`` on every rank.
+        """
+        native = unwrap(x)
+        backend = self._backend_for(native)
+        problem = None
+        try:
+            if native.data.ndim == 0:
+                raise ValueError("alltoallv needs an array with rows along axis 0, got a scalar")
+            send = _counts.as_counts("send_counts", send_counts, self.size)
+            _counts.check_rows("send_counts", send, native.data.shape[0])
+            recv = None if recv_counts is None else \
+                _counts.as_counts("recv_counts", recv_counts, self.size)
+        except ValueError as error:
+            problem = error
+        if recv_counts is None:
+            recv = self._exchange_counts(native, send if problem is None else None, problem)
+        elif problem is not None:
+            raise problem
+        data = contiguous(native)
+        row_bytes = native.data.itemsize * int(np.prod(data.shape[1:], dtype=np.int64))
+        out = native.xp.empty((int(recv.sum()),) + data.shape[1:], dtype=data.dtype)
+        backend.alltoallv(data, send * row_bytes, out, recv * row_bytes)
+        return native.wrap(out), recv
+
+    def _exchange_counts(self, native: Native, send: Optional[np.ndarray],
+                         problem: Optional[Exception]) -> np.ndarray:
+        """Tell every peer how many rows it gets, plus this rank's status and
+        row signature; raise on every rank if any rank is unhappy."""
+        header = np.zeros((self.size, 3), dtype=np.int64)
+        if problem is None:
+            header[:, 1] = send
+            header[:, 2] = _row_signature(native)
+        else:
+            header[:, 0] = _REJECTED
+        received = self._host.exchange_int64(header)
+        rejected = np.flatnonzero(received[:, 0] != _OK)
+        signatures = received[:, 2]
+        if rejected.size == 0 and (signatures == signatures[0]).all():
+            return received[:, 1].copy()
+        report = str(problem) if problem is not None else _describe_row(native)
+        reports = self._host.allgather_object(report)
+        if rejected.size:
+            lines = [f"rank {r}: {reports[r]}" for r in rejected]
+            raise CollectiveMismatchError(
+                "alltoallv was rejected by rank(s) " + ", ".join(map(str, rejected)) +
+                ":\n  " + "\n  ".join(lines))
+        lines = [f"rank {r}: {reports[r]}" for r in range(self.size)]
+        raise CollectiveMismatchError(
+            "alltoallv ranks disagree on what a row is (all must send the same dtype and "
+            "trailing shape):\n  " + "\n  ".join(lines))
+
+    def alltoall(self, x: Any, split_axis: int = 0, concat_axis: int = 0) -> Any:
+        """Split ``x`` along ``split_axis`` into ``size`` equal chunks, send
+        chunk i to rank i, and concatenate what arrives, in rank order, along
+        ``concat_axis``."""
+        native = unwrap(x)
+        backend = self._backend_for(native)
+        data, xp, size = native.data, native.xp, self.size
+        split_axis = _normalize_axis(split_axis, data.ndim, "split_axis")
+        concat_axis = _normalize_axis(concat_axis, data.ndim, "concat_axis")
+        length = data.shape[split_axis]
+        if length % size:
+            raise ValueError(f"alltoall splits axis {split_axis} (length {length}) into {size} "
+                             f"equal chunks; make that axis a multiple of {size}")
+        send = xp.ascontiguousarray(xp.moveaxis(data, split_axis, 0))
+        out = xp.empty_like(send)
+        backend.alltoall(send, out)
+        chunk_first = out.reshape((size, length // size) + send.shape[1:])
+        stacked = xp.moveaxis(chunk_first, 1, split_axis + 1)
+        return native.wrap(_concat_blocks(xp, stacked, concat_axis))
+
+    def ring_shift(self, x: Any, shift: int = 1) -> Any:
+        """Every rank sends ``x`` ``shift`` places up the ring: the result is
+        ``x`` of rank ``(rank - shift) % size``. All ranks pass the same shape."""
+        native = unwrap(x)
+        backend = self._backend_for(native)
+        data = contiguous(native)
+        out = native.xp.empty_like(data)
+        shift = int(shift) % self.size
+        if shift == 0:
+            out[...] = data
+        else:
+            backend.sendrecv(data, (self.rank + shift) % self.size, out,
+                             (self.rank - shift) % self.size)
+        return native.wrap(out)
+
+    def allgather(self, x: Any, axis: int = 0) -> Any:
+        """Every rank's ``x`` (same shape everywhere), concatenated along
+        ``axis`` in rank order."""
+        native = unwrap(x)
+        backend = self._backend_for(native)
+        data = contiguous(native)
+        axis = _normalize_axis(axis, max(data.ndim, 1), "axis")
+        if data.ndim == 0:
+            data = data.reshape(1)
+        out = native.xp.empty((self.size,) + data.shape, dtype=data.dtype)
+        backend.allgather(data, out)
+        return native.wrap(_concat_blocks(native.xp, out, axis))
+
+    def allreduce(self, x: Any, op: str = "sum") -> Any:
+        """Element-wise reduction over ranks: "sum", "prod", "max" or "min".
+        For bool, "sum" is logical or and "prod" logical and."""
+        if op not in REDUCE_OPS:
+            raise ValueError(f"unknown reduction op {op!r}; use one of {', '.join(REDUCE_OPS)}")
+        native = unwrap(x)
+        backend = self._backend_for(native)
+        data = contiguous(native)
+        out = native.xp.empty_like(data)
+        backend.allreduce(data, out, native.dtype, op)
+        return native.wrap(out)
+
+    def bcast(self, x: Any, root: int = 0) -> Any:
+        """Root's ``x`` on every rank. Elsewhere ``x`` may be None (the result
+        is then a NumPy array, or CuPy when root's is on the GPU) or an array
+        of root's shape and dtype whose framework the result takes."""
+        if not 0 <= root < self.size:
+            raise ValueError(f"root={root} is not a rank of this communicator (size {self.size})")
+        native = unwrap(x) if x is not None else None
+        header = None
+        if self.rank == root:
+            if native is None:
+                raise ValueError("bcast: the root rank must pass the array to broadcast, got None")
+            header = (native.dtype, native.data.dtype, tuple(native.data.shape), native.on_device)
+        dtype, storage, shape, on_device = self._host.bcast_object(header, root)
+        if self.rank == root:
+            data = contiguous(native)
+            self._backend_for(native).bcast(data, root)
+            return native.wrap(data.copy())
+        xp = self._xp(on_device)
+        out = xp.empty(shape, dtype=storage)
+        (self._device if on_device else self._host).bcast(out, root)
+        if native is None:
+            return out
+        if (native.dtype, tuple(native.data.shape), native.on_device) != (dtype, shape, on_device):
+            raise CollectiveMismatchError(
+                f"bcast: rank {self.rank} passed an array of {native.dtype.name} "
+                f"{tuple(native.data.shape)} but root {root} broadcast {dtype.name} {shape} "
+                f"({'CUDA' if on_device else 'host'}); pass None or a matching array")
+        return native.wrap(out)
+
+    def _xp(self, on_device: bool):
+        if on_device:
+            if self._device is None:
+                raise ValueError("root broadcast a CUDA array but this rank has no GPU backend")
+            import cupy
+            return cupy
+        return np
+
+    def barrier(self) -> None:
+        self._host.barrier()

@@ -1,0 +1,1 @@
+"""The ``commlib`` command line (``commlib.tools.cli``) and benchmarks."""
