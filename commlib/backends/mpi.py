@@ -27,16 +27,15 @@ def _reduction_type(dtype: np.dtype):
     float32 and rounded back once: more accurate than a chain of half
     precision additions, and identical on every rank.
     """
-    from mpi4py.util.dtlib import from_numpy_dtype
-
     if dtype == np.bool_:
         return MPI.UINT8_T, np.dtype(np.uint8)
     if dtype.kind == "V" or (dtype.kind == "f" and dtype.itemsize < 4):
         return MPI.FLOAT, np.dtype(np.float32)
-    try:
-        return from_numpy_dtype(dtype), dtype
-    except (KeyError, ValueError, TypeError):
-        return MPI.FLOAT, np.dtype(np.float32)
+    predefined = MPI._typedict.get(dtype.char)  # mpi4py's NumPy char -> MPI datatype table
+    if predefined is None:
+        raise ValueError(f"allreduce cannot reduce {dtype.name} over MPI; cast to a "
+                         f"standard integer or float type first")
+    return predefined, dtype
 
 
 class MpiBackend:

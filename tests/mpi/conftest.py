@@ -1,0 +1,65 @@
+"""Fixtures for tests that run on every rank of an mpiexec launch.
+
+Each test makes the same collective calls on every rank in the same order,
+and decides pass/fail together (``all_ranks``), so that one rank's failure
+does not leave the others waiting in the next test's collective.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from mpi4py import MPI
+
+import commlib
+
+# the same examples on every rank, in the same order, whatever the timing
+settings.register_profile("mpi", derandomize=True, database=None, deadline=None,
+                          suppress_health_check=list(HealthCheck), max_examples=40)
+settings.load_profile("mpi")
+
+
+@pytest.fixture(scope="session")
+def comm():
+    c = commlib.init()
+    yield c
+    c.free()
+
+
+def all_ranks(ok: bool) -> bool:
+    """True on every rank when ``ok`` is true on every rank."""
+    return bool(MPI.COMM_WORLD.allreduce(bool(ok), op=MPI.LAND))
+
+
+def same_on_all_ranks(value) -> None:
+    """Fail (everywhere) unless every rank drew the same ``value``."""
+    values = MPI.COMM_WORLD.allgather(repr(value))
+    assert len(set(values)) == 1, f"ranks drew different examples: {values}"
+
+
+def raises_everywhere(exc_type, call, match=None):
+    """``call()`` raises ``exc_type`` on this rank, and every rank agrees."""
+    try:
+        call()
+    except exc_type as error:
+        caught = error
+    else:
+        caught = None
+    assert all_ranks(caught is not None), f"{exc_type.__name__} not raised on every rank"
+    if match is not None:
+        assert match in str(caught), str(caught)
+    return caught
+
+
+def reference_alltoallv(x: np.ndarray, send_counts: np.ndarray) -> np.ndarray:
+    """What alltoallv must return, computed with mpi4py's own Alltoallv."""
+    world = MPI.COMM_WORLD
+    recv_counts = np.empty_like(send_counts)
+    world.Alltoall(send_counts, recv_counts)
+    row = x.itemsize * int(np.prod(x.shape[1:]))
+    out = np.empty((int(recv_counts.sum()),) + x.shape[1:], dtype=x.dtype)
+    sdispl = np.concatenate([[0], np.cumsum(send_counts)[:-1]]) * row
+    rdispl = np.concatenate([[0], np.cumsum(recv_counts)[:-1]]) * row
+    world.Alltoallv([np.ascontiguousarray(x).view(np.uint8).reshape(-1),
+                     (send_counts * row, sdispl), MPI.BYTE],
+                    [out.view(np.uint8).reshape(-1), (recv_counts * row, rdispl), MPI.BYTE])
+    return out

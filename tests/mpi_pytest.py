@@ -1,0 +1,28 @@
+"""Run pytest on one rank of an mpiexec launch, its report in a file.
+
+    mpiexec -n 3 python tests/mpi_pytest.py LOGDIR [pytest args]
+
+Each rank writes LOGDIR/rank<r>.log and exits with pytest's status, so the
+launcher can show which rank failed and why without interleaved output.
+"""
+
+import os
+import sys
+
+import pytest
+from mpi4py import MPI
+
+
+def main() -> int:
+    logdir, args = sys.argv[1], sys.argv[2:]
+    rank = MPI.COMM_WORLD.Get_rank()
+    os.environ["COMMLIB_TEST_UNDER_MPIEXEC"] = "1"
+    with open(os.path.join(logdir, f"rank{rank}.log"), "w") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        sys.stdout = sys.stderr = log
+        return int(pytest.main(["-p", "no:cacheprovider", "-q", *args]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""Runs tests/mpi/ under mpiexec at world sizes 1 to 4, each in one launch."""
+
+import subprocess
+import sys
+
+import pytest
+
+from launch import TESTS, run
+
+TIMEOUT_S = 600
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
+def test_mpi_suite(nprocs, tmp_path):
+    argv = [sys.executable, str(TESTS / "mpi_pytest.py"), str(tmp_path), str(TESTS / "mpi")]
+    try:
+        result = run(nprocs, argv, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"tests/mpi at {nprocs} ranks did not finish in {TIMEOUT_S}s (a hang):\n"
+                    + _logs(tmp_path, nprocs))
+    assert result.returncode == 0, (f"tests/mpi failed at {nprocs} ranks "
+                                    f"(exit {result.returncode}):\n{result.stdout[-3000:]}\n"
+                                    + _logs(tmp_path, nprocs))
+
+
+def _logs(logdir, nprocs):
+    parts = []
+    for rank in range(nprocs):
+        log = logdir / f"rank{rank}.log"
+        text = log.read_text() if log.exists() else "(no log)"
+        parts.append(f"----- rank {rank} -----\n{text[-6000:]}")
+    return "\n".join(parts)
