@@ -163,6 +163,8 @@ _ADAPTERS: Dict[str, Callable[[Any], Native]] = {
 
 def unwrap(x: Any) -> Native:
     """The caller's array as NumPy (host) or CuPy (CUDA), without copying."""
+    if type(x) is np.ndarray:
+        return _from_numpy(x)
     root = type(x).__module__.split(".")[0]
     adapter = _ADAPTERS.get(root)
     if adapter is not None and (root != "cupy" or "cupy" in sys.modules):

@@ -8,6 +8,8 @@ back in the caller's framework. Inputs are never written to.
 
 from __future__ import annotations
 
+import functools
+import math
 import zlib
 from typing import Any, Optional, Tuple
 
@@ -20,8 +22,9 @@ from .backends.mpi import MpiBackend
 from .errors import CollectiveMismatchError
 from .topology import Topology
 
-# per-peer header of alltoallv's count exchange: [status, rows, signature]
-_OK, _REJECTED = 0, 1
+# alltoallv's count exchange sends each peer [rows, signature]; a rank that
+# rejected its own input sends this instead of its (non-negative) signature
+_REJECTED = -1
 
 
 def _normalize_axis(axis: int, ndim: int, what: str) -> int:
@@ -38,11 +41,11 @@ def _concat_blocks(xp, stacked, axis: int):
     return xp.ascontiguousarray(xp.moveaxis(stacked, 0, axis)).reshape(shape)
 
 
-def _row_signature(native: Native) -> int:
+@functools.lru_cache(maxsize=256)
+def _row_signature(dtype: np.dtype, row_shape: Tuple[int, ...]) -> int:
     """What every rank must agree on for alltoallv: element type and the
-    shape of one row. A stable 31-bit hash, identical across processes."""
-    key = f"{native.dtype.name}:{native.dtype.itemsize}:{tuple(native.data.shape[1:])}"
-    return zlib.crc32(key.encode())
+    shape of one row. A stable non-negative hash, identical across processes."""
+    return zlib.crc32(f"{dtype.name}:{dtype.itemsize}:{row_shape}".encode())
 
 
 def _describe_row(native: Native) -> str:
@@ -87,11 +90,11 @@ class Communicator:
     # -- plumbing ---------------------------------------------------------
     def _backend_for(self, *natives: Native) -> Backend:
         """The transport for these arrays; they must all live on one side."""
-        sides = {n.on_device for n in natives}
-        if len(sides) > 1:
+        on_device = natives[0].on_device
+        if any(n.on_device != on_device for n in natives[1:]):
             raise ValueError("host and CUDA arrays were mixed in one call; commlib does not "
                              "copy between them silently: move them to one device first")
-        if not sides.pop():
+        if not on_device:
             return self._host
         if self._device is None:
             raise ValueError("a CUDA array was passed to a communicator without a GPU backend "
@@ -146,28 +149,38 @@ class Communicator:
         elif problem is not None:
             raise problem
         data = contiguous(native)
-        row_bytes = native.data.itemsize * int(np.prod(data.shape[1:], dtype=np.int64))
-        out = native.xp.empty((int(recv.sum()),) + data.shape[1:], dtype=data.dtype)
+        row_shape = data.shape[1:]
+        row_bytes = data.itemsize * math.prod(row_shape)
+        out = native.xp.empty((int(recv.sum()),) + row_shape, dtype=data.dtype)
         backend.alltoallv(data, send * row_bytes, out, recv * row_bytes)
         return native.wrap(out), recv
 
     def _exchange_counts(self, native: Native, send: Optional[np.ndarray],
                          problem: Optional[Exception]) -> np.ndarray:
-        """Tell every peer how many rows it gets, plus this rank's status and
-        row signature; raise on every rank if any rank is unhappy."""
-        header = np.zeros((self.size, 3), dtype=np.int64)
+        """Tell every peer how many rows it gets and what a row is (or that
+        this rank rejected its input); raise on every rank if any rank is
+        unhappy. One small all-to-all, the one the counts need anyway."""
+        header = np.empty((self.size, 2), dtype=np.int64)
         if problem is None:
-            header[:, 1] = send
-            header[:, 2] = _row_signature(native)
+            signature = _row_signature(native.dtype, native.data.shape[1:])
+            header[:, 0] = send
+            header[:, 1] = signature
         else:
-            header[:, 0] = _REJECTED
+            signature = _REJECTED
+            header[:] = _REJECTED
         received = self._host.exchange_int64(header)
-        rejected = np.flatnonzero(received[:, 0] != _OK)
-        signatures = received[:, 2]
-        if rejected.size == 0 and (signatures == signatures[0]).all():
-            return received[:, 1].copy()
+        # all signatures equal this rank's: a byte comparison, cheaper than a ufunc
+        if problem is None and received[:, 1].tobytes() == header[:, 1].tobytes():
+            return received[:, 0].copy()
+        self._raise_disagreement(received[:, 1], native, problem)
+
+    def _raise_disagreement(self, signatures: np.ndarray, native: Native,
+                            problem: Optional[Exception]) -> None:
+        """Every rank saw the same signatures; gather the reasons and raise
+        the same CollectiveMismatchError everywhere."""
         report = str(problem) if problem is not None else _describe_row(native)
         reports = self._host.allgather_object(report)
+        rejected = np.flatnonzero(signatures == _REJECTED)
         if rejected.size:
             lines = [f"rank {r}: {reports[r]}" for r in rejected]
             raise CollectiveMismatchError(

@@ -13,6 +13,9 @@ def as_counts(name: str, counts: Any, size: int) -> np.ndarray:
     """``counts`` (a list, or any 1-D integer array, host or device) as a host
     int64 array of ``size`` non-negative entries, or a ValueError that says
     what is wrong."""
+    if type(counts) is np.ndarray and counts.dtype == np.int64 and counts.shape == (size,) \
+            and counts.min(initial=0) >= 0:
+        return counts  # the common case, checked without conversions
     try:
         native = unwrap(counts)
     except TypeError:

@@ -9,7 +9,7 @@ CUDA-aware MPI) is one new module with the methods of ``Backend``.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -38,8 +38,6 @@ class Backend(Protocol):
     def bcast(self, buf: Any, root: int) -> None: ...
 
 
-def displacements(counts: Sequence[int]) -> np.ndarray:
+def displacements(counts: np.ndarray) -> np.ndarray:
     """Exclusive prefix sum: where each rank's block starts."""
-    out = np.zeros(len(counts), dtype=np.int64)
-    np.cumsum(counts[:-1], out=out[1:])
-    return out
+    return np.cumsum(counts) - counts

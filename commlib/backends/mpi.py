@@ -7,13 +7,13 @@ datatype table; only ``allreduce`` looks at element types.
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Any, List
 
 import numpy as np
 from mpi4py import MPI
 
 from ..arrays import byte_view
-from . import displacements
 
 _OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
 # bool reductions run on uint8: "sum" is logical or, "prod" logical and
@@ -38,6 +38,11 @@ def _reduction_type(dtype: np.dtype):
     return predefined, dtype
 
 
+def _starts(counts: List[int]) -> List[int]:
+    """Exclusive prefix sum: where each rank's block starts."""
+    return list(accumulate(counts[:-1], initial=0))
+
+
 class MpiBackend:
     """Collectives on host buffers over one MPI communicator."""
 
@@ -50,9 +55,10 @@ class MpiBackend:
 
     # -- payload ---------------------------------------------------------
     def alltoallv(self, send, send_bytes, out, recv_bytes) -> None:
-        self.comm.Alltoallv(
-            [byte_view(send), (send_bytes, displacements(send_bytes)), MPI.BYTE],
-            [byte_view(out), (recv_bytes, displacements(recv_bytes)), MPI.BYTE])
+        # mpi4py converts Python lists of counts faster than int64 arrays
+        send_list, recv_list = send_bytes.tolist(), recv_bytes.tolist()
+        self.comm.Alltoallv([byte_view(send), (send_list, _starts(send_list)), MPI.BYTE],
+                            [byte_view(out), (recv_list, _starts(recv_list)), MPI.BYTE])
 
     def alltoall(self, send, out) -> None:
         self.comm.Alltoall([byte_view(send), MPI.BYTE], [byte_view(out), MPI.BYTE])
