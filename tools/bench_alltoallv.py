@@ -1,0 +1,388 @@
+"""Benchmark: commlib's ``alltoallv`` against raw mpi4py and torch gloo.
+
+    mpiexec -n 2 python -m commlib.tools.bench_alltoallv [--json rows.json]
+
+Speed in commlib is a ratio against baselines measured in the same process
+at the same moment (DESIGN.md, "Testing and measuring"), so the contenders
+are interleaved (commlib, mpi4py, gloo, commlib, ...) and share whatever
+noise the machine has. Every timed call starts right after a Barrier, and
+an iteration's time is the slowest rank's (a collective is done when its
+last rank is), so the per-rank times are reduced with MAX; the median over
+iterations is reported. Untimed calls before each timed one make these
+steady-state times (see ``time_interleaved``), like those of the OSU and
+nccl-tests loops, not the cost of a first call after other work.
+
+Each contender does the whole job a caller has: given rows and per-rank send
+counts, learn the receive counts, allocate the output and move the data.
+
+1. commlib: ``comm.alltoallv(x, send_counts)`` (counts exchanged inside).
+2. mpi4py by hand: ``Alltoall`` of int64 counts, displacements, ``np.empty``,
+   ``Alltoallv`` in ``MPI.BYTE`` on its own ``COMM_WORLD.Dup()``.
+3. torch gloo: ``all_to_all_single`` of the counts, then of the rows with
+   split sizes. Gloo meets over TCP on 127.0.0.1, so it runs on one host only.
+
+A row is 256 float32 (1 KiB), so 1 KiB per rank is one row. Two count
+patterns: ``uniform`` (equal rows to every rank) and ``skewed`` (each rank
+sends Zipf-like shares, most to one seeded destination, as a router with a
+hot expert would; same total bytes per rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import click
+import mpi4py
+import numpy as np
+from mpi4py import MPI
+
+import commlib
+
+ROW_FLOATS = 256
+ROW_BYTES = ROW_FLOATS * 4
+SIZE_FACTOR = 4
+PATTERNS = ("uniform", "skewed")
+SKEW_EXPONENT = 2.0          # share of a rank's k-th favourite destination ~ 1 / k**2
+MIN_AUTO_ITERS, MAX_AUTO_ITERS = 10, 1000
+QUARTILES = (25, 50, 75)
+
+# A contender: (rows, send counts) -> (received rows, receive counts)
+Exchange = Callable[[np.ndarray, np.ndarray], Tuple[np.ndarray, np.ndarray]]
+
+
+@dataclass
+class Row:
+    """One line of the result table (times in microseconds, medians over iterations)."""
+
+    pattern: str
+    bytes_per_rank: int
+    ranks: int
+    iters: int
+    commlib_us: float
+    mpi4py_us: float
+    gloo_us: Optional[float]
+    commlib_over_mpi4py: float
+    gloo_over_commlib: Optional[float]
+    quartiles_us: Dict[str, List[float]]   # contender -> [25th, 50th, 75th percentile]
+
+
+# -- sizes and counts ---------------------------------------------------------
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """'4096', '4K', '4KiB', '64M' -> bytes (binary units: the table speaks KiB/MiB)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([kmg]?)(i?b)?\s*", str(text).lower())
+    if match is None:
+        raise ValueError(f"not a size: {text!r}; write e.g. 4096, 4K, 4KiB or 64MiB")
+    return int(match.group(1)) * _UNITS[match.group(2)]
+
+
+def format_size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def size_ladder(min_bytes: int, max_bytes: int) -> List[int]:
+    """min_bytes, min_bytes*4, ... up to max_bytes (included even off the ladder)."""
+    sizes = [min_bytes]
+    while sizes[-1] * SIZE_FACTOR <= max_bytes:
+        sizes.append(sizes[-1] * SIZE_FACTOR)
+    if sizes[-1] != max_bytes:
+        sizes.append(max_bytes)
+    return sizes
+
+
+def split_rows(rows: int, weights: np.ndarray) -> np.ndarray:
+    """``rows`` split in proportion to ``weights``, as int64 summing exactly to
+    ``rows`` (largest remainder), so every pattern moves the same bytes."""
+    exact = rows * weights / weights.sum()
+    counts = np.floor(exact).astype(np.int64)
+    short = rows - int(counts.sum())
+    counts[np.argsort(counts - exact, kind="stable")[:short]] += 1
+    return counts
+
+
+def send_counts(pattern: str, rows: int, size: int, rank: int, seed: int) -> np.ndarray:
+    """Rows this rank sends to each rank. ``skewed`` ranks destinations in a
+    per-rank seeded order and gives the k-th one a share ~ 1/k**2, so hot
+    destinations differ between ranks and may collide, as real routing does."""
+    if pattern == "uniform":
+        return split_rows(rows, np.ones(size))
+    order = np.random.default_rng([seed, rank]).permutation(size)
+    weights = np.empty(size)
+    weights[order] = 1.0 / np.arange(1, size + 1) ** SKEW_EXPONENT
+    return split_rows(rows, weights)
+
+
+def make_rows(rows: int, rank: int) -> np.ndarray:
+    """Rows whose first element is a global row id, so that a misplaced row
+    cannot compare equal."""
+    x = np.empty((rows, ROW_FLOATS), dtype=np.float32)
+    x[:] = np.arange(ROW_FLOATS, dtype=np.float32)
+    x[:, 0] = rank * rows + np.arange(rows)
+    return x
+
+
+# -- contenders ---------------------------------------------------------------
+def commlib_exchange(comm: commlib.Communicator) -> Exchange:
+    def exchange(x, counts):
+        return comm.alltoallv(x, counts)
+    return exchange
+
+
+def mpi4py_exchange(comm: MPI.Comm) -> Exchange:
+    """What a careful user writes without commlib: the baseline to be within 10% of."""
+    def exchange(x, counts):
+        recv = np.empty_like(counts)
+        comm.Alltoall(counts, recv)
+        out = np.empty((int(recv.sum()),) + x.shape[1:], dtype=x.dtype)
+        row_bytes = x[:1].nbytes
+        send_bytes, recv_bytes = counts * row_bytes, recv * row_bytes
+        comm.Alltoallv([x, (send_bytes, _displacements(send_bytes)), MPI.BYTE],
+                       [out, (recv_bytes, _displacements(recv_bytes)), MPI.BYTE])
+        return out, recv
+    return exchange
+
+
+def _displacements(counts: np.ndarray) -> np.ndarray:
+    """Exclusive prefix sum: where each rank's block starts."""
+    return np.concatenate(([0], np.cumsum(counts[:-1]))).astype(np.int64)
+
+
+def gloo_exchange(world: MPI.Comm) -> Tuple[Optional[Exchange], str]:
+    """(the gloo contender, its version) or (None, why it is skipped). Collective."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as error:
+        return None, f"torch is not importable ({error}); gloo skipped"
+    torch.set_num_threads(1)  # one core per rank: no intra-op threads competing with MPI
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    port = world.bcast(_free_port() if world.Get_rank() == 0 else None, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=world.Get_rank(), world_size=world.Get_size())
+
+    def exchange(x, counts):
+        send = torch.from_numpy(counts)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send)
+        recv_list = recv.tolist()
+        out = torch.empty((sum(recv_list),) + tuple(x.shape[1:]), dtype=torch.float32)
+        dist.all_to_all_single(out, torch.from_numpy(x), output_split_sizes=recv_list,
+                               input_split_sizes=counts.tolist())
+        return out.numpy(), recv.numpy()
+    return exchange, f"torch {torch.__version__} gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# -- measuring ----------------------------------------------------------------
+def verify(contenders: Dict[str, Exchange], x: np.ndarray, counts: np.ndarray,
+           label: str) -> None:
+    """Every contender must deliver mpi4py's bytes and counts. A wrong result
+    makes the timings meaningless, so a mismatch aborts the whole job."""
+    want, want_counts = contenders["mpi4py"](x, counts)
+    for name, exchange in contenders.items():
+        got, got_counts = exchange(x, counts)
+        if not (np.array_equal(got_counts, want_counts) and got.shape == want.shape
+                and np.array_equal(got.view(np.uint8), want.view(np.uint8))):
+            _abort(f"{label}: {name} disagrees with raw mpi4py on rank "
+                   f"{MPI.COMM_WORLD.Get_rank()} (recv counts {np.asarray(got_counts).tolist()} "
+                   f"vs {want_counts.tolist()}, shape {got.shape} vs {want.shape})")
+
+
+def time_interleaved(contenders: Sequence[Exchange], x: np.ndarray, counts: np.ndarray,
+                     iters: int, primers: int, world: MPI.Comm) -> np.ndarray:
+    """[iters, contenders] seconds: the slowest rank's time of each timed call.
+
+    In each iteration every contender makes ``primers`` untimed calls, then
+    a Barrier, then the timed call. On these machines the MPI calls right
+    after a gloo call run slow: the first one 2-4x its steady time, the
+    second 20-35% over, the fourth still 4-10% over. The primers absorb most
+    of that, and the first two contenders (commlib, mpi4py) swap places
+    every iteration so that the rest falls on both alike. One Allreduce at
+    the end, not one per call, keeps reductions out of the timed stretch."""
+    local = np.empty((iters, len(contenders)))
+    for i in range(iters):
+        order = list(range(len(contenders)))
+        if i % 2 and len(order) > 1:
+            order[:2] = order[1::-1]
+        for j in order:
+            for _ in range(primers):
+                contenders[j](x, counts)
+            world.Barrier()
+            start = time.perf_counter()
+            contenders[j](x, counts)
+            local[i, j] = time.perf_counter() - start
+    slowest = np.empty_like(local)
+    world.Allreduce(local, slowest, op=MPI.MAX)
+    return slowest
+
+
+def auto_iters(warmup_seconds: np.ndarray, primers: int, budget: float) -> int:
+    """Iterations that fill ``budget`` seconds, judged from the warm-up;
+    identical on all ranks, the warm-up times being reduced already."""
+    per_iter = (primers + 1) * float(np.median(warmup_seconds, axis=0).sum())
+    return int(np.clip(budget / max(per_iter, 1e-9), MIN_AUTO_ITERS, MAX_AUTO_ITERS))
+
+
+def measure(contenders: Dict[str, Exchange], pattern: str, nbytes: int, seed: int,
+            iters: Optional[int], warmup: int, primers: int, budget: float,
+            world: MPI.Comm) -> Row:
+    """One table row: verify once, warm up, then time ``iters`` (or enough
+    for ``budget`` seconds) interleaved iterations."""
+    rank, size = world.Get_rank(), world.Get_size()
+    rows = nbytes // ROW_BYTES
+    counts = send_counts(pattern, rows, size, rank, seed)
+    x = make_rows(rows, rank)
+    verify(contenders, x, counts, f"{pattern} {format_size(nbytes)}")
+    exchanges = list(contenders.values())
+    warm = time_interleaved(exchanges, x, counts, warmup, primers, world)
+    n = iters if iters is not None else auto_iters(warm, primers, budget)
+    seconds = time_interleaved(exchanges, x, counts, n, primers, world)
+    us = dict(zip(contenders, np.percentile(seconds * 1e6, QUARTILES, axis=0).T.tolist()))
+    median = {name: q[1] for name, q in us.items()}
+    gloo = median.get("gloo")
+    return Row(pattern, nbytes, size, n, median["commlib"], median["mpi4py"], gloo,
+               median["commlib"] / median["mpi4py"],
+               gloo / median["commlib"] if gloo is not None else None, us)
+
+
+# -- reporting ----------------------------------------------------------------
+def format_table(rows: Sequence[Row]) -> str:
+    header = (f"{'pattern':<8} {'bytes/rank':>10} {'iters':>5} {'commlib us':>11} "
+              f"{'mpi4py us':>11} {'gloo us':>11} {'commlib/mpi4py':>14} {'gloo/commlib':>12}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        gloo = f"{r.gloo_us:11.1f}" if r.gloo_us is not None else f"{'-':>11}"
+        ratio = f"{r.gloo_over_commlib:12.2f}" if r.gloo_over_commlib is not None else f"{'-':>12}"
+        lines.append(f"{r.pattern:<8} {format_size(r.bytes_per_rank):>10} {r.iters:5d} "
+                     f"{r.commlib_us:11.1f} {r.mpi4py_us:11.1f} {gloo} "
+                     f"{r.commlib_over_mpi4py:14.2f} {ratio}")
+    return "\n".join(lines)
+
+
+def describe_skew(world: MPI.Comm, seed: int) -> str:
+    """Each rank's skewed send shares, so a reader can see where the hot spots are."""
+    size = world.Get_size()
+    shares = [send_counts("skewed", 10000, size, r, seed) / 100 for r in range(size)]
+    return "skewed send shares (%), row = sender:\n" + "\n".join(
+        f"  rank {r}: " + " ".join(f"{s:5.1f}" for s in row) for r, row in enumerate(shares))
+
+
+def _abort(message: str) -> None:
+    """Print and end every rank: a lone exception would leave the peers hung
+    in the next collective (DESIGN.md, measured on these machines)."""
+    print(f"bench_alltoallv: ERROR: {message}", file=sys.stderr, flush=True)
+    MPI.COMM_WORLD.Abort(1)
+
+
+def _size_option(ctx, param, value) -> int:
+    try:
+        nbytes = parse_size(value)
+    except ValueError as error:
+        raise click.BadParameter(str(error)) from None
+    if nbytes < ROW_BYTES or nbytes % ROW_BYTES:
+        raise click.BadParameter(f"must be a positive multiple of one row ({ROW_BYTES} bytes)")
+    return nbytes
+
+
+def _patterns_option(ctx, param, value) -> List[str]:
+    names = [p.strip() for p in value.split(",") if p.strip()]
+    unknown = sorted(set(names) - set(PATTERNS))
+    if unknown or not names:
+        raise click.BadParameter(f"choose from {','.join(PATTERNS)}, got {value!r}")
+    return names
+
+
+@click.command()
+@click.option("--min-bytes", default="1KiB", show_default=True, callback=_size_option,
+              help="Smallest message: bytes each rank sends in total.")
+@click.option("--max-bytes", default="64MiB", show_default=True, callback=_size_option,
+              help="Largest message; sizes grow by 4x from --min-bytes.")
+@click.option("--iters", type=click.IntRange(min=1), default=None,
+              help="Timed iterations per size [default: enough for --seconds].")
+@click.option("--warmup", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Untimed iterations per size (they also size the auto --iters).")
+@click.option("--primers", type=click.IntRange(min=0), default=3, show_default=True,
+              help="Untimed calls of a contender right before each of its timed calls.")
+@click.option("--seconds", type=click.FloatRange(min=0.0), default=1.0, show_default=True,
+              help="Time budget per size and pattern when --iters is not given.")
+@click.option("--patterns", default=",".join(PATTERNS), show_default=True,
+              callback=_patterns_option, help="Comma-separated count patterns.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the skewed pattern.")
+@click.option("--no-gloo", is_flag=True,
+              help="Leave gloo out; its calls slow the MPI calls after them on a small "
+                   "machine, so commlib/mpi4py is cleanest without it.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write the rows (with quartiles) to this JSON file (rank 0).")
+def main(min_bytes: int, max_bytes: int, iters: Optional[int], warmup: int, primers: int,
+         seconds: float, patterns: List[str], seed: int, no_gloo: bool,
+         json_path: Optional[str]) -> None:
+    """Time commlib alltoallv against raw mpi4py and torch gloo; run under mpiexec."""
+    if min_bytes > max_bytes:
+        raise click.BadParameter("--min-bytes is larger than --max-bytes")
+    try:
+        benchmark(min_bytes, max_bytes, iters, warmup, primers, seconds, patterns, seed,
+                  not no_gloo, json_path)
+    except Exception:
+        _abort(f"rank {MPI.COMM_WORLD.Get_rank()}:\n{traceback.format_exc()}")
+
+
+def benchmark(min_bytes: int, max_bytes: int, iters: Optional[int], warmup: int,
+              primers: int, seconds: float, patterns: Sequence[str], seed: int,
+              with_gloo: bool, json_path: Optional[str]) -> List[Row]:
+    """The benchmark proper; returns the rows (on every rank)."""
+    world = MPI.COMM_WORLD
+    say = print if world.Get_rank() == 0 else (lambda *a, **k: None)
+    comm = commlib.init(backend="mpi")
+    raw = world.Dup()
+    contenders: Dict[str, Exchange] = {"commlib": commlib_exchange(comm),
+                                       "mpi4py": mpi4py_exchange(raw)}
+    gloo, gloo_note = gloo_exchange(world) if with_gloo else (None, "gloo left out")
+    if gloo is not None:
+        contenders["gloo"] = gloo
+    mpi = " ".join(MPI.Get_library_version().split()[:3])
+    say(f"alltoallv benchmark: {world.Get_size()} ranks, {mpi}, mpi4py {mpi4py.__version__}, "
+        f"{gloo_note}")
+    say(f"rows of {ROW_FLOATS} float32 ({ROW_BYTES} B); median over iterations of the "
+        f"slowest rank's time per call; contenders interleaved")
+    if "skewed" in patterns:
+        say(describe_skew(world, seed))
+    results = []
+    for pattern in patterns:
+        for nbytes in size_ladder(min_bytes, max_bytes):
+            results.append(measure(contenders, pattern, nbytes, seed, iters, warmup,
+                                   primers, seconds, world))
+            say(format_table(results[-1:]).splitlines()[-1], flush=True)
+    say("\n" + format_table(results))
+    if json_path is not None and world.Get_rank() == 0:
+        meta = {"ranks": world.Get_size(), "mpi": mpi, "mpi4py": mpi4py.__version__,
+                "gloo": gloo_note, "row_bytes": ROW_BYTES, "seed": seed, "primers": primers}
+        with open(json_path, "w") as f:
+            json.dump({"meta": meta, "rows": [asdict(r) for r in results]}, f, indent=1)
+    if gloo is not None:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+    raw.Free()
+    comm.free()
+    return results
+
+
+if __name__ == "__main__":
+    main()
