@@ -5,17 +5,19 @@
     y, recv_counts = comm.alltoallv(x, send_counts)
 """
 
+from .abort import abort_on_exception
 from .arrays import SupportsDLPack
 from .bootstrap import init
 from .communicator import Communicator
-from .errors import (BackendUnavailableError, CollectiveMismatchError, CommlibError,
-                     CommTimeoutError)
+from .errors import (AllocationRefusedError, BackendUnavailableError, CollectiveMismatchError,
+                     CommlibError, CommTimeoutError, PeerFailedError)
 from .topology import Topology
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "init", "Communicator", "Topology", "SupportsDLPack",
-    "CommlibError", "CollectiveMismatchError", "CommTimeoutError", "BackendUnavailableError",
+    "init", "abort_on_exception", "Communicator", "Topology", "SupportsDLPack",
+    "CommlibError", "CollectiveMismatchError", "CommTimeoutError", "PeerFailedError",
+    "AllocationRefusedError", "BackendUnavailableError",
     "__version__",
 ]

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
+from .abort import abort_on_exception
 from .backends.mpi import MpiBackend
+from .consistency import check_from_env
 from .communicator import Communicator
 from .errors import BackendUnavailableError
 from . import topology as _topology
+from .watchdog import timeout_from_env
 
 BACKENDS = ("auto", "mpi", "nccl")
 
 
-def init(backend: str = "auto", *, mpi_comm=None,
-         ranks_per_node: Optional[int] = None) -> Communicator:
+def init(backend: str = "auto", *, mpi_comm=None, ranks_per_node: Optional[int] = None,
+         timeout: Optional[float] = None, check: Optional[bool] = None,
+         abort_on_error: bool = False) -> Communicator:
     """Create a Communicator over a duplicate of ``mpi_comm`` (default
     ``MPI.COMM_WORLD``; a plain ``python`` run is a world of one).
 
@@ -22,22 +27,37 @@ def init(backend: str = "auto", *, mpi_comm=None,
     when every rank has CuPy, NCCL and a GPU, else "mpi".
     ``ranks_per_node`` (or ``COMMLIB_RANKS_PER_NODE``) emulates nodes of that
     many consecutive ranks; by default nodes are the shared-memory domains.
+    ``timeout`` (default ``COMMLIB_TIMEOUT``, else 600 s; 0 waits forever)
+    bounds every wait; ``check`` (default ``COMMLIB_CHECK``) makes every
+    collective first check that all ranks agree on its arguments.
+    ``abort_on_error`` installs ``commlib.abort_on_exception()``.
     Collective: every rank of ``mpi_comm`` calls it.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    if timeout is None:
+        timeout = timeout_from_env()
+    elif not timeout >= 0:
+        raise ValueError(f"timeout must be a non-negative number of seconds, got {timeout!r}")
+    check = check_from_env() if check is None else bool(check)
+    if abort_on_error:
+        abort_on_exception()
     from mpi4py import MPI
 
     comm = (mpi_comm if mpi_comm is not None else MPI.COMM_WORLD).Dup()
     try:
-        host = MpiBackend(comm)
         shared_rank, leader = _shared_memory_domain(comm)
         topology = _discover_topology(comm, leader, ranks_per_node)
-        device = _device_backend(host, backend, shared_rank) if backend != "mpi" else None
     except BaseException:
         comm.Free()
         raise
-    return Communicator(host, topology, device)
+    host = MpiBackend(comm, math.inf if timeout == 0 else timeout)
+    try:
+        device = _device_backend(host, backend, shared_rank) if backend != "mpi" else None
+    except BaseException:
+        host.free()
+        raise
+    return Communicator(host, topology, device, check)
 
 
 def _shared_memory_domain(comm):

@@ -8,18 +8,20 @@ back in the caller's framework. Inputs are never written to.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-import zlib
-from typing import Any, Optional, Tuple
+from typing import Any, Iterator, Optional, Tuple
 
 import numpy as np
 
+from . import consistency
 from . import counts as _counts
 from .arrays import Native, contiguous, unwrap
 from .backends import REDUCE_OPS, Backend
 from .backends.mpi import MpiBackend
-from .errors import CollectiveMismatchError
+from .errors import AllocationRefusedError, CollectiveMismatchError
+from .memory import shortfall
 from .topology import Topology
 
 # alltoallv's count exchange sends each peer [rows, signature]; a rank that
@@ -41,15 +43,17 @@ def _concat_blocks(xp, stacked, axis: int):
     return xp.ascontiguousarray(xp.moveaxis(stacked, 0, axis)).reshape(shape)
 
 
+def _row_facts(native: Native) -> Tuple[str, str]:
+    return (f"dtype {native.dtype.name}", f"row shape {tuple(native.data.shape[1:])}")
+
+
 @functools.lru_cache(maxsize=256)
-def _row_signature(dtype: np.dtype, row_shape: Tuple[int, ...]) -> int:
-    """What every rank must agree on for alltoallv: element type and the
-    shape of one row. A stable non-negative hash, identical across processes."""
-    return zlib.crc32(f"{dtype.name}:{dtype.itemsize}:{row_shape}".encode())
-
-
-def _describe_row(native: Native) -> str:
-    return f"dtype {native.dtype.name}, row shape {tuple(native.data.shape[1:])}"
+def _row_signature(dtype: np.dtype, row_shape: Tuple[int, ...],
+                   context: consistency.Context) -> int:
+    """alltoallv's fingerprint: element type, the shape of one row, and the
+    registered parameters. Cached: it is computed on every call."""
+    return consistency.signature("alltoallv", (f"dtype {dtype.name}", f"row shape {row_shape}"),
+                                 context)
 
 
 class Communicator:
@@ -57,13 +61,18 @@ class Communicator:
 
     Create one with ``commlib.init()``; ``split`` makes sub-communicators.
     ``backend`` names the transport for CUDA arrays ("nccl"), or "mpi" when
-    there is none; host arrays always travel over MPI.
+    there is none; host arrays always travel over MPI. Every call has a
+    deadline (``COMMLIB_TIMEOUT``); with ``COMMLIB_CHECK=1`` every call first
+    checks that all ranks agree on its arguments.
     """
 
     def __init__(self, host: MpiBackend, topology: Topology,
-                 device: Optional[Backend] = None):
+                 device: Optional[Backend] = None, check: bool = False):
         self._host = host
         self._device = device
+        self._watchdog = host.watchdog
+        self._check = check
+        self._context: consistency.Context = ()
         self.topology = topology
 
     @property
@@ -83,11 +92,38 @@ class Communicator:
         """The communicator's own MPI communicator (a duplicate, not the user's)."""
         return self._host.comm
 
+    @property
+    def timeout(self) -> float:
+        """Seconds any call may wait for its peers (``COMMLIB_TIMEOUT``)."""
+        return self._watchdog.timeout
+
     def __repr__(self) -> str:
         return (f"Communicator(rank={self.rank}, size={self.size}, backend={self.backend!r}, "
                 f"nodes={self.topology.num_nodes})")
 
+    @contextlib.contextmanager
+    def fingerprint(self, **params: Any) -> Iterator[None]:
+        """Make every collective inside the block check that all ranks pass
+        the same ``params`` too (always in alltoallv, elsewhere under
+        ``COMMLIB_CHECK=1``). For algorithms: one line, e.g.
+        ``with comm.fingerprint(op="ring_attention", heads=h, layout=layout):``.
+        """
+        outer = self._context
+        self._context = outer + tuple(sorted(params.items()))
+        try:
+            yield
+        finally:
+            self._context = outer
+
     # -- plumbing ---------------------------------------------------------
+    def _begin(self, op: str, *facts: Any) -> None:
+        """Every collective starts here: the watchdog counts the call (and
+        refuses if this communicator already failed), then, under
+        COMMLIB_CHECK, all ranks compare fingerprints."""
+        self._watchdog.begin(op)
+        if self._check:
+            consistency.agree(self._host, op, facts, self._context)
+
     def _backend_for(self, *natives: Native) -> Backend:
         """The transport for these arrays; they must all live on one side."""
         on_device = natives[0].on_device
@@ -107,18 +143,18 @@ class Communicator:
         ``key`` then by rank. Nodes of the topology are kept."""
         if isinstance(color, bool) or not isinstance(color, (int, np.integer)) or color < 0:
             raise ValueError(f"color must be a non-negative integer, got {color!r}")
-        sub = self._host.comm.Split(int(color), int(key))
-        host = MpiBackend(sub)
+        self._begin("split")
+        host = MpiBackend(self._host.comm.Split(int(color), int(key)), self.timeout)
         parent_ranks = host.allgather_object(self.rank)
         topology = self.topology.restrict(parent_ranks, host.rank)
         device = self._device.split(host) if self._device is not None else None
-        return Communicator(host, topology, device)
+        return Communicator(host, topology, device, self._check)
 
     def free(self) -> None:
-        """Release the underlying communicators (collective)."""
+        """Release the underlying communicators."""
         if self._device is not None:
             self._device.free()
-        self._host.comm.Free()
+        self._host.free()
 
     # -- collectives --------------------------------------------------------
     def alltoallv(self, x: Any, send_counts: Any,
@@ -128,10 +164,12 @@ class Communicator:
         ``send_counts[i]`` consecutive rows of ``x`` go to rank i. The result
         holds rank 0's rows first, then rank 1's, and so on; ``recv_counts``
         (host int64) says how many came from each. When ``recv_counts`` is not
-        given it is exchanged, and that exchange also checks that all ranks
-        agree on dtype and row shape and accepted their inputs: a problem on
-        any rank raises ``CollectiveMismatchError`` on every rank.
+        given (or under COMMLIB_CHECK) the counts are exchanged, and that
+        exchange also checks that all ranks agree on dtype and row shape and
+        accepted their inputs: a problem on any rank raises
+        ``CollectiveMismatchError`` on every rank.
         """
+        self._watchdog.begin("alltoallv")
         native = unwrap(x)
         backend = self._backend_for(native)
         problem = None
@@ -144,13 +182,18 @@ class Communicator:
                 _counts.as_counts("recv_counts", recv_counts, self.size)
         except ValueError as error:
             problem = error
-        if recv_counts is None:
-            recv = self._exchange_counts(native, send if problem is None else None, problem)
+        if recv_counts is None or self._check:
+            exchanged = self._exchange_counts(native, send if problem is None else None, problem)
+            if recv_counts is None:
+                recv = exchanged
+            else:
+                self._verify_recv_counts(recv, exchanged)
         elif problem is not None:
             raise problem
         data = contiguous(native)
         row_shape = data.shape[1:]
         row_bytes = data.itemsize * math.prod(row_shape)
+        self._refuse_unless_it_fits(int(recv.sum()) * row_bytes, native.on_device, recv)
         out = native.xp.empty((int(recv.sum()),) + row_shape, dtype=data.dtype)
         backend.alltoallv(data, send * row_bytes, out, recv * row_bytes)
         return native.wrap(out), recv
@@ -162,42 +205,64 @@ class Communicator:
         unhappy. One small all-to-all, the one the counts need anyway."""
         header = np.empty((self.size, 2), dtype=np.int64)
         if problem is None:
-            signature = _row_signature(native.dtype, native.data.shape[1:])
             header[:, 0] = send
-            header[:, 1] = signature
+            header[:, 1] = _row_signature(native.dtype, native.data.shape[1:], self._context)
         else:
-            signature = _REJECTED
             header[:] = _REJECTED
         received = self._host.exchange_int64(header)
         # all signatures equal this rank's: a byte comparison, cheaper than a ufunc
         if problem is None and received[:, 1].tobytes() == header[:, 1].tobytes():
             return received[:, 0].copy()
-        self._raise_disagreement(received[:, 1], native, problem)
-
-    def _raise_disagreement(self, signatures: np.ndarray, native: Native,
-                            problem: Optional[Exception]) -> None:
-        """Every rank saw the same signatures; gather the reasons and raise
-        the same CollectiveMismatchError everywhere."""
-        report = str(problem) if problem is not None else _describe_row(native)
-        reports = self._host.allgather_object(report)
+        signatures = received[:, 1]
         rejected = np.flatnonzero(signatures == _REJECTED)
         if rejected.size:
-            lines = [f"rank {r}: {reports[r]}" for r in rejected]
-            raise CollectiveMismatchError(
-                "alltoallv was rejected by rank(s) " + ", ".join(map(str, rejected)) +
-                ":\n  " + "\n  ".join(lines))
-        lines = [f"rank {r}: {reports[r]}" for r in range(self.size)]
-        raise CollectiveMismatchError(
+            consistency.raise_disagreement(
+                self._host, signatures, str(problem),
+                "alltoallv was rejected by rank(s) " + ", ".join(map(str, rejected)), rejected)
+        consistency.raise_disagreement(
+            self._host, signatures,
+            consistency.describe("alltoallv", _row_facts(native), self._context),
             "alltoallv ranks disagree on what a row is (all must send the same dtype and "
-            "trailing shape):\n  " + "\n  ".join(lines))
+            "trailing shape, and register the same parameters)")
+
+    def _verify_recv_counts(self, given: np.ndarray, exchanged: np.ndarray) -> None:
+        """COMMLIB_CHECK: the recv_counts a rank passed must be what its peers
+        send. One 8-byte allreduce says whether any rank is wrong; only then
+        are the reports gathered."""
+        wrong = not np.array_equal(given, exchanged)
+        anyone = np.empty(1, np.int64)
+        self._host.allreduce(np.array([wrong], np.int64), anyone, np.dtype(np.int64), "max")
+        if not anyone[0]:
+            return
+        reports = self._host.allgather_object(
+            f"recv_counts {given.tolist()} but the peers send {exchanged.tolist()}"
+            if wrong else None)
+        culprits = [r for r, report in enumerate(reports) if report is not None]
+        if culprits:
+            lines = "\n  ".join(f"rank {r}: {reports[r]}" for r in culprits)
+            raise CollectiveMismatchError(f"alltoallv: recv_counts do not match what the "
+                                          f"peers send (COMMLIB_CHECK=1):\n  {lines}")
+
+    def _refuse_unless_it_fits(self, nbytes: int, on_device: bool, recv: np.ndarray) -> None:
+        """Refuse, before allocating, a receive the memory cannot hold; the
+        peers hear of it through the watchdog."""
+        why = shortfall(nbytes, on_device)
+        if why is None:
+            return
+        message = (f"alltoallv on rank {self.rank}: {why} (rows from each rank: "
+                   f"{recv.tolist()}); send fewer rows to this rank or cap them "
+                   f"with a capacity factor")
+        self._watchdog.give_up(message)
+        raise AllocationRefusedError(message)
 
     def alltoall(self, x: Any, split_axis: int = 0, concat_axis: int = 0) -> Any:
         """Split ``x`` along ``split_axis`` into ``size`` equal chunks, send
         chunk i to rank i, and concatenate what arrives, in rank order, along
         ``concat_axis``."""
         native = unwrap(x)
-        backend = self._backend_for(native)
         data, xp, size = native.data, native.xp, self.size
+        self._begin("alltoall", native.dtype.name, tuple(data.shape), split_axis, concat_axis)
+        backend = self._backend_for(native)
         split_axis = _normalize_axis(split_axis, data.ndim, "split_axis")
         concat_axis = _normalize_axis(concat_axis, data.ndim, "concat_axis")
         length = data.shape[split_axis]
@@ -215,6 +280,7 @@ class Communicator:
         """Every rank sends ``x`` ``shift`` places up the ring: the result is
         ``x`` of rank ``(rank - shift) % size``. All ranks pass the same shape."""
         native = unwrap(x)
+        self._begin("ring_shift", native.dtype.name, tuple(native.data.shape), shift)
         backend = self._backend_for(native)
         data = contiguous(native)
         out = native.xp.empty_like(data)
@@ -230,6 +296,7 @@ class Communicator:
         """Every rank's ``x`` (same shape everywhere), concatenated along
         ``axis`` in rank order."""
         native = unwrap(x)
+        self._begin("allgather", native.dtype.name, tuple(native.data.shape), axis)
         backend = self._backend_for(native)
         data = contiguous(native)
         axis = _normalize_axis(axis, max(data.ndim, 1), "axis")
@@ -242,9 +309,10 @@ class Communicator:
     def allreduce(self, x: Any, op: str = "sum") -> Any:
         """Element-wise reduction over ranks: "sum", "prod", "max" or "min".
         For bool, "sum" is logical or and "prod" logical and."""
+        native = unwrap(x)
+        self._begin("allreduce", native.dtype.name, tuple(native.data.shape), op)
         if op not in REDUCE_OPS:
             raise ValueError(f"unknown reduction op {op!r}; use one of {', '.join(REDUCE_OPS)}")
-        native = unwrap(x)
         backend = self._backend_for(native)
         data = contiguous(native)
         out = native.xp.empty_like(data)
@@ -255,15 +323,18 @@ class Communicator:
         """Root's ``x`` on every rank. Elsewhere ``x`` may be None (the result
         is then a NumPy array, or CuPy when root's is on the GPU) or an array
         of root's shape and dtype whose framework the result takes."""
+        self._begin("bcast", root)
         if not 0 <= root < self.size:
             raise ValueError(f"root={root} is not a rank of this communicator (size {self.size})")
         native = unwrap(x) if x is not None else None
         header = None
         if self.rank == root:
-            if native is None:
-                raise ValueError("bcast: the root rank must pass the array to broadcast, got None")
-            header = (native.dtype, native.data.dtype, tuple(native.data.shape), native.on_device)
-        dtype, storage, shape, on_device = self._host.bcast_object(header, root)
+            header = "the root passed None instead of an array" if native is None else \
+                (native.dtype, native.data.dtype, tuple(native.data.shape), native.on_device)
+        header = self._host.bcast_object(header, root)
+        if isinstance(header, str):
+            raise CollectiveMismatchError(f"bcast from root {root}: {header}")
+        dtype, storage, shape, on_device = header
         if self.rank == root:
             data = contiguous(native)
             self._backend_for(native).bcast(data, root)
@@ -289,4 +360,5 @@ class Communicator:
         return np
 
     def barrier(self) -> None:
+        self._begin("barrier")
         self._host.barrier()

@@ -26,3 +26,13 @@ class CommTimeoutError(CommlibError, TimeoutError):
 
 class BackendUnavailableError(CommlibError):
     """A backend was asked for where it cannot run (no GPU, no NCCL, no CuPy)."""
+
+
+class PeerFailedError(CommlibError):
+    """Another rank gave up on the collective this rank is in (it timed out,
+    rejected data it could not hold, or failed), and told this rank so."""
+
+
+class AllocationRefusedError(CommlibError, MemoryError):
+    """Receiving what the peers announced would need more memory than this
+    rank has available; refused before allocating."""

@@ -3,11 +3,14 @@
     mpiexec -n 3 python tests/mpi_pytest.py LOGDIR [pytest args]
 
 Each rank writes LOGDIR/rank<r>.log and exits with pytest's status, so the
-launcher can show which rank failed and why without interleaved output.
+launcher can show which rank failed and why without interleaved output. A
+rank whose tests failed aborts the job after a short grace: its peers may be
+waiting in a collective it will never make.
 """
 
 import os
 import sys
+import time
 
 import pytest
 from mpi4py import MPI
@@ -21,7 +24,12 @@ def main() -> int:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
         sys.stdout = sys.stderr = log
-        return int(pytest.main(["-p", "no:cacheprovider", "-q", *args]))
+        status = int(pytest.main(["-p", "no:cacheprovider", "-q", *args]))
+        log.flush()
+    if status != 0:
+        time.sleep(3)  # let peers that are not stuck finish their reports
+        MPI.COMM_WORLD.Abort(status)
+    return status
 
 
 if __name__ == "__main__":

@@ -10,11 +10,15 @@ from launch import TESTS, run
 TIMEOUT_S = 600
 
 
-@pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
-def test_mpi_suite(nprocs, tmp_path):
+@pytest.mark.parametrize("nprocs, check", [(1, "0"), (2, "0"), (3, "0"), (4, "0"), (3, "1")],
+                         ids=["1", "2", "3", "4", "3-checked"])
+def test_mpi_suite(nprocs, check, tmp_path):
+    """The whole suite at each world size; once more with COMMLIB_CHECK=1,
+    where every collective also compares fingerprints."""
     argv = [sys.executable, str(TESTS / "mpi_pytest.py"), str(tmp_path), str(TESTS / "mpi")]
+    env = {"COMMLIB_CHECK": check, "COMMLIB_TIMEOUT": "120"}
     try:
-        result = run(nprocs, argv, timeout=TIMEOUT_S)
+        result = run(nprocs, argv, timeout=TIMEOUT_S, env=env)
     except subprocess.TimeoutExpired:
         pytest.fail(f"tests/mpi at {nprocs} ranks did not finish in {TIMEOUT_S}s (a hang):\n"
                     + _logs(tmp_path, nprocs))

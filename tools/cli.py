@@ -164,8 +164,11 @@ def sweep_options(command: Callable) -> Callable:
 @contextmanager
 def _world() -> Iterator[commlib.Communicator]:
     """A communicator over every rank of the launch, freed on the way out.
-    The CLI moves host arrays only, so NCCL is never set up."""
+    The CLI moves host arrays only, so NCCL is never set up. With peers, an
+    uncaught error on any rank aborts the whole job instead of hanging it."""
     comm = commlib.init(backend="mpi")
+    if comm.size > 1:
+        commlib.abort_on_exception()
     try:
         yield comm
     finally:

@@ -71,6 +71,8 @@ class NcclBackend:
     name = "nccl"
 
     def __init__(self, host, device_index: int):
+        """Collective over ``host`` (the MPI backend), whose watchdog bounds
+        every wait on the GPU too."""
         import cupy
         from cupy.cuda import nccl
 
@@ -82,6 +84,7 @@ class NcclBackend:
         uid = host.bcast_object(uid, 0)
         self.comm = nccl.NcclCommunicator(host.size, uid, host.rank)
         self.rank, self.size = host.rank, host.size
+        self.watchdog = host.watchdog
         self.stream = cupy.cuda.Stream(non_blocking=True)
 
     def split(self, host) -> "NcclBackend":
@@ -92,10 +95,11 @@ class NcclBackend:
 
     def _run(self, launch) -> None:
         """Order the call after the caller's current stream, run it on ours,
-        and wait for it."""
+        and wait for it under the deadline; past it, abort the NCCL
+        communicator so that the kernels stuck on it return."""
         self.stream.wait_event(self._cupy.cuda.get_current_stream().record())
         launch(self.stream.ptr)
-        self.stream.synchronize()
+        self.watchdog.wait_until(lambda: self.stream.done, on_timeout=self.comm.abort)
 
     def _grouped(self, sends, recvs) -> None:
         """One NCCL group of point-to-point transfers: (buffer, nbytes, peer)."""

@@ -138,7 +138,7 @@ def test_ranks_disagreeing_on_dtype_raise_everywhere(comm):
     x = np.ones((comm.size, 2), dtype)
     error = raises_everywhere(commlib.CollectiveMismatchError,
                               lambda: comm.alltoallv(x, [1] * comm.size), match="disagree")
-    assert "rank 0: dtype float64" in str(error)
+    assert "rank 0: alltoallv, dtype float64" in str(error)
 
 
 def test_ranks_disagreeing_on_row_shape_raise_everywhere(comm):

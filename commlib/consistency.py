@@ -1,0 +1,65 @@
+"""Cross-rank consistency: do all ranks agree on what they are doing?
+
+A collective's *fingerprint* is its operation, the facts every rank must
+share (dtype, shapes, root, op) and any parameters an algorithm registered
+with ``Communicator.fingerprint(...)``. alltoallv carries it for free in its
+count exchange, so there the check is always on. Elsewhere it costs one
+small all-to-all, so it runs only when ``COMMLIB_CHECK=1``.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from typing import Any, Sequence, Tuple
+
+import numpy as np
+
+from .errors import CollectiveMismatchError
+
+CHECK_ENV = "COMMLIB_CHECK"
+
+Context = Tuple[Tuple[str, Any], ...]
+
+
+def check_from_env() -> bool:
+    raw = os.environ.get(CHECK_ENV, "0").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{CHECK_ENV}={raw!r}: use 1 to check that ranks agree before "
+                     f"every collective, or 0 (the default) to check only where it is free")
+
+
+def describe(op: str, facts: Sequence[Any], context: Context) -> str:
+    """The fingerprint in words, for error messages."""
+    parts = [op, *map(str, facts)] + [f"{key}={value!r}" for key, value in context]
+    return ", ".join(parts)
+
+
+def signature(op: str, facts: Sequence[Any], context: Context) -> int:
+    """A stable non-negative hash of the fingerprint, the same in every process."""
+    return zlib.crc32(describe(op, facts, context).encode())
+
+
+def agree(host, op: str, facts: Sequence[Any], context: Context) -> None:
+    """Raise CollectiveMismatchError on every rank unless all ranks have the
+    same fingerprint. One all-to-all of one int64 per peer."""
+    mine = signature(op, facts, context)
+    received = host.exchange_int64(np.full((host.size, 1), mine, dtype=np.int64))
+    if (received == mine).all():
+        return
+    raise_disagreement(host, received[:, 0], describe(op, facts, context),
+                       f"ranks called {op} with different arguments (COMMLIB_CHECK=1)")
+
+
+def raise_disagreement(host, signatures: np.ndarray, report: str, headline: str,
+                       culprits: Sequence[int] = ()) -> None:
+    """Every rank saw the same ``signatures``: gather each rank's ``report``
+    and raise the same error everywhere. ``culprits``, when given, are the
+    only ranks listed."""
+    reports = host.allgather_object(report)
+    listed = culprits if len(culprits) else range(host.size)
+    lines = "\n  ".join(f"rank {r}: {reports[r]}" for r in listed)
+    raise CollectiveMismatchError(f"{headline}:\n  {lines}")

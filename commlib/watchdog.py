@@ -1,0 +1,205 @@
+"""Every wait in commlib goes through here.
+
+A ``Watchdog`` belongs to one communicator. It polls nonblocking work (MPI
+requests, a CUDA stream) against a deadline (``COMMLIB_TIMEOUT``) while
+listening for *failure notices*: small messages on a private control
+communicator by which a rank that gives up on a call (bad input found after
+the count exchange, a timeout, memory it refuses to allocate) tells its
+peers, so that they raise too instead of waiting forever.
+
+MPI has no timed wait, so waiting is a loop of ``Test`` calls. The loop
+yields the processor between polls (``os.sched_yield``): on a machine with
+more ranks than cores a rank spinning in Python would otherwise starve the
+very peer it waits for.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import os
+import time
+import weakref
+from typing import Callable, Dict, List, Optional, Sequence
+
+from .errors import CommlibError, CommTimeoutError, PeerFailedError
+
+TIMEOUT_ENV = "COMMLIB_TIMEOUT"
+DEFAULT_TIMEOUT_S = 600.0
+NOTICE_TAG = 7301
+NOTICE_BYTES = 1024
+# after a timeout, how long to listen for peers that are stuck as well
+ROLL_CALL_S = 2.0
+# polls between clock reads: reading the clock costs as much as a poll
+_POLLS_PER_CLOCK = 32
+
+
+# watchdogs whose notice receive is still posted; cancelled at exit, before
+# mpi4py finalizes MPI (atexit runs handlers last-registered first)
+_listening: "weakref.WeakSet[Watchdog]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_listening() -> None:
+    for watchdog in list(_listening):
+        watchdog.stop_listening()
+
+
+def timeout_from_env() -> float:
+    """Seconds from ``COMMLIB_TIMEOUT`` (default 600); 0 or "inf" wait forever."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds; "
+                         f"use a positive number, or 0 to wait forever")
+    return math.inf if seconds == 0 else seconds
+
+
+class Watchdog:
+    """Deadline, call counter and failure notices of one communicator."""
+
+    def __init__(self, control, timeout: float):
+        from mpi4py import MPI
+
+        self._mpi = MPI
+        self.control = control
+        self.rank = control.Get_rank()
+        self.size = control.Get_size()
+        self.timeout = timeout
+        self.calls = 0
+        self.op = "init"
+        self.failure: Optional[str] = None
+        self._sent: List = []  # outgoing notices, kept alive until freed
+        self._notice_buffer = bytearray(NOTICE_BYTES)
+        self._notice = self._post_notice_receive()
+        _listening.add(self)
+
+    # -- a call's life ---------------------------------------------------------
+    def begin(self, op: str) -> None:
+        """A new collective starts: refuse if this communicator already
+        failed, and pick up any notice a peer sent in between."""
+        if self.failure is not None:
+            raise CommlibError(f"this communicator can no longer be used: {self.failure}. "
+                               f"Free it and create a new one, or end the job")
+        self.calls += 1
+        self.op = op
+        if self.size > 1 and self._notice.Test():
+            self._fail_from_notice()
+
+    def wait_requests(self, requests: Sequence, peers: Optional[Sequence[int]] = None) -> None:
+        """Until every MPI request completes. ``peers[i]`` is the rank that
+        request i talks to (None for a collective), to name the missing."""
+        Request = self._mpi.Request
+        if Request.Testall(requests):
+            return
+        self.wait_until(lambda: Request.Testall(requests),
+                        lambda: _pending_peers(requests, peers))
+
+    def wait_until(self, done: Callable[[], bool],
+                   pending: Callable[[], Optional[List[int]]] = lambda: None,
+                   on_timeout: Callable[[], None] = lambda: None) -> None:
+        """Poll ``done()`` until true. After the deadline: ``on_timeout()``
+        (to abort device work), then ``CommTimeoutError``. A peer's notice
+        meanwhile raises ``PeerFailedError``."""
+        deadline = time.monotonic() + self.timeout
+        polls = 0
+        while not done():
+            polls += 1
+            if self.size > 1 and self._notice.Test():
+                self._fail_from_notice()
+            if polls % _POLLS_PER_CLOCK == 0 and time.monotonic() > deadline:
+                on_timeout()
+                self._time_out(pending())
+            os.sched_yield()
+
+    # -- failure -----------------------------------------------------------------
+    def give_up(self, reason: str) -> None:
+        """This rank abandons the current call: tell every peer, and refuse
+        further calls on this communicator."""
+        if self.failure is None:
+            self.failure = f"rank {self.rank} gave up on {self._call()}: {reason}"
+            self._broadcast_notice(reason)
+
+    def _call(self) -> str:
+        return f"{self.op} (call #{self.calls})"
+
+    def _time_out(self, missing: Optional[List[int]]) -> None:
+        reason = (f"timed out after {self.timeout:g}s waiting for "
+                  + (f"rank(s) {', '.join(map(str, missing))}" if missing else "its peers"))
+        self.give_up(reason)
+        stuck = self._roll_call()
+        silent = [r for r in range(self.size) if r != self.rank and r not in stuck]
+        lines = [f"{self._call()} on rank {self.rank} {reason}."]
+        if stuck:
+            lines.append("Also waiting: " + "; ".join(
+                f"rank {r} in {s['op']} (call #{s['calls']})" for r, s in sorted(stuck.items()))
+                + ".")
+        if silent:
+            lines.append(f"Not heard from: rank(s) {', '.join(map(str, silent))} (crashed, "
+                         f"still busy elsewhere, or in a different collective).")
+        lines.append(f"Raise {TIMEOUT_ENV} (now {self.timeout:g}s) if they are only slow.")
+        raise CommTimeoutError(" ".join(lines))
+
+    def _roll_call(self) -> Dict[int, dict]:
+        """Notices that arrive within ROLL_CALL_S: the peers that are in a
+        call too (and timing out, or told by us)."""
+        heard: Dict[int, dict] = {}
+        end = time.monotonic() + min(ROLL_CALL_S, self.timeout)
+        while len(heard) < self.size - 1 and time.monotonic() < end:
+            if self._notice.Test():
+                notice = self._take_notice()
+                heard[notice["rank"]] = notice
+            else:
+                time.sleep(0.001)
+        return heard
+
+    def _fail_from_notice(self) -> None:
+        notice = self._take_notice()
+        self.failure = (f"rank {notice['rank']} gave up on {notice['op']} "
+                        f"(call #{notice['calls']}): {notice['reason']}")
+        self._broadcast_notice(f"left because {self.failure}")
+        raise PeerFailedError(f"{self._call()} on rank {self.rank} was abandoned: "
+                              f"{self.failure}")
+
+    def _broadcast_notice(self, reason: str) -> None:
+        MPI = self._mpi
+        message = json.dumps({"rank": self.rank, "op": self.op, "calls": self.calls,
+                              "reason": reason[:NOTICE_BYTES // 2]}).encode()[:NOTICE_BYTES]
+        for peer in range(self.size):
+            if peer != self.rank:
+                self._sent.append(self.control.Isend([message, MPI.BYTE], peer, NOTICE_TAG))
+
+    def _post_notice_receive(self):
+        MPI = self._mpi
+        return self.control.Irecv([self._notice_buffer, MPI.BYTE], MPI.ANY_SOURCE, NOTICE_TAG)
+
+    def _take_notice(self) -> dict:
+        """The notice that arrived, decoded; listen for the next one."""
+        text = bytes(self._notice_buffer).rstrip(b"\0").decode(errors="replace")
+        self._notice_buffer[:] = bytes(NOTICE_BYTES)
+        self._notice = self._post_notice_receive()
+        return json.loads(text)
+
+    def stop_listening(self) -> None:
+        """Withdraw the posted notice receive (local)."""
+        if not self._notice.Test():
+            self._notice.Cancel()
+            self._notice.Wait()
+        _listening.discard(self)
+
+    def free(self) -> None:
+        self.stop_listening()
+        self.control.Free()
+
+
+def _pending_peers(requests: Sequence, peers: Optional[Sequence[int]]) -> Optional[List[int]]:
+    """The peers whose requests have not completed (None if unknown)."""
+    if peers is None:
+        return None
+    return sorted({peer for request, peer in zip(requests, peers) if not request.Test()})

@@ -1,0 +1,94 @@
+"""Consistency checks, registered parameters, refused allocations and peers
+that give up: errors on every rank, never a hang."""
+
+import numpy as np
+import pytest
+
+import commlib
+from commlib import memory
+from conftest import all_ranks, raises_everywhere
+
+
+@pytest.fixture
+def checked():
+    c = commlib.init(check=True, timeout=60)
+    yield c
+    c.free()
+
+
+@pytest.mark.parametrize("op", ["allreduce", "allgather", "ring_shift", "alltoall", "bcast"])
+def test_check_catches_shape_disagreement(checked, op):
+    if checked.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    rows = checked.size * (2 if checked.rank == checked.size - 1 else 1)
+    x = np.ones((rows, 3))
+    call = {
+        "allreduce": lambda: checked.allreduce(x),
+        "allgather": lambda: checked.allgather(x),
+        "ring_shift": lambda: checked.ring_shift(x),
+        "alltoall": lambda: checked.alltoall(x),
+        "bcast": lambda: checked.bcast(x, root=int(checked.rank == checked.size - 1)),
+    }[op]
+    error = raises_everywhere(commlib.CollectiveMismatchError, call, match=op)
+    assert f"rank {checked.size - 1}: {op}" in str(error)
+    checked.barrier()  # the communicator is still usable after a mismatch
+
+
+def test_check_passes_when_ranks_agree(checked):
+    y = checked.allreduce(np.full(3, checked.rank))
+    assert all_ranks(y.tolist() == [sum(range(checked.size))] * 3)
+
+
+def test_check_verifies_given_recv_counts(checked):
+    if checked.size == 1:
+        pytest.skip("needs a peer to contradict")
+    x = np.ones((checked.size, 2))
+    recv = [1] * checked.size
+    if checked.rank == 0:
+        recv = [2] + [1] * (checked.size - 2) + [0]
+    raises_everywhere(commlib.CollectiveMismatchError,
+                      lambda: checked.alltoallv(x, [1] * checked.size, recv_counts=recv),
+                      match="rank 0: recv_counts")
+
+
+def test_registered_parameters_are_part_of_alltoallv(comm):
+    """alltoallv checks registered parameters always, without COMMLIB_CHECK."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    x = np.ones((comm.size, 2))
+    with comm.fingerprint(op="ring_attention", heads=8 if comm.rank else 16):
+        error = raises_everywhere(commlib.CollectiveMismatchError,
+                                  lambda: comm.alltoallv(x, [1] * comm.size), match="heads=16")
+    assert "heads=8" in str(error)
+    with comm.fingerprint(op="ring_attention", heads=8):
+        y, _ = comm.alltoallv(x, [1] * comm.size)
+    assert y.shape == x.shape
+
+
+def test_refused_allocation_reaches_every_rank(monkeypatch):
+    c = commlib.init(timeout=60)
+    try:
+        if c.rank == 0:
+            monkeypatch.setattr(memory, "CHECK_FROM_BYTES", 0)
+            monkeypatch.setattr(memory, "available_bytes", lambda on_device: 100)
+        x = np.ones((c.size * 4, 64), np.float32)  # 1 KiB to each rank
+        try:
+            c.alltoallv(x, [4] * c.size)
+            first = None
+        except commlib.CommlibError as error:
+            first = error
+        if c.rank == 0:
+            assert isinstance(first, commlib.AllocationRefusedError)
+            assert f"{1024 * c.size:,} bytes" in str(first) and "only 100 bytes" in str(first)
+            assert isinstance(first, MemoryError)
+        # a peer whose part already finished hears of it at its next call
+        with pytest.raises(commlib.CommlibError, match="rank 0 gave up on alltoallv"):
+            if first is not None and c.rank != 0:
+                raise first
+            c.barrier()
+    finally:
+        c.free()
+
+
+def test_timeout_from_init_is_validated(comm):
+    raises_everywhere(ValueError, lambda: commlib.init(timeout=-1), match="non-negative")

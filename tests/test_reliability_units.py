@@ -1,0 +1,90 @@
+"""The pieces of the reliability layer that need no peers."""
+
+import math
+
+import numpy as np
+import pytest
+
+import commlib
+from commlib import consistency, memory, watchdog
+
+
+@pytest.mark.parametrize("raw, seconds", [("", watchdog.DEFAULT_TIMEOUT_S), ("2.5", 2.5),
+                                          ("0", math.inf)])
+def test_timeout_from_env(monkeypatch, raw, seconds):
+    monkeypatch.setenv("COMMLIB_TIMEOUT", raw)
+    assert watchdog.timeout_from_env() == seconds
+
+
+@pytest.mark.parametrize("raw", ["-1", "soon", "nan"])
+def test_bad_timeout(monkeypatch, raw):
+    monkeypatch.setenv("COMMLIB_TIMEOUT", raw)
+    with pytest.raises(ValueError, match="COMMLIB_TIMEOUT"):
+        watchdog.timeout_from_env()
+
+
+@pytest.mark.parametrize("raw, on", [("", False), ("0", False), ("1", True), ("yes", True)])
+def test_check_from_env(monkeypatch, raw, on):
+    monkeypatch.setenv("COMMLIB_CHECK", raw)
+    assert consistency.check_from_env() is on
+
+
+def test_bad_check(monkeypatch):
+    monkeypatch.setenv("COMMLIB_CHECK", "maybe")
+    with pytest.raises(ValueError, match="COMMLIB_CHECK"):
+        consistency.check_from_env()
+
+
+def test_signature_is_stable_and_sensitive():
+    a = consistency.signature("allreduce", ("float32", (4,)), (("heads", 8),))
+    assert a == consistency.signature("allreduce", ("float32", (4,)), (("heads", 8),))
+    assert a != consistency.signature("allreduce", ("float32", (4,)), (("heads", 16),))
+    assert a >= 0
+
+
+def test_wait_until_times_out_and_breaks_the_communicator():
+    comm = commlib.init(timeout=0.2)
+    dog = comm._watchdog
+    try:
+        with pytest.raises(commlib.CommTimeoutError, match="timed out after 0.2s"):
+            dog.begin("test")
+            dog.wait_until(lambda: False)
+        with pytest.raises(commlib.CommlibError, match="can no longer be used"):
+            comm.barrier()
+    finally:
+        comm.free()
+
+
+def test_timeout_aborts_device_work_first():
+    comm = commlib.init(timeout=0.1)
+    aborted = []
+    try:
+        with pytest.raises(commlib.CommTimeoutError):
+            comm._watchdog.wait_until(lambda: False, on_timeout=lambda: aborted.append(True))
+        assert aborted == [True]
+    finally:
+        comm.free()
+
+
+def test_shortfall(monkeypatch):
+    monkeypatch.setattr(memory, "available_bytes", lambda on_device: 10 * 2**30)
+    assert memory.shortfall(2**20, on_device=False) is None  # small: not even looked at
+    assert memory.shortfall(9 * 2**30, on_device=False) is None
+    message = memory.shortfall(11 * 2**30, on_device=False)
+    assert "11,811,160,064 bytes" in message and "host memory" in message
+
+
+def test_host_memory_is_known_here():
+    available = memory.available_bytes(on_device=False)
+    assert available is None or available > 0
+
+
+def test_one_rank_refusal(monkeypatch):
+    monkeypatch.setattr(memory, "CHECK_FROM_BYTES", 0)
+    monkeypatch.setattr(memory, "available_bytes", lambda on_device: 8)
+    comm = commlib.init()
+    try:
+        with pytest.raises(commlib.AllocationRefusedError, match="rows from each rank: \\[2\\]"):
+            comm.alltoallv(np.ones((2, 2)), [2])
+    finally:
+        comm.free()
