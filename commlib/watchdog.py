@@ -76,6 +76,7 @@ class Watchdog:
         self.op = "init"
         self.failure: Optional[str] = None
         self._sent: List = []  # outgoing notices, kept alive until freed
+        self._abandoned: List = []  # requests of calls given up on
         self._notice_buffer = bytearray(NOTICE_BYTES)
         self._notice = self._post_notice_receive()
         _listening.add(self)
@@ -98,8 +99,14 @@ class Watchdog:
         Request = self._mpi.Request
         if Request.Testall(requests):
             return
-        self.wait_until(lambda: Request.Testall(requests),
-                        lambda: _pending_peers(requests, peers))
+        try:
+            self.wait_until(lambda: Request.Testall(requests),
+                            lambda: _pending_peers(requests, peers))
+        except CommlibError:
+            # MPI may still write into these buffers: keep them (the requests
+            # hold them) alive for as long as the communicator
+            self._abandoned.extend(requests)
+            raise
 
     def wait_until(self, done: Callable[[], bool],
                    pending: Callable[[], Optional[List[int]]] = lambda: None,
