@@ -24,9 +24,8 @@ from .errors import AllocationRefusedError, CollectiveMismatchError
 from .memory import shortfall
 from .topology import Topology
 
-# alltoallv's count exchange sends each peer [rows, signature]; a rank that
-# rejected its own input sends this instead of its (non-negative) signature
-_REJECTED = -1
+# alltoallv's count exchange sends each peer [rows, signature], or this
+_REJECTED = consistency.REJECTED
 
 
 def _normalize_axis(axis: int, ndim: int, what: str) -> int:
@@ -123,6 +122,15 @@ class Communicator:
         self._watchdog.begin(op)
         if self._check:
             consistency.agree(self._host, op, facts, self._context)
+
+    def agree(self, op: str, *facts: Any, problem: Optional[Exception] = None) -> None:
+        """Check now, whatever ``COMMLIB_CHECK`` says, that every rank calls
+        ``op`` with the same ``facts`` (and registered parameters) and that
+        no rank had a ``problem`` with its own input; otherwise raise
+        ``CollectiveMismatchError`` on every rank. For algorithms, before a
+        long computation whose collectives would otherwise hang or mismatch."""
+        self._watchdog.begin(op)
+        consistency.agree(self._host, op, facts, self._context, problem)
 
     def _backend_for(self, *natives: Native) -> Backend:
         """The transport for these arrays; they must all live on one side."""
@@ -279,6 +287,12 @@ class Communicator:
     def ring_shift(self, x: Any, shift: int = 1) -> Any:
         """Every rank sends ``x`` ``shift`` places up the ring: the result is
         ``x`` of rank ``(rank - shift) % size``. All ranks pass the same shape."""
+        return self.ring_shift_async(x, shift).wait()
+
+    def ring_shift_async(self, x: Any, shift: int = 1) -> "PendingShift":
+        """Start ``ring_shift(x, shift)`` and return at once; ``.wait()`` gives
+        the result. For overlapping a transfer with computation (RingExchange);
+        ``x`` must not change until then."""
         native = unwrap(x)
         self._begin("ring_shift", native.dtype.name, tuple(native.data.shape), shift)
         backend = self._backend_for(native)
@@ -287,10 +301,10 @@ class Communicator:
         shift = int(shift) % self.size
         if shift == 0:
             out[...] = data
-        else:
-            backend.sendrecv(data, (self.rank + shift) % self.size, out,
-                             (self.rank - shift) % self.size)
-        return native.wrap(out)
+            return PendingShift(lambda: None, native, out)
+        wait = backend.start_sendrecv(data, (self.rank + shift) % self.size, out,
+                                      (self.rank - shift) % self.size)
+        return PendingShift(wait, native, out)
 
     def allgather(self, x: Any, axis: int = 0) -> Any:
         """Every rank's ``x`` (same shape everywhere), concatenated along
@@ -362,3 +376,14 @@ class Communicator:
     def barrier(self) -> None:
         self._begin("barrier")
         self._host.barrier()
+
+
+class PendingShift:
+    """A ring shift in flight; ``wait()`` returns its result (once)."""
+
+    def __init__(self, wait, native: Native, out):
+        self._wait, self._native, self._out = wait, native, out
+
+    def wait(self) -> Any:
+        self._wait()
+        return self._native.wrap(self._out)

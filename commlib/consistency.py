@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from typing import Any, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -43,15 +43,25 @@ def signature(op: str, facts: Sequence[Any], context: Context) -> int:
     return zlib.crc32(describe(op, facts, context).encode())
 
 
-def agree(host, op: str, facts: Sequence[Any], context: Context) -> None:
+REJECTED = -1  # sent instead of a (non-negative) signature by a rank with bad input
+
+
+def agree(host, op: str, facts: Sequence[Any], context: Context,
+          problem: Optional[Exception] = None) -> None:
     """Raise CollectiveMismatchError on every rank unless all ranks have the
-    same fingerprint. One all-to-all of one int64 per peer."""
-    mine = signature(op, facts, context)
-    received = host.exchange_int64(np.full((host.size, 1), mine, dtype=np.int64))
-    if (received == mine).all():
+    same fingerprint and none had a ``problem`` with its own input. One
+    all-to-all of one int64 per peer."""
+    mine = REJECTED if problem is not None else signature(op, facts, context)
+    received = host.exchange_int64(np.full((host.size, 1), mine, dtype=np.int64))[:, 0]
+    if problem is None and (received == mine).all():
         return
-    raise_disagreement(host, received[:, 0], describe(op, facts, context),
-                       f"ranks called {op} with different arguments (COMMLIB_CHECK=1)")
+    rejected = np.flatnonzero(received == REJECTED)
+    if rejected.size:
+        raise_disagreement(host, received, str(problem),
+                           f"{op} was rejected by rank(s) " + ", ".join(map(str, rejected)),
+                           rejected)
+    raise_disagreement(host, received, describe(op, facts, context),
+                       f"ranks called {op} with different arguments")
 
 
 def raise_disagreement(host, signatures: np.ndarray, report: str, headline: str,

@@ -9,7 +9,7 @@ CUDA-aware MPI) is one new module with the methods of ``Backend``.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -27,8 +27,10 @@ class Backend(Protocol):
     def alltoall(self, send: Any, out: Any) -> None:
         """Equal byte chunks, chunk i to rank i."""
 
-    def sendrecv(self, send: Any, dest: int, out: Any, source: int) -> None:
-        """Send to ``dest`` while receiving from ``source``."""
+    def start_sendrecv(self, send: Any, dest: int, out: Any,
+                       source: int) -> Callable[[], None]:
+        """Start sending to ``dest`` while receiving from ``source``; the
+        returned callable waits for both."""
 
     def allgather(self, send: Any, out: Any) -> None: ...
 

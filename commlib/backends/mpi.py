@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pickle
 from itertools import accumulate
-from typing import Any, List
+from typing import Any, Callable, List
 
 import numpy as np
 from mpi4py import MPI
@@ -98,10 +98,10 @@ class MpiBackend:
         chunk = np.full(self.size, send.nbytes // self.size, dtype=np.int64)
         self.alltoallv(send, chunk, out, chunk)
 
-    def sendrecv(self, send, dest, out, source) -> None:
+    def start_sendrecv(self, send, dest, out, source) -> Callable[[], None]:
         requests = [self.comm.Irecv([byte_view(out), MPI.BYTE], source, _PAYLOAD_TAG),
                     self.comm.Isend([byte_view(send), MPI.BYTE], dest, _PAYLOAD_TAG)]
-        self.watchdog.wait_requests(requests, [source, dest])
+        return lambda: self.watchdog.wait_requests(requests, [source, dest])
 
     def allgather(self, send, out) -> None:
         self._wait(self.comm.Iallgather([byte_view(send), MPI.BYTE], [byte_view(out), MPI.BYTE]))

@@ -94,14 +94,24 @@ class NcclBackend:
         self.comm.destroy()
 
     def _run(self, launch) -> None:
-        """Order the call after the caller's current stream, run it on ours,
-        and wait for it under the deadline; past it, abort the NCCL
-        communicator so that the kernels stuck on it return."""
+        self._launch(launch)
+        self._wait()
+
+    def _launch(self, launch) -> None:
+        """Order the call after the caller's current stream, on ours."""
         self.stream.wait_event(self._cupy.cuda.get_current_stream().record())
         launch(self.stream.ptr)
+
+    def _wait(self) -> None:
+        """Until our stream is done, under the deadline; past it, abort the
+        NCCL communicator so that the kernels stuck on it return."""
         self.watchdog.wait_until(lambda: self.stream.done, on_timeout=self.comm.abort)
 
     def _grouped(self, sends, recvs) -> None:
+        self._launch_grouped(sends, recvs)
+        self._wait()
+
+    def _launch_grouped(self, sends, recvs) -> None:
         """One NCCL group of point-to-point transfers: (buffer, nbytes, peer)."""
         def launch(stream):
             self._nccl.groupStart()
@@ -112,7 +122,7 @@ class NcclBackend:
                 if nbytes:
                     self.comm.recv(buf, nbytes, _UINT8, peer, stream)
             self._nccl.groupEnd()
-        self._run(launch)
+        self._launch(launch)
 
     def alltoallv(self, send, send_bytes, out, recv_bytes) -> None:
         sbase, rbase = byte_view(send).data.ptr, byte_view(out).data.ptr
@@ -126,8 +136,11 @@ class NcclBackend:
         counts = np.full(self.size, chunk, dtype=np.int64)
         self.alltoallv(send, counts, out, counts)
 
-    def sendrecv(self, send, dest, out, source) -> None:
-        self._grouped([(send.data.ptr, send.nbytes, dest)], [(out.data.ptr, out.nbytes, source)])
+    def start_sendrecv(self, send, dest, out, source):
+        """Launched on this communicator's stream; the returned callable waits."""
+        self._launch_grouped([(send.data.ptr, send.nbytes, dest)],
+                             [(out.data.ptr, out.nbytes, source)])
+        return self._wait
 
     def allgather(self, send, out) -> None:
         self._run(lambda s: self.comm.allGather(send.data.ptr, out.data.ptr, send.nbytes,
