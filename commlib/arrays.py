@@ -108,11 +108,14 @@ def _from_torch(x) -> Native:
         dtype = data.dtype
 
     def wrap(y):
+        # results of the input's own type come back as it; others (float32
+        # statistics of a bfloat16 input, say) as what they are
+        same_type = logical is not None and y.dtype in (logical, storage)
         if on_device:
             out = torch.from_dlpack(y)
         else:
-            out = torch.from_numpy(y.view(storage) if logical is not None else y)
-        return out.view(torch_dtype) if logical is not None else out
+            out = torch.from_numpy(y.view(storage) if same_type else y)
+        return out.view(torch_dtype) if same_type else out
 
     return Native(data, np.dtype(dtype), on_device, "torch", wrap)
 
@@ -136,7 +139,8 @@ def _from_jax(x) -> Native:
     def wrap(y):
         if on_device:
             out = jnp.from_dlpack(y)
-            return jax.lax.bitcast_convert_type(out, logical) if bitcast else out
+            same_type = bitcast and y.dtype == twins[logical.name][1]
+            return jax.lax.bitcast_convert_type(out, logical) if same_type else out
         return jnp.asarray(y)
 
     return Native(data, logical, on_device, "jax", wrap)

@@ -1,0 +1,13 @@
+"""Ring Attention: the sequence sharded over ranks, K/V rotated around a
+ring, partial results merged with the online softmax. Tensors are
+[batch, seq, heads, head_dim]."""
+
+from .attention import ring_attention, ring_attention_backward
+from .exchange import RingExchange
+from .kernel import attention_backward, attention_forward
+from .layout import LAYOUTS, shard_sequence, unshard_sequence
+from .merge import merge
+
+__all__ = ["ring_attention", "ring_attention_backward", "RingExchange", "merge",
+           "shard_sequence", "unshard_sequence", "attention_forward", "attention_backward",
+           "LAYOUTS"]
