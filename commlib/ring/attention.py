@@ -21,7 +21,7 @@ from ..arrays import Native, unwrap
 from . import kernel as _kernel
 from .exchange import RingExchange
 from .layout import check_layout
-from .merge import merge
+from .merge import merge_into
 
 AttnFn = Callable[[Any, Any, Any, bool, float], Tuple[Any, Any]]
 
@@ -119,10 +119,10 @@ def ring_attention(q: Any, k: Any, v: Any, comm, causal: bool = False,
         block_out, block_lse = block_fn(nq.data[:, rows], block[0][:, cols], block[1][:, cols],
                                         diagonal, scale)
         if out is None:  # the first step is this rank's own block: every row
-            out, lse = block_out.astype(xp.float32), block_lse.astype(xp.float32)
+            out = block_out.astype(xp.float32, copy=False)
+            lse = block_lse.astype(xp.float32, copy=False)
         else:
-            out[:, rows], lse[:, :, rows] = merge(out[:, rows], lse[:, :, rows],
-                                                  block_out, block_lse)
+            merge_into(out[:, rows], lse[:, :, rows], block_out, block_lse)
     result = nq.wrap(out.astype(nq.data.dtype))
     return (result, nq.wrap(lse)) if return_lse else result
 

@@ -23,11 +23,9 @@ def namespace_of(array):
     return numpy
 
 
-def merge(out: Any, lse: Any, block_out: Any, block_lse: Any) -> Tuple[Any, Any]:
-    """Online-softmax step. ``out``/``block_out``: [batch, seq, heads, dim];
-    ``lse``/``block_lse``: [batch, heads, seq] float32. Returns new float32
-    ``(out, lse)``; the inputs are not modified."""
-    xp = namespace_of(out)
+def _weights(lse: Any, block_lse: Any, xp) -> Tuple[Any, Any, Any]:
+    """(weight of the old rows, weight of the block's rows, merged lse);
+    weights as [b, s, h, 1] to scale rows of [b, s, h, d]."""
     lse = lse.astype(xp.float32, copy=False)
     block_lse = block_lse.astype(xp.float32, copy=False)
     top = xp.maximum(lse, block_lse)
@@ -37,8 +35,27 @@ def merge(out: Any, lse: Any, block_out: Any, block_lse: Any) -> Tuple[Any, Any]
     take = xp.exp(block_lse - base)
     denominator = xp.where(empty, xp.float32(1), keep + take)
     new_lse = xp.where(empty, xp.float32(-xp.inf), base + xp.log(denominator))
-    # weights [b, h, s] -> [b, s, h, 1], to scale rows of [b, s, h, d]
-    weight_old = xp.transpose(keep / denominator, (0, 2, 1))[..., None]
-    weight_new = xp.transpose(take / denominator, (0, 2, 1))[..., None]
-    merged = out.astype(xp.float32) * weight_old + block_out.astype(xp.float32) * weight_new
-    return merged, new_lse.astype(xp.float32)
+    as_rows = (0, 2, 1)  # [b, h, s] -> [b, s, h]
+    return (xp.transpose(keep / denominator, as_rows)[..., None],
+            xp.transpose(take / denominator, as_rows)[..., None], new_lse)
+
+
+def merge(out: Any, lse: Any, block_out: Any, block_lse: Any) -> Tuple[Any, Any]:
+    """Online-softmax step. ``out``/``block_out``: [batch, seq, heads, dim];
+    ``lse``/``block_lse``: [batch, heads, seq] float32. Returns new float32
+    ``(out, lse)``; the inputs are not modified."""
+    xp = namespace_of(out)
+    weight_old, weight_new, new_lse = _weights(lse, block_lse, xp)
+    merged = out.astype(xp.float32) * weight_old
+    merged += block_out.astype(xp.float32, copy=False) * weight_new
+    return merged, new_lse
+
+
+def merge_into(out: Any, lse: Any, block_out: Any, block_lse: Any) -> None:
+    """``merge`` in place, into float32 ``out`` and ``lse`` (which may be
+    views): the ring's running result, without another copy of it."""
+    xp = namespace_of(out)
+    weight_old, weight_new, new_lse = _weights(lse, block_lse, xp)
+    out *= weight_old
+    out += block_out.astype(xp.float32, copy=False) * weight_new
+    lse[...] = new_lse
