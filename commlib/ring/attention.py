@@ -66,8 +66,8 @@ def _problem(q: Native, k: Native, v: Native, layout: str,
                              f"for GQA/MQA")
         if q.dtype != q.data.dtype:
             raise ValueError(f"{q.dtype.name} CUDA arrays are not supported by the built-in "
-                             f"block kernel (CuPy has no {q.dtype.name}); cast to float16 or "
-                             f"float32, or pass attn_fn")
+                             f"block kernel (CuPy has no {q.dtype.name}); cast q, k and v "
+                             f"to float16 or float32")
         if not q.dtype == k.dtype == v.dtype:
             raise ValueError(f"q, k and v must have one dtype, got {q.dtype.name}, "
                              f"{k.dtype.name}, {v.dtype.name}")

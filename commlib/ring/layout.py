@@ -35,6 +35,7 @@ def shard_sequence(x: Any, comm, layout: str = "zigzag", axis: int = 1) -> Any:
     """This rank's shard of the global ``x`` (the same on every rank), in the
     caller's framework. The length along ``axis`` must divide into
     ``size`` (contiguous) or ``2 * size`` (zigzag) equal chunks."""
+    check_layout(layout)
     native = unwrap(x)
     data, xp = native.data, native.xp
     n = _chunk_count(comm.size, layout)
