@@ -13,7 +13,11 @@ import os
 import socket
 import sys
 import threading
+import time
 import traceback
+
+from .errors import CommlibError
+from .watchdog import ROLL_CALL_S
 
 _installed = False
 
@@ -35,6 +39,10 @@ def abort_on_exception(exit_code: int = 1) -> None:
                   f"aborting the job so that no rank waits forever\n")
         sys.stderr.write(header + "".join(traceback.format_exception(exc_type, exc, tb)))
         sys.stderr.flush()
+        if issubclass(exc_type, CommlibError):
+            # peers that timed out too may still be composing their diagnosis
+            # (the roll call): let them print it before the job ends
+            time.sleep(ROLL_CALL_S + 0.5)
         world.Abort(exit_code)
 
     def main_thread_hook(exc_type, exc, tb) -> None:

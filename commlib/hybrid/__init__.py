@@ -1,0 +1,7 @@
+"""Ulysses inside groups, Ring across them (USP), and a planner that picks
+the Ulysses degree from head counts and the fabric's measured speed."""
+
+from .attention import hybrid_attention, hybrid_attention_backward
+from .planner import Plan, plan
+
+__all__ = ["hybrid_attention", "hybrid_attention_backward", "plan", "Plan"]

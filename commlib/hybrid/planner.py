@@ -1,0 +1,167 @@
+"""Pick the Ulysses degree (and so the ring size) for an attention shape.
+
+Neither scheme wins everywhere. Per rank and forward pass, Ring moves about
+2 * N * h_kv * d bytes (K and V of the whole sequence, whatever P is) in P-1
+point-to-point hops that overlap with compute; Ulysses moves about
+(2h + 2h_kv) * N * d / P bytes in all-to-alls that do not overlap, and needs
+h (and h_kv, or its replication) to split over its degree. Which is cheaper
+depends on the head counts against the degree and on which traffic the
+fabric carries better, so the planner measures the fabric once (a short
+probe, cached per communicator) and prices every allowed degree.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import numpy as np
+
+from ..ring.kernel import attention_forward
+from ..ulysses.relayout import divisors
+
+_fabrics: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_PROBE_SMALL, _PROBE_LARGE = 256, 2**20  # bytes per peer
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """What the probe measured: latency (s) and bandwidth (bytes/s per rank)
+    of an all-to-all and of a ring hop, and the local kernel's flop rate."""
+
+    alltoall_latency: float
+    alltoall_bandwidth: float
+    hop_latency: float
+    hop_bandwidth: float
+    flops: float
+
+    def describe(self) -> str:
+        return (f"all-to-all {self.alltoall_latency * 1e6:.0f} us + "
+                f"{self.alltoall_bandwidth / 1e9:.2f} GB/s per rank, ring hop "
+                f"{self.hop_latency * 1e6:.0f} us + {self.hop_bandwidth / 1e9:.2f} GB/s, "
+                f"kernel {self.flops / 1e9:.1f} GFLOP/s per rank")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    ulysses_size: int
+    ring_size: int
+    ulysses_bytes: float   # per rank, forward
+    ring_bytes: float      # per rank, forward
+    compute_s: float
+    ulysses_s: float
+    exposed_ring_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.compute_s + self.ulysses_s + self.exposed_ring_s
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's pick: ``ulysses_size`` x ``ring_size`` = world size."""
+
+    ulysses_size: int
+    ring_size: int
+    predicted_seconds: float
+    candidates: List[Candidate] = field(repr=False)
+    rejected: List[str] = field(repr=False)
+    fabric: Fabric = field(repr=False)
+
+    def explain(self) -> str:
+        lines = [f"Ulysses {c.ulysses_size} x Ring {c.ring_size}: moves "
+                 f"{c.ulysses_bytes / 2**20:.1f} MiB all-to-all + {c.ring_bytes / 2**20:.1f} MiB "
+                 f"ring per rank, predicted {c.seconds * 1e3:.1f} ms (compute "
+                 f"{c.compute_s * 1e3:.1f}, all-to-all {c.ulysses_s * 1e3:.1f}, exposed ring "
+                 f"{c.exposed_ring_s * 1e3:.1f})" for c in self.candidates]
+        rejected = f" Not allowed: {'; '.join(self.rejected)}." if self.rejected else ""
+        return (f"Picked Ulysses {self.ulysses_size} x Ring {self.ring_size} "
+                f"({self.predicted_seconds * 1e3:.1f} ms predicted per forward). "
+                + " ".join(f"{line}." for line in lines) + rejected
+                + f" Fabric: {self.fabric.describe()}.")
+
+
+def _timed(comm, call, repeats: int = 3) -> float:
+    """Slowest rank's best time of ``call``."""
+    best = float("inf")
+    for _ in range(repeats):
+        comm.barrier()
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
+    return float(comm.allreduce(np.array([best]), op="max")[0])
+
+
+def probe(comm) -> Fabric:
+    """Measure the fabric under ``comm`` (collective; cached per communicator)."""
+    if comm in _fabrics:
+        return _fabrics[comm]
+    size = comm.size
+    small = np.zeros(size * _PROBE_SMALL, np.uint8)
+    large = np.zeros(size * _PROBE_LARGE, np.uint8)
+    t_small = _timed(comm, lambda: comm.alltoall(small))
+    t_large = _timed(comm, lambda: comm.alltoall(large))
+    moved = _PROBE_LARGE * max(size - 1, 1)
+    h_small = _timed(comm, lambda: comm.ring_shift(small[:_PROBE_SMALL]))
+    h_large = _timed(comm, lambda: comm.ring_shift(large[:_PROBE_LARGE]))
+    q = np.random.default_rng(0).standard_normal((1, 256, 4, 64), dtype=np.float32)
+    t_kernel = _timed(comm, lambda: attention_forward(q, q, q))
+    fabric = Fabric(t_small, moved / max(t_large - t_small, 1e-9), h_small,
+                    _PROBE_LARGE / max(h_large - h_small, 1e-9),
+                    4 * 256 * 256 * 4 * 64 / t_kernel)
+    _fabrics[comm] = fabric
+    return fabric
+
+
+def _kv_moved(kv_heads: int, degree: int) -> int:
+    """kv heads whose shards one all-to-all of this degree moves (with fewer
+    kv heads than ranks, each rank gets its one kv head)."""
+    return max(kv_heads, degree)
+
+
+def price(size: int, degree: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,
+          itemsize: int, causal: bool, fabric: Fabric) -> Candidate:
+    """The cost model of Ulysses ``degree`` x Ring ``size // degree``."""
+    ring = size // degree
+    token = head_dim * itemsize
+    # all-to-all: q, k, v in and out back, each rank keeping 1/degree of it
+    ulysses_bytes = (2 * heads + 2 * _kv_moved(kv_heads, degree)) * (seq_len / size) * token \
+        * (degree - 1) / degree
+    ulysses_s = (2 * fabric.alltoall_latency + ulysses_bytes / fabric.alltoall_bandwidth) \
+        if degree > 1 else 0.0
+    # ring: K and V of each of the other ring ranks' spans, kv heads of this group
+    local_kv = max(kv_heads // degree, 1)
+    hop_bytes = 2 * (seq_len / ring) * local_kv * token
+    ring_bytes = hop_bytes * (ring - 1)
+    work = 4 * seq_len * seq_len * heads * head_dim / size / fabric.flops
+    if causal:  # Ulysses is balanced; a contiguous ring's last rank does R - 1/2 of R blocks
+        work *= 0.5 if ring == 1 else (ring - 0.5) / ring
+    per_hop = fabric.hop_latency + hop_bytes / fabric.hop_bandwidth
+    exposed = (ring - 1) * max(0.0, per_hop - work / ring)
+    return Candidate(degree, ring, ulysses_bytes, ring_bytes, work, ulysses_s, exposed)
+
+
+def plan(comm, seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
+         itemsize: int = 2, causal: bool = False, fabric: Optional[Fabric] = None) -> Plan:
+    """The cheapest allowed Ulysses x Ring split of ``comm`` for this shape,
+    by the cost model over the probed (or given) fabric."""
+    fabric = fabric or probe(comm)
+    candidates, rejected = [], []
+    for degree in divisors(comm.size):
+        if num_heads % degree:
+            rejected.append(f"Ulysses {degree} ({num_heads} heads do not split {degree} ways)")
+        elif num_kv_heads % degree and degree % num_kv_heads:
+            rejected.append(f"Ulysses {degree} ({num_kv_heads} kv heads neither split {degree} "
+                            f"ways nor divide {degree})")
+        elif seq_len % comm.size:
+            rejected.append(f"any (seq_len {seq_len} does not split over {comm.size} ranks)")
+            break
+        else:
+            candidates.append(price(comm.size, degree, seq_len, num_heads, num_kv_heads,
+                                    head_dim, itemsize, causal, fabric))
+    if not candidates:
+        raise ValueError("no Ulysses x Ring split fits: " + "; ".join(rejected))
+    best = min(candidates, key=lambda c: c.seconds)
+    return Plan(best.ulysses_size, best.ring_size, best.seconds, candidates, rejected, fabric)
