@@ -20,7 +20,6 @@ import json
 import math
 import os
 import time
-import weakref
 from typing import Callable, Dict, List, Optional, Sequence
 
 from .errors import CommlibError, CommTimeoutError, PeerFailedError
@@ -35,9 +34,10 @@ ROLL_CALL_S = 2.0
 _POLLS_PER_CLOCK = 32
 
 
-# watchdogs whose notice receive is still posted; cancelled at exit, before
+# watchdogs whose notice receive is still posted (held, so that a forgotten
+# communicator's receive is still withdrawn): cancelled at exit, before
 # mpi4py finalizes MPI (atexit runs handlers last-registered first)
-_listening: "weakref.WeakSet[Watchdog]" = weakref.WeakSet()
+_listening: "set[Watchdog]" = set()
 
 
 @atexit.register

@@ -80,3 +80,21 @@ def test_zigzag_chunks():
     assert chunks_of(2, 4, "contiguous") == (2,)
     with pytest.raises(ValueError, match="unknown layout"):
         chunks_of(0, 4, "spiral")
+
+
+def test_planner_cost_model_follows_the_seed_fact():
+    """Neither scheme wins everywhere: with a fast all-to-all and slow hops
+    Ulysses wins, with the opposite the ring does; few heads rule Ulysses out."""
+    from commlib.hybrid.planner import Fabric, price
+
+    fast_a2a = Fabric(1e-5, 50e9, 1e-3, 0.1e9, 1e15)
+    slow_a2a = Fabric(1e-3, 0.05e9, 1e-5, 50e9, 1e15)
+    shape = dict(seq_len=65536, heads=32, kv_heads=8, head_dim=128, itemsize=2, causal=False)
+    for fabric, winner in ((fast_a2a, 8), (slow_a2a, 1)):
+        costs = {u: price(8, u, fabric=fabric, **shape).seconds for u in (1, 2, 4, 8)}
+        assert min(costs, key=costs.get) == winner, costs
+    ulysses = price(8, 8, fabric=fast_a2a, **shape)
+    assert ulysses.ring_bytes == 0 and ulysses.ulysses_bytes == \
+        (2 * 32 + 2 * 8) * 65536 / 8 * 128 * 2 * 7 / 8
+    ring = price(8, 1, fabric=fast_a2a, **shape)
+    assert ring.ulysses_bytes == 0 and ring.ring_bytes == 2 * 65536 / 8 * 8 * 128 * 2 * 7

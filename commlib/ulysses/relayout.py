@@ -43,8 +43,8 @@ def kv_heads_for(rank: int, kv_heads: int, size: int) -> np.ndarray:
     if size % kv_heads == 0:
         return np.array([rank // (size // kv_heads)])
     raise ValueError(f"kv heads ({kv_heads}) must be a multiple of the Ulysses degree ({size}), "
-                     f"or divide it; degrees that work: "
-                     f"{sorted(set(divisors(kv_heads)) | {kv_heads * m for m in range(1, 9)})}")
+                     f"or divide it: degrees that work are {divisors(kv_heads)} and the "
+                     f"multiples of {kv_heads}")
 
 
 def _head_order(kv_heads: int, size: int) -> np.ndarray:

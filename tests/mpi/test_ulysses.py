@@ -1,0 +1,164 @@
+"""Ulysses relayout against slicing of the global tensor; Ulysses and hybrid
+attention, forward and backward, against full attention (PyTorch SDPA and
+autograd) on the unsharded sequence; bad input on every rank."""
+
+import numpy as np
+import pytest
+
+import commlib
+from commlib import hybrid, ring, ulysses
+from commlib.ulysses.relayout import kv_heads_for
+from attention_reference import reference_attention
+from conftest import all_ranks, raises_everywhere
+
+torch = pytest.importorskip("torch")
+
+SEQ, HEADS, DIM = 24, 12, 8  # 12 heads split over 1, 2, 3 and 4 ranks
+
+
+def kv_fits(kv_heads, degree):
+    return kv_heads % degree == 0 or degree % kv_heads == 0
+
+
+def global_tensors(kv_heads, seed=0):
+    rng = np.random.default_rng(seed)
+    shapes = [(2, SEQ, HEADS, DIM), (2, SEQ, kv_heads, DIM), (2, SEQ, kv_heads, DIM),
+              (2, SEQ, HEADS, DIM)]
+    return [rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+
+def torch_reference(q, k, v, dout, causal):
+    tq, tk, tv = (torch.tensor(x, dtype=torch.float64).transpose(1, 2).requires_grad_()
+                  for x in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal,
+                                                           enable_gqa=True)
+    out.backward(torch.tensor(dout, dtype=torch.float64).transpose(1, 2))
+    return [t.detach().transpose(1, 2).numpy() for t in (out, tq.grad, tk.grad, tv.grad)]
+
+
+def contiguous(x, comm):
+    return ring.shard_sequence(x, comm, "contiguous")
+
+
+def gathered(x, comm, axis=1):
+    return ring.unshard_sequence(x, comm, "contiguous", axis=axis)
+
+
+@pytest.mark.parametrize("kv_heads", [HEADS, 2, 1])
+def test_relayout_matches_slicing(comm, kv_heads):
+    if not kv_fits(kv_heads, comm.size):
+        pytest.skip(f"{kv_heads} kv heads do not fit {comm.size} ranks (tested below)")
+    q, k, _, _ = global_tensors(kv_heads)
+    per = HEADS // comm.size
+    qh = ulysses.seq_to_head(contiguous(q, comm), comm)
+    kh = ulysses.seq_to_head(contiguous(k, comm), comm)
+    fused_q, fused_k = ulysses.seq_to_head_many([contiguous(q, comm), contiguous(k, comm)], comm)
+    mine = kv_heads_for(comm.rank, kv_heads, comm.size)
+    back = ulysses.head_to_seq(qh, comm)
+    assert all_ranks(np.array_equal(qh, q[:, :, comm.rank * per:(comm.rank + 1) * per])
+                     and np.array_equal(kh, k[:, :, mine])
+                     and np.array_equal(fused_q, qh) and np.array_equal(fused_k, kh)
+                     and np.array_equal(back, contiguous(q, comm)))
+
+
+def test_relayout_keeps_the_framework(comm):
+    x = torch.arange(2 * SEQ * HEADS * 3, dtype=torch.bfloat16).reshape(2, SEQ, HEADS, 3)
+    y = ulysses.seq_to_head(contiguous(x, comm), comm)
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.bfloat16
+    assert all_ranks(tuple(y.shape) == (2, SEQ, HEADS // comm.size, 3))
+
+
+def _check_against_torch(comm, run, kv_heads, causal):
+    q, k, v, dout = global_tensors(kv_heads, seed=kv_heads)
+    out, lse, grads = run(*(contiguous(x, comm) for x in (q, k, v, dout)))
+    got = [gathered(x, comm) for x in (out, *grads)]
+    want = torch_reference(q, k, v, dout, causal)
+    _, ref_lse = reference_attention(q, k, v, causal)
+    ok = all(np.abs(np.asarray(g, np.float64) - w).max() < 5e-5 for g, w in zip(got, want))
+    ok = ok and np.abs(gathered(lse, comm, axis=2) - ref_lse).max() < 5e-5
+    assert all_ranks(ok)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kv_heads", [HEADS, 2, 1])
+def test_ulysses_attention(comm, kv_heads, causal):
+    if not kv_fits(kv_heads, comm.size):
+        pytest.skip("tested as bad input")
+
+    def run(q, k, v, dout):
+        out, lse = ulysses.ulysses_attention(q, k, v, comm, causal=causal, return_lse=True)
+        grads = ulysses.ulysses_attention_backward(dout, q, k, v, out, lse, comm, causal=causal)
+        return out, lse, grads
+    _check_against_torch(comm, run, kv_heads, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kv_heads", [HEADS, 2, 1])
+def test_hybrid_attention_at_every_degree(comm, kv_heads, causal):
+    for degree in [d for d in range(1, comm.size + 1) if comm.size % d == 0]:
+        if not kv_fits(kv_heads, degree):
+            continue
+
+        def run(q, k, v, dout):
+            out, lse = hybrid.hybrid_attention(q, k, v, comm, degree, causal=causal,
+                                               return_lse=True)
+            grads = hybrid.hybrid_attention_backward(dout, q, k, v, out, lse, comm, degree,
+                                                     causal=causal)
+            return out, lse, grads
+        _check_against_torch(comm, run, kv_heads, causal)
+
+
+def test_planner_picks_an_allowed_split(comm):
+    plan = hybrid.plan(comm, seq_len=12288, num_heads=HEADS, num_kv_heads=2, head_dim=64)
+    assert plan.ulysses_size * plan.ring_size == comm.size
+    assert HEADS % plan.ulysses_size == 0 and kv_fits(2, plan.ulysses_size)
+    assert all(kv_fits(2, c.ulysses_size) for c in plan.candidates)
+    assert plan.predicted_seconds == min(c.seconds for c in plan.candidates)
+    text = plan.explain()
+    assert f"Picked Ulysses {plan.ulysses_size} x Ring {plan.ring_size}" in text
+    assert "Fabric: all-to-all" in text
+    same = hybrid.plan(comm, seq_len=12288, num_heads=HEADS, num_kv_heads=2, head_dim=64)
+    assert same.fabric is plan.fabric  # probed once per communicator
+
+
+# -- bad input ----------------------------------------------------------------
+
+def _shards(comm, heads=HEADS, kv_heads=2, seq=6):
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, seq, heads, DIM)).astype(np.float32)
+    k = rng.standard_normal((1, seq, kv_heads, DIM)).astype(np.float32)
+    return q, k, k.copy()
+
+
+def test_heads_that_do_not_split_name_the_degrees_that_work(comm):
+    q, k, v = _shards(comm, heads=5, kv_heads=5)
+    if comm.size in (1, 5):
+        pytest.skip("5 heads split over this world")
+    raises_everywhere(commlib.CollectiveMismatchError,
+                      lambda: ulysses.ulysses_attention(q, k, v, comm),
+                      match="degrees that work for 5 heads: [1, 5]")
+
+
+def test_kv_heads_that_fit_neither_rule(comm):
+    if kv_fits(2, comm.size):
+        pytest.skip("2 kv heads fit this world")
+    q, k, v = _shards(comm, kv_heads=2)
+    raises_everywhere(commlib.CollectiveMismatchError,
+                      lambda: ulysses.ulysses_attention(q, k, v, comm),
+                      match="degrees that work are [1, 2] and the multiples of 2")
+
+
+def test_local_lengths_that_differ(comm):
+    if comm.size == 1:
+        pytest.skip("needs two ranks to differ")
+    q, k, v = _shards(comm, kv_heads=1, seq=6 if comm.rank else 7)
+    raises_everywhere(commlib.CollectiveMismatchError,
+                      lambda: ulysses.ulysses_attention(q, k, v, comm),
+                      match="different arguments")
+
+
+def test_ulysses_size_must_divide_the_world(comm):
+    q, k, v = _shards(comm)
+    raises_everywhere(commlib.CollectiveMismatchError,
+                      lambda: hybrid.hybrid_attention(q, k, v, comm, comm.size + 1),
+                      match=f"must divide the world size {comm.size}")
