@@ -87,8 +87,8 @@ def test_planner_cost_model_follows_the_seed_fact():
     Ulysses wins, with the opposite the ring does; few heads rule Ulysses out."""
     from commlib.hybrid.planner import Fabric, price
 
-    fast_a2a = Fabric(1e-5, 50e9, 1e-3, 0.1e9, 1e15)
-    slow_a2a = Fabric(1e-3, 0.05e9, 1e-5, 50e9, 1e15)
+    fast_a2a = Fabric(1e-5, 50e9, 1e-3, 0.1e9, 1e15, 1e12)
+    slow_a2a = Fabric(1e-3, 0.05e9, 1e-5, 50e9, 1e15, 1e12)
     shape = dict(seq_len=65536, heads=32, kv_heads=8, head_dim=128, itemsize=2, causal=False)
     for fabric, winner in ((fast_a2a, 8), (slow_a2a, 1)):
         costs = {u: price(8, u, fabric=fabric, **shape).seconds for u in (1, 2, 4, 8)}

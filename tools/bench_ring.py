@@ -32,7 +32,7 @@ from mpi4py import MPI
 
 import commlib
 from commlib import ring
-from commlib.ring.kernel import DEFAULT_TILE
+from commlib.ring.kernel import choose_tile
 
 
 class _NoTransfer:
@@ -116,7 +116,7 @@ def memory(comm, world, seq: int, heads: int, dim: int, repeats: int) -> List[di
     """Peak traced bytes of a causal zigzag forward against the need."""
     local = seq // comm.size
     tensor = local * heads * dim * 4
-    tile = heads * min(DEFAULT_TILE, local) ** 2 * 4
+    tile = heads * min(choose_tile(1, heads), local) ** 2 * 4
     need = 4 * tensor + 2 * (2 * tensor) + tile  # Q K V O, two K/V buffers, a score tile
     tracemalloc.start()
     q, k, v = _inputs(local, heads, dim, comm.rank)
@@ -165,7 +165,7 @@ def main(tests, heads: int, head_dim: int, seq: Optional[int], repeats: int,
     comm = commlib.init(backend="mpi", abort_on_error=True)
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     say(f"bench_ring: {comm.size} ranks, heads {heads}, head_dim {head_dim}, float32, "
-        f"batch 1, tile {DEFAULT_TILE}")
+        f"batch 1, tile {choose_tile(1, heads)}")
     rows: List[dict] = []
     for name in tests or sorted(TESTS):
         for row in TESTS[name](comm, world, seq or DEFAULT_SEQ[name], heads, head_dim,

@@ -2,12 +2,17 @@
 
 Neither scheme wins everywhere. Per rank and forward pass, Ring moves about
 2 * N * h_kv * d bytes (K and V of the whole sequence, whatever P is) in P-1
-point-to-point hops that overlap with compute; Ulysses moves about
-(2h + 2h_kv) * N * d / P bytes in all-to-alls that do not overlap, and needs
-h (and h_kv, or its replication) to split over its degree. Which is cheaper
-depends on the head counts against the degree and on which traffic the
-fabric carries better, so the planner measures the fabric once (a short
+point-to-point hops, and merges a partial result at every hop; Ulysses moves
+about (2h + 2h_kv) * N * d / P bytes in all-to-alls that do not overlap, and
+needs h (and h_kv, or its replication) to split over its degree. Which is
+cheaper depends on the head counts against the degree and on which traffic
+the fabric carries better, so the planner measures the fabric once (a short
 probe, cached per communicator) and prices every allowed degree.
+
+Ring hops overlap with compute only where something moves the data while
+the cores compute: NCCL on a GPU. Over MPI on the host, a transfer advances
+only inside MPI calls and its copies need the same cores as the compute, so
+there the hops are priced as exposed.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from ..ulysses.relayout import divisors
 
 _fabrics: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _PROBE_SMALL, _PROBE_LARGE = 256, 2**20  # bytes per peer
+_MERGE_PASSES = 6  # array passes of merge_into over the running output
 
 
 @dataclass(frozen=True)
@@ -36,12 +42,16 @@ class Fabric:
     hop_latency: float
     hop_bandwidth: float
     flops: float
+    memory_bandwidth: float  # bytes/s of an array copy: packing, unpacking, merging
+    overlap: bool = False    # whether ring hops hide behind compute (NCCL)
 
     def describe(self) -> str:
         return (f"all-to-all {self.alltoall_latency * 1e6:.0f} us + "
                 f"{self.alltoall_bandwidth / 1e9:.2f} GB/s per rank, ring hop "
-                f"{self.hop_latency * 1e6:.0f} us + {self.hop_bandwidth / 1e9:.2f} GB/s, "
-                f"kernel {self.flops / 1e9:.1f} GFLOP/s per rank")
+                f"{self.hop_latency * 1e6:.0f} us + {self.hop_bandwidth / 1e9:.2f} GB/s "
+                f"({'overlapped' if self.overlap else 'exposed'}), kernel "
+                f"{self.flops / 1e9:.1f} GFLOP/s, copies {self.memory_bandwidth / 1e9:.1f} GB/s "
+                f"per rank")
 
 
 @dataclass(frozen=True)
@@ -51,12 +61,12 @@ class Candidate:
     ulysses_bytes: float   # per rank, forward
     ring_bytes: float      # per rank, forward
     compute_s: float
-    ulysses_s: float
-    exposed_ring_s: float
+    ulysses_s: float   # all-to-alls, packing and unpacking
+    ring_s: float      # exposed hops and the merges
 
     @property
     def seconds(self) -> float:
-        return self.compute_s + self.ulysses_s + self.exposed_ring_s
+        return self.compute_s + self.ulysses_s + self.ring_s
 
 
 @dataclass(frozen=True)
@@ -74,8 +84,8 @@ class Plan:
         lines = [f"Ulysses {c.ulysses_size} x Ring {c.ring_size}: moves "
                  f"{c.ulysses_bytes / 2**20:.1f} MiB all-to-all + {c.ring_bytes / 2**20:.1f} MiB "
                  f"ring per rank, predicted {c.seconds * 1e3:.1f} ms (compute "
-                 f"{c.compute_s * 1e3:.1f}, all-to-all {c.ulysses_s * 1e3:.1f}, exposed ring "
-                 f"{c.exposed_ring_s * 1e3:.1f})" for c in self.candidates]
+                 f"{c.compute_s * 1e3:.1f}, all-to-all {c.ulysses_s * 1e3:.1f}, ring "
+                 f"{c.ring_s * 1e3:.1f})" for c in self.candidates]
         rejected = f" Not allowed: {'; '.join(self.rejected)}." if self.rejected else ""
         return (f"Picked Ulysses {self.ulysses_size} x Ring {self.ring_size} "
                 f"({self.predicted_seconds * 1e3:.1f} ms predicted per forward). "
@@ -106,11 +116,15 @@ def probe(comm) -> Fabric:
     moved = _PROBE_LARGE * max(size - 1, 1)
     h_small = _timed(comm, lambda: comm.ring_shift(small[:_PROBE_SMALL]))
     h_large = _timed(comm, lambda: comm.ring_shift(large[:_PROBE_LARGE]))
-    q = np.random.default_rng(0).standard_normal((1, 256, 4, 64), dtype=np.float32)
-    t_kernel = _timed(comm, lambda: attention_forward(q, q, q))
+    # long enough (tens of ms) that ranks sharing a core show it
+    q = np.random.default_rng(0).standard_normal((1, 1024, 4, 64), dtype=np.float32)
+    t_kernel = _timed(comm, lambda: attention_forward(q, q, q), repeats=2)
+    block = np.zeros(4 * 2**20 // 4, np.float32)
+    t_copy = _timed(comm, lambda: block.copy())
     fabric = Fabric(t_small, moved / max(t_large - t_small, 1e-9), h_small,
                     _PROBE_LARGE / max(h_large - h_small, 1e-9),
-                    4 * 256 * 256 * 4 * 64 / t_kernel)
+                    4 * 1024 * 1024 * 4 * 64 / t_kernel, block.nbytes / t_copy,
+                    comm.backend == "nccl")
     _fabrics[comm] = fabric
     return fabric
 
@@ -129,8 +143,9 @@ def price(size: int, degree: int, seq_len: int, heads: int, kv_heads: int, head_
     # all-to-all: q, k, v in and out back, each rank keeping 1/degree of it
     ulysses_bytes = (2 * heads + 2 * _kv_moved(kv_heads, degree)) * (seq_len / size) * token \
         * (degree - 1) / degree
-    ulysses_s = (2 * fabric.alltoall_latency + ulysses_bytes / fabric.alltoall_bandwidth) \
-        if degree > 1 else 0.0
+    relaid = (2 * heads + 2 * _kv_moved(kv_heads, degree)) * (seq_len / size) * token
+    ulysses_s = (2 * fabric.alltoall_latency + ulysses_bytes / fabric.alltoall_bandwidth
+                 + 2 * relaid / fabric.memory_bandwidth) if degree > 1 else 0.0
     # ring: K and V of each of the other ring ranks' spans, kv heads of this group
     local_kv = max(kv_heads // degree, 1)
     hop_bytes = 2 * (seq_len / ring) * local_kv * token
@@ -139,8 +154,11 @@ def price(size: int, degree: int, seq_len: int, heads: int, kv_heads: int, head_
     if causal:  # Ulysses is balanced; a contiguous ring's last rank does R - 1/2 of R blocks
         work *= 0.5 if ring == 1 else (ring - 0.5) / ring
     per_hop = fabric.hop_latency + hop_bytes / fabric.hop_bandwidth
-    exposed = (ring - 1) * max(0.0, per_hop - work / ring)
-    return Candidate(degree, ring, ulysses_bytes, ring_bytes, work, ulysses_s, exposed)
+    hops = (ring - 1) * (max(0.0, per_hop - work / ring) if fabric.overlap else per_hop)
+    # each merge reads and writes the float32 running output a few times
+    output = (seq_len / ring) * (heads / degree) * head_dim * 4
+    merges = (ring - 1) * _MERGE_PASSES * output / fabric.memory_bandwidth
+    return Candidate(degree, ring, ulysses_bytes, ring_bytes, work, ulysses_s, hops + merges)
 
 
 def plan(comm, seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,

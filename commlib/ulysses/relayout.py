@@ -63,13 +63,22 @@ def _send_layout(data, heads_total: int, size: int, xp):
     return xp.ascontiguousarray(data.reshape(b, sl, size, per, d).transpose(2, 0, 1, 3, 4))
 
 
+# above this many bytes per peer, packing several tensors into one message
+# costs more (an extra copy) than the latency it saves (docs/ulysses.md)
+FUSE_LIMIT_BYTES = 256 * 1024
+
+
 def seq_to_head_many(tensors: Sequence[Any], comm) -> List[Any]:
     """Relayout several [b, s/P, h_i, d_i] tensors (same b and s/P) in one
-    all-to-all; returns [b, s, h_i/P, d_i] each (kv-style heads as in the
-    module docstring), in each input's framework."""
+    all-to-all when the messages are small (latency-bound), one each when
+    they are large; returns [b, s, h_i/P, d_i] each (kv-style heads as in
+    the module docstring), in each input's framework."""
     natives = [unwrap(t) for t in tensors]
     xp = natives[0].xp
     size = comm.size
+    per_peer = sum(n.data.nbytes for n in natives) // size
+    if len(natives) > 1 and per_peer > FUSE_LIMIT_BYTES:
+        return [seq_to_head_many([t], comm)[0] for t in tensors]
     parts = []
     for native in natives:
         heads = native.data.shape[2]
