@@ -74,7 +74,7 @@ def relayout(comm, world, repeats: int) -> List[dict]:
 
 def fused(comm, world, repeats: int) -> List[dict]:
     rows = []
-    for seq in (64, 1024):
+    for seq in (16, 64, 1024):
         rng = np.random.default_rng(comm.rank)
         q = rng.standard_normal((1, seq // comm.size, 16, 64), dtype=np.float32)
         k = rng.standard_normal((1, seq // comm.size, 4, 64), dtype=np.float32) \
