@@ -16,7 +16,8 @@ from typing import Any, Optional, Tuple
 
 from ..arrays import unwrap
 from ..ring.attention import ring_attention, ring_attention_backward
-from ..ulysses.attention import check_inputs, lse_to_heads, lse_to_seq, problem_of, scale_of
+from ..attention_inputs import backward_extras, problem_of, scale_of, settings
+from ..ulysses.attention import check_inputs, lse_to_heads, lse_to_seq
 from ..ulysses.relayout import divisors, head_to_seq, seq_to_head_many
 
 _groups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -53,7 +54,7 @@ def hybrid_attention(q: Any, k: Any, v: Any, comm, ulysses_size: int, causal: bo
     nq, nk, nv = unwrap(q), unwrap(k), unwrap(v)
     scale = scale_of(nq, softmax_scale)
     comm.agree("hybrid_attention", tuple(nq.data.shape), tuple(nk.data.shape), nq.dtype.name,
-               f"ulysses_size={ulysses_size}", f"causal={causal}", f"scale={scale}",
+               *settings(("ulysses_size", ulysses_size), ("causal", causal), ("scale", scale)),
                problem=problem_of(_check, nq, nk, nv, comm.size, ulysses_size))
     group, ring = groups(comm, ulysses_size)
     qh, kh, vh = seq_to_head_many([nq.data, nk.data, nv.data], group)
@@ -72,13 +73,11 @@ def hybrid_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: 
     nq, nk, nv = unwrap(q), unwrap(k), unwrap(v)
     nd, no, nl = unwrap(dout), unwrap(out), unwrap(lse)
     scale = scale_of(nq, softmax_scale)
-    b, s, h = nq.data.shape[:3] if nq.data.ndim == 4 else (0, 0, 0)
-    extra = (("dout", nd, tuple(nq.data.shape)), ("out", no, tuple(nq.data.shape)),
-             ("lse", nl, (b, h, s)))
     comm.agree("hybrid_attention_backward", tuple(nq.data.shape), tuple(nk.data.shape),
-               nq.dtype.name, f"ulysses_size={ulysses_size}", f"causal={causal}",
-               f"scale={scale}",
-               problem=problem_of(_check, nq, nk, nv, comm.size, ulysses_size, extra))
+               nq.dtype.name,
+               *settings(("ulysses_size", ulysses_size), ("causal", causal), ("scale", scale)),
+               problem=problem_of(_check, nq, nk, nv, comm.size, ulysses_size,
+                                  backward_extras(nq, nd, no, nl)))
     group, ring = groups(comm, ulysses_size)
     qh, kh, vh, dh, oh = seq_to_head_many([nq.data, nk.data, nv.data, nd.data, no.data], group)
     dq, dk, dv = ring_attention_backward(dh, qh, kh, vh, oh, lse_to_heads(nl.data, group), ring,

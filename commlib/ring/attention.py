@@ -14,10 +14,10 @@ that after P steps each block's gradients arrive at its owner.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Optional, Tuple
 
 from ..arrays import Native, unwrap
+from ..attention_inputs import backward_extras, check_qkv, problem_of, scale_of, settings
 from . import kernel as _kernel
 from .exchange import RingExchange
 from .layout import check_layout
@@ -43,54 +43,20 @@ def _visible(rank: int, source: int, causal: bool, layout: str, length: int):
     return slice(half, None), everything, False  # only our late chunk sees it, all of it
 
 
-def _problem(q: Native, k: Native, v: Native, layout: str,
-             extra: Tuple[Tuple[str, Native, tuple], ...] = ()) -> Optional[Exception]:
-    """What is wrong with this rank's inputs, or None."""
-    try:
-        check_layout(layout)
-        if {q.on_device, k.on_device, v.on_device} != {q.on_device}:
-            raise ValueError("q, k and v must all be host arrays or all CUDA arrays")
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            if x.data.ndim != 4:
-                raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape "
-                                 f"{tuple(x.data.shape)}")
-        (b, s, h, d), (kb, ks, hk, kd) = q.data.shape, k.data.shape
-        if tuple(v.data.shape) != tuple(k.data.shape):
-            raise ValueError(f"k and v must have the same shape, got {tuple(k.data.shape)} "
-                             f"and {tuple(v.data.shape)}")
-        if (kb, ks, kd) != (b, s, d):
-            raise ValueError(f"q {tuple(q.data.shape)} and k {tuple(k.data.shape)} must agree "
-                             f"on batch, local sequence length and head_dim")
-        if h % hk:
-            raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hk}) "
-                             f"for GQA/MQA")
-        if q.dtype != q.data.dtype:
-            raise ValueError(f"{q.dtype.name} CUDA arrays are not supported by the built-in "
-                             f"block kernel (CuPy has no {q.dtype.name}); cast q, k and v "
-                             f"to float16 or float32")
-        if not q.dtype == k.dtype == v.dtype:
-            raise ValueError(f"q, k and v must have one dtype, got {q.dtype.name}, "
-                             f"{k.dtype.name}, {v.dtype.name}")
-        if layout == "zigzag" and s % 2:
-            raise ValueError(f"the zigzag layout holds two equal chunks per rank, so the "
-                             f"local sequence length must be even, got {s}")
-        for name, x, shape in extra:
-            if tuple(x.data.shape) != shape:
-                raise ValueError(f"{name} must have shape {shape}, got {tuple(x.data.shape)}")
-    except ValueError as error:
-        return error
-    return None
+def _check(q: Native, k: Native, v: Native, layout: str, extra=()) -> None:
+    check_layout(layout)
+    check_qkv(q, k, v, extra)
+    if layout == "zigzag" and q.data.shape[1] % 2:
+        raise ValueError(f"the zigzag layout holds two equal chunks per rank, so the local "
+                         f"sequence length must be even, got {q.data.shape[1]}")
 
 
 def _agree(comm, op: str, q: Native, k: Native, problem, causal, layout, scale) -> None:
     """Every rank checks its inputs; all ranks must agree on shapes (local
     sequence lengths included), dtype and settings, or all raise."""
     comm.agree(op, tuple(q.data.shape), tuple(k.data.shape), q.dtype.name,
-               f"causal={causal}", f"layout={layout}", f"scale={scale}", problem=problem)
-
-
-def _scale(q: Native, softmax_scale: Optional[float]) -> float:
-    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.data.shape[-1])
+               *settings(("causal", causal), ("layout", layout), ("scale", scale)),
+               problem=problem)
 
 
 def ring_attention(q: Any, k: Any, v: Any, comm, causal: bool = False,
@@ -104,8 +70,9 @@ def ring_attention(q: Any, k: Any, v: Any, comm, causal: bool = False,
     ``attn_fn(q, k, v, causal, softmax_scale) -> (out, lse)`` replaces the
     local block kernel (e.g. a flash-attention kernel)."""
     nq, nk, nv = unwrap(q), unwrap(k), unwrap(v)
-    scale = _scale(nq, softmax_scale)
-    _agree(comm, "ring_attention", nq, nk, _problem(nq, nk, nv, layout), causal, layout, scale)
+    scale = scale_of(nq, softmax_scale)
+    _agree(comm, "ring_attention", nq, nk, problem_of(_check, nq, nk, nv, layout), causal,
+           layout, scale)
     xp = nq.xp
     block_fn = attn_fn or _kernel.attention_forward
     length = nq.data.shape[1]
@@ -134,12 +101,10 @@ def ring_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: An
     forward's ``out`` and ``lse`` and the output gradient ``dout``."""
     nq, nk, nv = unwrap(q), unwrap(k), unwrap(v)
     nd, no, nl = unwrap(dout), unwrap(out), unwrap(lse)
-    scale = _scale(nq, softmax_scale)
-    b, length, heads, _ = nq.data.shape if nq.data.ndim == 4 else (0, 0, 0, 0)
-    problem = _problem(nq, nk, nv, layout, (("dout", nd, tuple(nq.data.shape)),
-                                           ("out", no, tuple(nq.data.shape)),
-                                           ("lse", nl, (b, heads, length))))
+    scale = scale_of(nq, softmax_scale)
+    problem = problem_of(_check, nq, nk, nv, layout, backward_extras(nq, nd, no, nl))
     _agree(comm, "ring_attention_backward", nq, nk, problem, causal, layout, scale)
+    length = nq.data.shape[1]
     xp = nq.xp
     delta = _kernel.row_dot(nd.data, no.data)
     dq = xp.zeros(nq.data.shape, dtype=xp.float32)

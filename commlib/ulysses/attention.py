@@ -5,10 +5,10 @@ The backward pass is the mirror image."""
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 from ..arrays import Native, unwrap
+from ..attention_inputs import backward_extras, check_qkv, problem_of, scale_of, settings
 from ..ring import kernel as _kernel
 from ..ring.attention import AttnFn
 from .relayout import check_heads, head_to_seq, kv_heads_for, seq_to_head_many
@@ -16,41 +16,9 @@ from .relayout import check_heads, head_to_seq, kv_heads_for, seq_to_head_many
 
 def check_inputs(q: Native, k: Native, v: Native, degree: int, extra=()) -> None:
     """Raise ValueError if these shards cannot run Ulysses at ``degree``."""
-    if {q.on_device, k.on_device, v.on_device} != {q.on_device}:
-        raise ValueError("q, k and v must all be host arrays or all CUDA arrays")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.data.ndim != 4:
-            raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape "
-                             f"{tuple(x.data.shape)}")
-    (b, s, h, d), (kb, ks, hk, kd) = q.data.shape, k.data.shape
-    if tuple(v.data.shape) != tuple(k.data.shape):
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.data.shape)} and "
-                         f"{tuple(v.data.shape)}")
-    if (kb, ks, kd) != (b, s, d):
-        raise ValueError(f"q {tuple(q.data.shape)} and k {tuple(k.data.shape)} must agree on "
-                         f"batch, local sequence length and head_dim")
-    if not q.dtype == k.dtype == v.dtype:
-        raise ValueError(f"q, k and v must have one dtype, got {q.dtype.name}, "
-                         f"{k.dtype.name}, {v.dtype.name}")
-    if h % hk:
-        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hk}) for GQA/MQA")
-    check_heads(h, degree)
-    kv_heads_for(0, hk, degree)
-    for name, x, shape in extra:
-        if tuple(x.data.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(x.data.shape)}")
-
-
-def problem_of(check, *args) -> Optional[Exception]:
-    try:
-        check(*args)
-    except ValueError as error:
-        return error
-    return None
-
-
-def scale_of(q: Native, softmax_scale: Optional[float]) -> float:
-    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.data.shape[-1])
+    check_qkv(q, k, v, extra)
+    check_heads(q.data.shape[2], degree)
+    kv_heads_for(0, k.data.shape[2], degree)
 
 
 def lse_to_heads(lse, comm):
@@ -73,7 +41,7 @@ def ulysses_attention(q: Any, k: Any, v: Any, comm, causal: bool = False,
     nq, nk, nv = unwrap(q), unwrap(k), unwrap(v)
     scale = scale_of(nq, softmax_scale)
     comm.agree("ulysses_attention", tuple(nq.data.shape), tuple(nk.data.shape), nq.dtype.name,
-               f"causal={causal}", f"scale={scale}",
+               *settings(("causal", causal), ("scale", scale)),
                problem=problem_of(check_inputs, nq, nk, nv, comm.size))
     qh, kh, vh = seq_to_head_many([nq.data, nk.data, nv.data], comm)
     out, lse = (attn_fn or _kernel.attention_forward)(qh, kh, vh, causal, scale)
@@ -89,12 +57,10 @@ def ulysses_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse:
     nq, nk, nv = unwrap(q), unwrap(k), unwrap(v)
     nd, no, nl = unwrap(dout), unwrap(out), unwrap(lse)
     scale = scale_of(nq, softmax_scale)
-    b, s, h = nq.data.shape[:3] if nq.data.ndim == 4 else (0, 0, 0)
-    extra = (("dout", nd, tuple(nq.data.shape)), ("out", no, tuple(nq.data.shape)),
-             ("lse", nl, (b, h, s)))
     comm.agree("ulysses_attention_backward", tuple(nq.data.shape), tuple(nk.data.shape),
-               nq.dtype.name, f"causal={causal}", f"scale={scale}",
-               problem=problem_of(check_inputs, nq, nk, nv, comm.size, extra))
+               nq.dtype.name, *settings(("causal", causal), ("scale", scale)),
+               problem=problem_of(check_inputs, nq, nk, nv, comm.size,
+                                  backward_extras(nq, nd, no, nl)))
     qh, kh, vh, dh, oh = seq_to_head_many(
         [nq.data, nk.data, nv.data, nd.data, no.data], comm)
     lse_h = lse_to_heads(nl.data, comm)
