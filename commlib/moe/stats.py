@@ -1,0 +1,57 @@
+"""What a dispatch did, seen from every rank: per-expert load and drops,
+rank x rank traffic, bytes over and inside nodes, imbalance. The visibility
+that should exist before a training run starts, not after it slows down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DispatchStats:
+    """Global over all ranks. ``tokens_per_expert[e]``: assignments expert e
+    received; ``dropped[e]``: assignments refused by its capacity;
+    ``traffic[i, j]``: token payload bytes rank i sent to rank j (every hop;
+    the 8k bytes of routing metadata per row are not counted);
+    ``inter_node_bytes`` / ``intra_node_bytes``: traffic between ranks on
+    different nodes / on the same node (a rank's copy to itself excluded)."""
+
+    tokens_per_expert: np.ndarray
+    dropped: np.ndarray
+    traffic: np.ndarray
+    inter_node_bytes: int
+    intra_node_bytes: int
+
+    @property
+    def imbalance(self) -> float:
+        """Max over mean expert load (1.0 is perfect balance)."""
+        mean = self.tokens_per_expert.mean() if self.tokens_per_expert.size else 0.0
+        return float(self.tokens_per_expert.max() / mean) if mean > 0 else 1.0
+
+    @classmethod
+    def zeros(cls, num_experts: int, size: int) -> "DispatchStats":
+        return cls(np.zeros(num_experts, np.int64), np.zeros(num_experts, np.int64),
+                   np.zeros((size, size), np.int64), 0, 0)
+
+    @classmethod
+    def gather(cls, comm, kept: np.ndarray, dropped: np.ndarray,
+               traffic: np.ndarray) -> "DispatchStats":
+        """Sum every rank's part (one small allreduce) and split the traffic
+        by the topology."""
+        experts, size = kept.size, comm.size
+        local = np.concatenate([kept, dropped, traffic.reshape(-1)]).astype(np.int64)
+        total = np.asarray(comm.allreduce(local))
+        matrix = total[2 * experts:].reshape(size, size)
+        nodes = np.array([comm.topology.node_of(r) for r in range(size)])
+        across = nodes[:, None] != nodes[None, :]
+        elsewhere = ~np.eye(size, dtype=bool)
+        return cls(total[:experts], total[experts:2 * experts], matrix,
+                   int(matrix[across].sum()), int(matrix[~across & elsewhere].sum()))
+
+    def __add__(self, other: "DispatchStats") -> "DispatchStats":
+        return DispatchStats(self.tokens_per_expert + other.tokens_per_expert,
+                             self.dropped + other.dropped, self.traffic + other.traffic,
+                             self.inter_node_bytes + other.inter_node_bytes,
+                             self.intra_node_bytes + other.intra_node_bytes)

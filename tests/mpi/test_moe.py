@@ -1,0 +1,196 @@
+"""MoE dispatch and combine against a per-token loop, flat and two-hop, with
+capacity dropping, conservation and inter-node byte counts checked against
+an independent count."""
+
+import math
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import commlib
+from commlib.moe.dispatch import Dispatcher
+from conftest import all_ranks, raises_everywhere
+
+HIDDEN = 6
+
+
+def expert_maps(num_experts):
+    """f_e(x) = x @ W_e, the same on every rank."""
+    return np.stack([np.random.default_rng(1000 + e).standard_normal((HIDDEN, HIDDEN))
+                     for e in range(num_experts)]).astype(np.float64)
+
+
+def run_experts(comm, expert_x, handle, maps):
+    local = len(handle.tokens_per_expert)
+    owner = np.repeat(np.arange(local), handle.tokens_per_expert) + comm.rank * local
+    return np.einsum("th,thg->tg", np.asarray(expert_x, np.float64), maps[owner])
+
+
+def kept_by_capacity(experts, weights, num_experts, factor, policy):
+    """Independent capacity rule: per expert, the cap heaviest (or earliest)
+    assignments of this rank survive; ties go to the earlier assignment."""
+    if factor is None:
+        return experts
+    tokens, k = experts.shape
+    cap = math.ceil(tokens * k / num_experts * factor)
+    kept = experts.copy()
+    for e in range(num_experts):
+        slots = [(t, j) for t in range(tokens) for j in range(k) if experts[t, j] == e]
+        if policy == "probs":
+            slots.sort(key=lambda tj: (-weights[tj], tj[0] * k + tj[1]))
+        for t, j in slots[cap:]:
+            kept[t, j] = -1
+    return kept
+
+
+def per_token_reference(x, experts, weights, maps):
+    y = np.zeros((x.shape[0], HIDDEN))
+    for t in range(x.shape[0]):
+        for j in range(experts.shape[1]):
+            if experts[t, j] >= 0:
+                y[t] += weights[t, j] * (x[t].astype(np.float64) @ maps[experts[t, j]])
+    return y
+
+
+def make_routing(comm, case, num_experts, seed=0):
+    rng = np.random.default_rng([seed, comm.rank])
+    tokens = {"no_tokens": 0 if comm.rank == comm.size - 1 else 9}.get(case, 9 + comm.rank)
+    k = {"k1": 1, "kall": num_experts}.get(case, 3)
+    x = rng.standard_normal((tokens, HIDDEN)).astype(np.float32)
+    experts = np.array([rng.choice(num_experts, size=k, replace=False)
+                        for _ in range(tokens)], dtype=np.int64).reshape(tokens, k)
+    if case == "hot":
+        experts[:, 0] = 0
+        experts[:, 1:] = (experts[:, 1:] % (num_experts - 1)) + 1
+    if case == "minus_one":
+        experts[rng.random(experts.shape) < 0.3] = -1
+    weights = rng.random((tokens, k)).astype(np.float32)
+    return x, experts.astype(np.int64), weights
+
+
+CASES = ["plain", "k1", "kall", "hot", "no_tokens", "minus_one"]
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+@pytest.mark.parametrize("capacity", [None, 0.6])
+@pytest.mark.parametrize("case", CASES)
+def test_combine_of_dispatch_is_the_per_token_loop(comm, case, capacity, hierarchical):
+    world = commlib.init(ranks_per_node=2 if comm.size % 2 == 0 else 1)
+    try:
+        num_experts = 4 * comm.size
+        maps = expert_maps(num_experts)
+        x, experts, weights = make_routing(comm, case, num_experts)
+        policy = "position" if case == "hot" else "probs"
+        d = Dispatcher(world, num_experts, capacity_factor=capacity, drop_policy=policy,
+                       hierarchical=hierarchical)
+        expert_x, handle = d.dispatch(x, experts, weights)
+        y = d.combine(run_experts(world, expert_x, handle, maps).astype(np.float32), handle)
+        kept = kept_by_capacity(experts, weights, num_experts, capacity, policy)
+        expected = per_token_reference(x, kept, weights, maps)
+        sent = world.allreduce(np.array([(experts >= 0).sum()]))[0]
+        received = world.allreduce(np.array([handle.tokens_per_expert.sum()]))[0]
+        stats = handle.stats
+        assert all_ranks(
+            y.shape == (x.shape[0], HIDDEN) and np.allclose(y, expected, atol=1e-4)
+            and sent == received + stats.dropped.sum()  # conservation
+            and received == stats.tokens_per_expert.sum()
+            and (capacity is not None or stats.dropped.sum() == 0))
+    finally:
+        world.free()
+
+
+def _inter_node_rows(experts_by_rank, num_experts, topology, two_hop):
+    """Independent count of token rows crossing nodes: flat sends a row to
+    every distinct destination rank; two-hop to every distinct node."""
+    per_rank = num_experts // topology.size
+    rows = 0
+    for source, experts in enumerate(experts_by_rank):
+        for token in experts:
+            owners = {e // per_rank for e in token if e >= 0}
+            if two_hop:
+                nodes = {topology.node_of(r) for r in owners}
+                rows += len(nodes - {topology.node_of(source)})
+            else:
+                rows += sum(topology.node_of(r) != topology.node_of(source) for r in owners)
+    return rows
+
+
+def test_two_hop_crosses_nodes_less_by_exactly_the_predicted_bytes(comm):
+    if comm.size % 2:
+        pytest.skip("needs an even number of ranks to emulate two nodes")
+    world = commlib.init(ranks_per_node=comm.size // 2 if comm.size > 2 else 1)
+    try:
+        num_experts = 4 * comm.size
+        x, experts, weights = make_routing(comm, "plain", num_experts, seed=3)
+        row_bytes = x.itemsize * HIDDEN
+        everyone = MPI.COMM_WORLD.allgather(experts)
+        result = {}
+        for two_hop in (False, True):
+            d = Dispatcher(world, num_experts, hierarchical=two_hop)
+            expert_x, handle = d.dispatch(x, experts, weights)
+            d.combine(expert_x, handle)
+            result[two_hop] = handle.stats.inter_node_bytes
+        flat = _inter_node_rows(everyone, num_experts, world.topology, False) * row_bytes
+        hier = _inter_node_rows(everyone, num_experts, world.topology, True) * row_bytes
+        assert all_ranks(result[False] == flat and result[True] == hier and hier <= flat)
+    finally:
+        world.free()
+
+
+def test_running_stats_accumulate(comm):
+    num_experts = 4 * comm.size
+    d = Dispatcher(comm, num_experts)
+    x, experts, weights = make_routing(comm, "plain", num_experts, seed=4)
+    experts = experts % num_experts
+    for _ in range(3):
+        d.dispatch(x, experts, weights)
+    total = comm.allreduce(np.array([experts.size]))[0]
+    assert all_ranks(d.stats.tokens_per_expert.sum() == 3 * total and d.stats.imbalance >= 1)
+
+
+def test_torch_in_torch_out(comm):
+    torch = pytest.importorskip("torch")
+    num_experts = 4 * comm.size
+    x, experts, weights = make_routing(comm, "plain", num_experts, seed=5)
+    experts = experts % num_experts
+    d = Dispatcher(comm, num_experts)
+    expert_x, handle = d.dispatch(torch.tensor(x), torch.tensor(experts), torch.tensor(weights))
+    y = d.combine(expert_x, handle)
+    assert isinstance(expert_x, torch.Tensor) and isinstance(y, torch.Tensor)
+
+
+# -- bad input ---------------------------------------------------------------
+
+def test_num_experts_must_divide_over_ranks(comm):
+    raises_everywhere(commlib.CollectiveMismatchError,
+                      lambda: Dispatcher(comm, 2 * comm.size + 1 if comm.size > 1 else 0),
+                      match="must be a positive multiple of the world size")
+
+
+def test_unknown_drop_policy(comm):
+    raises_everywhere(commlib.CollectiveMismatchError,
+                      lambda: Dispatcher(comm, comm.size, drop_policy="random"),
+                      match="unknown drop_policy 'random'")
+
+
+@pytest.mark.parametrize("case, message", [
+    ("out_of_range", "expert indices must lie in [-1, "),
+    ("weights_shape", "weights must have the shape of experts"),
+    ("experts_rows", "experts must be [tokens, k]"),
+])
+def test_bad_routing_on_one_rank_raises_everywhere(comm, case, message):
+    num_experts = 4 * comm.size
+    d = Dispatcher(comm, num_experts)
+    x, experts, weights = make_routing(comm, "plain", num_experts, seed=6)
+    experts = experts % num_experts
+    if comm.rank == comm.size - 1:
+        if case == "out_of_range":
+            experts[0, 0] = num_experts
+        elif case == "weights_shape":
+            weights = weights[:, :1]
+        else:
+            experts = experts[:-1]
+    error = raises_everywhere(commlib.CollectiveMismatchError,
+                              lambda: d.dispatch(x, experts, weights), match=message)
+    assert f"rank {comm.size - 1}" in str(error)
