@@ -38,8 +38,14 @@ class BiasBalancer:
         ``e``. With ``comm`` the load of every rank is summed first, so all
         ranks make the same update and keep routing alike. Returns a copy of
         the new bias (NumPy float32)."""
-        counts = self._host_load(load)
-        if comm is not None:
+        if comm is None:
+            counts = self._host_load(load)
+        else:  # a bad load on one rank must stop every rank, not leave them waiting
+            try:
+                counts, problem = self._host_load(load), None
+            except ValueError as error:
+                counts, problem = None, error
+            comm.agree("moe.BiasBalancer.update", self.num_experts, problem=problem)
             counts = np.asarray(comm.allreduce(counts, op="sum"))
         step = np.sign(counts.mean() - counts).astype(np.float32)
         self.bias += np.float32(self.rate) * step

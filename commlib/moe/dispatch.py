@@ -68,7 +68,10 @@ def _scatter_add(xp, out, rows, values, weights=None) -> None:
     a handful of contributions per row that is 6x faster than np.add.at."""
     if xp is not np:
         import cupyx
-        cupyx.scatter_add(out, rows, values if weights is None else values * weights[:, None])
+        part = values.astype(xp.float32)
+        if weights is not None:
+            part = part * weights.reshape((-1,) + (1,) * (values.ndim - 1))
+        cupyx.scatter_add(out, rows, part)
         return
     order = np.argsort(rows, kind="stable")
     ordered = rows[order]
@@ -249,16 +252,26 @@ class Dispatcher:
         return rows[arrival], arrival, gate[arrival, slot], per_expert
 
     # -- combine --------------------------------------------------------------
+    @staticmethod
+    def _combine_problem(ny: Native, handle: DispatchHandle) -> Optional[Exception]:
+        expected = int(handle.arrival_rows.shape[0])
+        if ny.data.ndim < 1 or ny.data.shape[0] != expected:
+            return ValueError(f"expert_y must have one row per expert_x row ({expected}), "
+                              f"got shape {tuple(ny.data.shape)}")
+        if ny.dtype != ny.data.dtype:
+            return ValueError(f"{ny.dtype.name} CUDA expert outputs cannot be summed here (CuPy "
+                              f"has no {ny.dtype.name}); pass float16 or float32")
+        return None
+
     def combine(self, expert_y: Any, handle: DispatchHandle) -> Any:
         """y[t] = sum_j weights[t, j] * expert_y of (t, experts[t, j]),
         summed where the experts are and sent back once per rank visited;
         zero for a token with no (kept) expert. In expert_y's framework."""
         ny = unwrap(expert_y)
         xp = ny.xp
-        expected = int(handle.arrival_rows.shape[0])
-        if ny.data.ndim < 1 or ny.data.shape[0] != expected:
-            raise ValueError(f"expert_y must have one row per expert_x row ({expected}), got "
-                             f"shape {tuple(ny.data.shape)}")
+        self.comm.agree("moe.combine", f"dtype {ny.dtype.name}",
+                        f"row shape {tuple(ny.data.shape[1:])}",
+                        problem=self._combine_problem(ny, handle))
         width = ny.data.shape[1:]
         rows = xp.zeros((handle.received_rows,) + width, dtype=xp.float32)
         _scatter_add(xp, rows, handle.arrival_rows, ny.data, handle.arrival_weights)

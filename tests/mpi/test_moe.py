@@ -194,3 +194,27 @@ def test_bad_routing_on_one_rank_raises_everywhere(comm, case, message):
     error = raises_everywhere(commlib.CollectiveMismatchError,
                               lambda: d.dispatch(x, experts, weights), match=message)
     assert f"rank {comm.size - 1}" in str(error)
+
+
+def test_combine_checks_expert_outputs_on_every_rank(comm):
+    num_experts = 4 * comm.size
+    d = Dispatcher(comm, num_experts)
+    x, experts, weights = make_routing(comm, "plain", num_experts, seed=7)
+    expert_x, handle = d.dispatch(x, experts, weights)
+    bad = expert_x[:-1] if comm.rank == comm.size - 1 and len(expert_x) else expert_x
+    if comm.rank == comm.size - 1 and not len(expert_x):
+        bad = np.zeros((1, HIDDEN), np.float32)
+    raises_everywhere(commlib.CollectiveMismatchError, lambda: d.combine(bad, handle),
+                      match="expert_y must have one row per expert_x row")
+    if comm.size > 1:
+        other = expert_x.astype(np.float16) if comm.rank == 0 else expert_x
+        raises_everywhere(commlib.CollectiveMismatchError, lambda: d.combine(other, handle),
+                          match="different arguments")
+
+
+def test_balancer_bad_load_on_one_rank_raises_everywhere(comm):
+    from commlib.moe import BiasBalancer
+
+    load = np.ones(8) if comm.rank else np.ones(7)
+    raises_everywhere(commlib.CollectiveMismatchError,
+                      lambda: BiasBalancer(8).update(load, comm), match="rank 0")
