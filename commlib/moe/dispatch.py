@@ -56,6 +56,7 @@ class DispatchHandle:
     stats: DispatchStats
     hops: List[_Hop] = field(repr=False)
     arrival_rows: Any = field(repr=False)     # received row of each expert_x row
+    arrival_slots: Any = field(repr=False)    # which of the token's k slots it is
     arrival_weights: Any = field(repr=False)  # its routing weight
     received_rows: int = field(repr=False)
 
@@ -139,11 +140,12 @@ class Dispatcher:
             hop, rows, ids, gate = self._hop(xp, rows, ids, gate, destination(xp))
             traffic[self.comm.rank] += hop.send_counts * row_bytes
             hops.append(hop)
-        expert_x, arrival_rows, arrival_weights, per_expert = self._expand(xp, rows, ids, gate)
+        expert_x, arrival_rows, arrival_slots, arrival_weights, per_expert = \
+            self._expand(xp, rows, ids, gate)
         stats = DispatchStats.gather(self.comm, requested, dropped, traffic)
         self.stats = self.stats + stats
-        handle = DispatchHandle(per_expert, stats, hops, arrival_rows, arrival_weights,
-                                rows.shape[0])
+        handle = DispatchHandle(per_expert, stats, hops, arrival_rows, arrival_slots,
+                                arrival_weights, rows.shape[0])
         return nx.wrap(expert_x), handle
 
     def _facts(self, nx: Native, ne: Native):
@@ -249,7 +251,7 @@ class Dispatcher:
         order = xp.argsort(local, kind="stable") if xp is np else xp.argsort(local)
         arrival, slot, local = arrival[order], slot[order], local[order]
         per_expert = np.bincount(_host(local), minlength=self.local_experts)
-        return rows[arrival], arrival, gate[arrival, slot], per_expert
+        return rows[arrival], arrival, slot, gate[arrival, slot], per_expert
 
     # -- combine --------------------------------------------------------------
     @staticmethod
@@ -268,20 +270,37 @@ class Dispatcher:
         summed where the experts are and sent back once per rank visited;
         zero for a token with no (kept) expert. In expert_y's framework."""
         ny = unwrap(expert_y)
-        xp = ny.xp
         self.comm.agree("moe.combine", f"dtype {ny.dtype.name}",
                         f"row shape {tuple(ny.data.shape[1:])}",
                         problem=self._combine_problem(ny, handle))
-        width = ny.data.shape[1:]
-        rows = xp.zeros((handle.received_rows,) + width, dtype=xp.float32)
-        _scatter_add(xp, rows, handle.arrival_rows, ny.data, handle.arrival_weights)
+        rows = ny.xp.zeros((handle.received_rows,) + ny.data.shape[1:], dtype=ny.xp.float32)
+        _scatter_add(ny.xp, rows, handle.arrival_rows, ny.data, handle.arrival_weights)
+        return ny.wrap(self.return_rows(rows, handle, ny.data.dtype))
+
+    # -- the two directions, for gradients (commlib.bindings) ------------------
+    def return_rows(self, rows: Any, handle: DispatchHandle, dtype=None) -> Any:
+        """Per-arrival rows [received, ...] (NumPy/CuPy) back along the
+        dispatch path to the tokens [T, ...], summing the copies of a token
+        (the adjoint of ``send_rows``). Travels as ``dtype`` (default: as is)."""
+        xp = unwrap(rows).xp
+        width = rows.shape[1:]
         for hop in reversed(handle.hops):
-            back, _ = self.comm.alltoallv(rows.astype(ny.data.dtype), hop.recv_counts,
+            back, _ = self.comm.alltoallv(rows.astype(dtype or rows.dtype), hop.recv_counts,
                                           hop.send_counts)
             rows = xp.zeros((hop.sources,) + width, dtype=xp.float32)
             _scatter_add(xp, rows, hop.send_rows, unwrap(back).data)
-        return ny.wrap(rows.astype(ny.data.dtype))
+        return rows.astype(dtype or rows.dtype)
 
+    def send_rows(self, tokens: Any, handle: DispatchHandle) -> Any:
+        """Per-token rows [T, ...] (NumPy/CuPy) along the dispatch path to
+        the arrivals [received, ...], one copy per rank a token visits (the
+        adjoint of ``return_rows``)."""
+        rows = tokens
+        for hop in handle.hops:
+            rows, _ = self.comm.alltoallv(rows[hop.send_rows], hop.send_counts,
+                                          hop.recv_counts)
+            rows = unwrap(rows).data
+        return rows
 
 def _host(array) -> np.ndarray:
     return array.get() if hasattr(array, "get") else np.asarray(array)

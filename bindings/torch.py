@@ -1,0 +1,198 @@
+"""PyTorch autograd functions over commlib: Ring, Ulysses and hybrid
+attention, the Ulysses relayouts, and MoE dispatch/combine.
+
+Each is a ``torch.autograd.Function`` whose backward runs the mirror
+communication (ring_attention_backward, head_to_seq for seq_to_head, combine's
+path for dispatch's gradient and back). Tensors cross into commlib through
+DLPack without a copy (a contiguous CPU tensor shares its memory) and the
+results come back as tensors on the caller's device.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import numpy as np
+import torch
+
+from commlib import hybrid as _hybrid
+from commlib import moe as _moe
+from commlib import ring as _ring
+from commlib import ulysses as _ulysses
+from commlib.arrays import unwrap
+from commlib.moe.dispatch import _scatter_add
+
+__all__ = ["ring_attention", "ulysses_attention", "hybrid_attention", "seq_to_head",
+           "head_to_seq", "Dispatcher"]
+
+
+class _Attention(torch.autograd.Function):
+    """out = forward(q, k, v); the backward calls the matching core backward
+    with the forward's out and lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, forward, backward):
+        out, lse = forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.backward_fn = backward
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*ctx.backward_fn(dout.contiguous(), q, k, v, out, lse), None, None)
+
+
+def _attention(q, k, v, forward, backward, **settings):
+    return _Attention.apply(q, k, v, functools.partial(forward, return_lse=True, **settings),
+                            functools.partial(backward, **settings))
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, causal: bool = False,
+                   layout: str = "contiguous", softmax_scale: Optional[float] = None
+                   ) -> torch.Tensor:
+    """Differentiable ``commlib.ring.ring_attention``."""
+    return _attention(q, k, v, _ring.ring_attention, _ring.ring_attention_backward, comm=comm,
+                      causal=causal, layout=layout, softmax_scale=softmax_scale)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm,
+                      causal: bool = False, softmax_scale: Optional[float] = None
+                      ) -> torch.Tensor:
+    """Differentiable ``commlib.ulysses.ulysses_attention``."""
+    return _attention(q, k, v, _ulysses.ulysses_attention, _ulysses.ulysses_attention_backward,
+                      comm=comm, causal=causal, softmax_scale=softmax_scale)
+
+
+def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm,
+                     ulysses_size: int, causal: bool = False,
+                     softmax_scale: Optional[float] = None) -> torch.Tensor:
+    """Differentiable ``commlib.hybrid.hybrid_attention``."""
+    return _attention(q, k, v, _hybrid.hybrid_attention, _hybrid.hybrid_attention_backward,
+                      comm=comm, ulysses_size=ulysses_size, causal=causal,
+                      softmax_scale=softmax_scale)
+
+
+class _SeqToHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm, ctx.heads = comm, x.shape[2]
+        return _ulysses.seq_to_head(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _ulysses.head_to_seq(grad.contiguous(), ctx.comm, ctx.heads), None
+
+
+class _HeadToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, heads):
+        ctx.comm = comm
+        return _ulysses.head_to_seq(x, comm, heads)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _ulysses.seq_to_head(grad.contiguous(), ctx.comm), None, None
+
+
+def seq_to_head(x: torch.Tensor, comm) -> torch.Tensor:
+    """Differentiable [b, s/P, h, d] -> [b, s, h/P, d]; its adjoint is head_to_seq."""
+    return _SeqToHead.apply(x, comm)
+
+
+def head_to_seq(x: torch.Tensor, comm, heads: Optional[int] = None) -> torch.Tensor:
+    """Differentiable [b, s, h/P, d] -> [b, s/P, h, d]; its adjoint is seq_to_head."""
+    return _HeadToSeq.apply(x, comm, heads)
+
+
+@dataclass
+class TorchHandle:
+    """A dispatch's handle plus the weights tensor combine differentiates."""
+
+    core: _moe.DispatchHandle
+    weights: torch.Tensor
+
+    @property
+    def tokens_per_expert(self) -> np.ndarray:
+        return self.core.tokens_per_expert
+
+    @property
+    def stats(self) -> _moe.DispatchStats:
+        return self.core.stats
+
+
+def _numpy(t: torch.Tensor):
+    return unwrap(t.detach().contiguous()).data
+
+
+class _Dispatch(torch.autograd.Function):
+    """expert_x = dispatch(x); dx = the expert rows' gradients summed back
+    to their tokens along the combine path."""
+
+    @staticmethod
+    def forward(ctx, x, experts, weights, core, box):
+        expert_x, handle = core.dispatch(x.detach(), experts, weights.detach())
+        box.append(handle)
+        ctx.core, ctx.handle, ctx.like = core, handle, unwrap(x.detach())
+        return expert_x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_rows = _numpy(grad)
+        xp = ctx.like.xp
+        rows = xp.zeros((ctx.handle.received_rows,) + grad_rows.shape[1:], dtype=xp.float32)
+        _scatter_add(xp, rows, ctx.handle.arrival_rows, grad_rows)
+        dx = ctx.core.return_rows(rows, ctx.handle, grad_rows.dtype)
+        return ctx.like.wrap(xp.ascontiguousarray(dx)), None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """y = combine(expert_y) with the handle's weights. Backward: dy travels
+    the dispatch path to the expert rows; d expert_y = w * dy there; d w =
+    <dy, expert_y> per slot, sent back to its token."""
+
+    @staticmethod
+    def forward(ctx, expert_y, weights, core, handle):
+        ctx.save_for_backward(expert_y, weights)
+        ctx.core, ctx.handle = core, handle
+        return core.combine(expert_y.detach(), handle)
+
+    @staticmethod
+    def backward(ctx, grad):
+        expert_y, weights_in = ctx.saved_tensors
+        native, handle = unwrap(expert_y.detach()), ctx.handle
+        gate = unwrap(weights_in.detach())
+        xp = native.xp
+        arrived = ctx.core.send_rows(_numpy(grad), handle)[handle.arrival_rows]
+        arrived = arrived.astype(xp.float32)
+        weights = handle.arrival_weights.reshape((-1,) + (1,) * (arrived.ndim - 1))
+        d_expert_y = (arrived * weights).astype(native.data.dtype)
+        dots = (arrived * native.data.astype(xp.float32)).reshape(len(arrived), -1).sum(axis=1)
+        per_slot = xp.zeros((handle.received_rows, weights_in.shape[1]), dtype=xp.float32)
+        per_slot[handle.arrival_rows, handle.arrival_slots] = dots
+        d_weights = ctx.core.return_rows(per_slot, handle)
+        return (native.wrap(xp.ascontiguousarray(d_expert_y)),
+                gate.wrap(xp.ascontiguousarray(d_weights).astype(gate.data.dtype)), None, None)
+
+
+class Dispatcher:
+    """``commlib.moe.Dispatcher`` whose dispatch and combine are
+    differentiable in x, weights and expert_y."""
+
+    def __init__(self, comm, num_experts: int, **options: Any):
+        self.core = _moe.Dispatcher(comm, num_experts, **options)
+
+    @property
+    def stats(self) -> _moe.DispatchStats:
+        return self.core.stats
+
+    def dispatch(self, x: torch.Tensor, experts: torch.Tensor,
+                 weights: torch.Tensor) -> Tuple[torch.Tensor, TorchHandle]:
+        box: list = []
+        expert_x = _Dispatch.apply(x, experts, weights, self.core, box)
+        return expert_x, TorchHandle(box[0], weights)
+
+    def combine(self, expert_y: torch.Tensor, handle: TorchHandle) -> torch.Tensor:
+        return _Combine.apply(expert_y, handle.weights, self.core, handle.core)
