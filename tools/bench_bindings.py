@@ -1,0 +1,61 @@
+"""What the PyTorch binding costs: ring attention forward + backward through
+``commlib.bindings.torch`` (autograd) against the commlib core called
+directly on the same memory, interleaved in one launch.
+
+    OPENBLAS_NUM_THREADS=1 mpiexec -n 2 python -m commlib.tools.bench_bindings
+"""
+
+from __future__ import annotations
+
+import time
+
+import click
+import numpy as np
+import torch
+from mpi4py import MPI
+
+import commlib
+from commlib import ring
+from commlib.bindings import torch as ct
+
+
+@click.command()
+@click.option("--seq", default=4096, show_default=True, help="Global sequence length.")
+@click.option("--heads", default=8, show_default=True)
+@click.option("--head-dim", default=64, show_default=True)
+@click.option("--repeats", default=5, show_default=True)
+def main(seq: int, heads: int, head_dim: int, repeats: int) -> None:
+    """Binding overhead of torch ring attention, forward + backward."""
+    world = MPI.COMM_WORLD
+    comm = commlib.init(backend="mpi", abort_on_error=True)
+    gen = torch.Generator().manual_seed(comm.rank)
+    shape = (1, seq // comm.size, heads, head_dim)
+    q, k, v, dout = (torch.randn(shape, generator=gen) for _ in range(4))
+
+    def through_torch():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ct.ring_attention(*leaves, comm, causal=True, layout="zigzag").backward(dout)
+
+    def core_directly():
+        arrays = [t.numpy() for t in (q, k, v, dout)]  # the same memory
+        out, lse = ring.ring_attention(*arrays[:3], comm, True, "zigzag", return_lse=True)
+        ring.ring_attention_backward(arrays[3], *arrays[:3], out, lse, comm, True, "zigzag")
+
+    times = {"torch binding": [], "core": []}
+    for _ in range(repeats):
+        for name, call in (("torch binding", through_torch), ("core", core_directly)):
+            world.Barrier()
+            start = time.perf_counter()
+            call()
+            times[name].append(world.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    binding, core = (float(np.median(times[n])) for n in ("torch binding", "core"))
+    if comm.rank == 0:
+        print(f"bench_bindings: {comm.size} ranks, seq {seq}, heads {heads}, head_dim "
+              f"{head_dim}, causal zigzag ring, forward + backward")
+        print(f"torch binding {binding * 1e3:.1f} ms, core {core * 1e3:.1f} ms, ratio "
+              f"{binding / core:.3f} (target <= 1.10)")
+    comm.free()
+
+
+if __name__ == "__main__":
+    main()
