@@ -1,6 +1,7 @@
-"""Framework bindings (``commlib.bindings.torch``, ``commlib.bindings.jax``).
+"""Framework bindings: ``commlib.bindings.torch`` (autograd functions) and
+``commlib.bindings.jax`` (jit-able ``custom_vjp`` functions).
 
 Plain collectives already take and return any framework's arrays through
-``commlib.arrays``; the modules here will add what that cannot: autograd
-functions for PyTorch and custom_vjp wrappers for JAX.
+``commlib.arrays``; these modules add differentiation: each backward runs the
+mirror communication. Import the one for your framework (each imports it).
 """
