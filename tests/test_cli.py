@@ -2,6 +2,8 @@
 one), the check logic on hand-made corrupted data, and one real launch of
 ``diag alltoall`` under mpiexec at 2 and 3 ranks."""
 
+import importlib.util
+import json
 import subprocess
 import sys
 
@@ -11,6 +13,7 @@ from click.testing import CliRunner
 
 from commlib.backends import nccl
 from commlib.tools import cli
+from commlib.moe import route
 from launch import run
 
 LAUNCH_TIMEOUT_S = 60
@@ -102,15 +105,26 @@ def test_bus_bandwidth_is_nccl_tests_formula():
     (["-e", "12KB"], "is not a size"),
     (["-b", "0"], "is not a size"),
     (["-b", "2M", "-e", "1M"], "larger than --maxbytes"),
-    (["--pattern", "zipf"], "zipf"),
+    (["--pattern", "pareto"], "pareto"),
+    (["--pattern", "router", "--experts", "4", "--topk", "5"], "at most --experts"),
+    (["--plot", "out.png"], "pip install matplotlib"),
     (["--dtype", "float33"], "not a numeric element type"),
     (["--dtype", "U8"], "not a numeric element type"),
     (["-f", "1"], "stepfactor"),
 ])
 def test_alltoall_usage_errors_exit_2_with_a_reason(args, message):
+    if "--plot" in args and importlib.util.find_spec("matplotlib") is not None:
+        pytest.skip("matplotlib is installed, so --plot is no usage error")
     result = invoke("diag", "alltoall", *args)
     assert result.exit_code == 2, result.output
     assert message in result.output
+
+
+def test_router_experts_must_divide_over_the_world(monkeypatch):
+    monkeypatch.setattr(cli, "_world_size", lambda: 4)
+    result = invoke("diag", "alltoall", "--pattern", "router", "--experts", "6")
+    assert result.exit_code == 2, result.output
+    assert "6 experts do not divide over 4 ranks" in result.output
 
 
 @pytest.mark.parametrize("text, size", [("100", 100), ("1K", 1024), ("64k", 65536),
@@ -131,7 +145,8 @@ def exchange(matrix, dtype):
 @pytest.mark.parametrize("pattern", cli.PATTERNS)
 @pytest.mark.parametrize("dtype", [np.dtype("float32"), cli.parse_dtype("bfloat16")])
 def test_count_wrong_is_zero_on_correct_data(pattern, dtype):
-    matrix = cli.count_matrix(pattern, 300, 3, seed=1)
+    traffic = cli.Traffic(pattern, seed=1, experts=6, topk=2)  # 6 experts over 3 ranks
+    matrix = cli.count_matrix(pattern, 300, 3, seed=1, traffic=traffic)
     for rank, received in enumerate(exchange(matrix, dtype)):
         assert cli.count_wrong(received, rank, matrix[:, rank]) == 0
 
@@ -166,6 +181,128 @@ def test_count_matrix_splits_every_rank_total():
     assert (random != cli.count_matrix("random", 1000, 4, seed=8)).any()
 
 
+def test_zipf_shares_fall_with_the_rank_offset():
+    matrix = cli.count_matrix("zipf", 100_000, 4, seed=3, traffic=cli.Traffic("zipf", 3, skew=1.0))
+    assert (matrix.sum(axis=1) == 100_000).all()
+    for rank in range(4):
+        by_offset = [matrix[rank, (rank + offset) % 4] for offset in range(4)]
+        assert by_offset == sorted(by_offset, reverse=True)  # 1, 1/2, 1/3, 1/4 of the weight
+    assert (matrix == cli.count_matrix("zipf", 100_000, 4, seed=3,
+                                       traffic=cli.Traffic("zipf", 3, skew=1.0))).all()
+
+
+@pytest.mark.parametrize("size", [1, 2, 5])
+def test_hotspot_sends_half_to_rank_0_and_splits_the_rest(size):
+    matrix = cli.count_matrix("hotspot", 1001, size, seed=0)
+    assert (matrix.sum(axis=1) == 1001).all()
+    assert (matrix[:, 0] >= 1001 // 2).all()
+    assert len(set(matrix[:, 1:].ravel())) <= 1  # the others evenly
+
+
+@pytest.mark.parametrize("size, skew", [(2, 0.0), (4, 0.0), (4, 2.0)])
+def test_router_counts_distinct_tokens_per_destination(size, skew):
+    traffic = cli.Traffic("router", seed=5, experts=16, topk=4, skew=skew)
+    count = 4096
+    matrix = cli.count_matrix("router", count, size, seed=5, traffic=traffic)
+    row = cli.router_rows(count, size, traffic)
+    for sender in range(size):
+        experts, _ = route(sender_logits(sender, count, traffic), traffic.topk)
+        expected = np.zeros(size, dtype=np.int64)
+        for token_experts in np.asarray(experts):  # independent per-token loop
+            for dest in {int(e) // (traffic.experts // size) for e in token_experts}:
+                expected[dest] += row
+        assert (matrix[sender] == expected).all()
+        assert matrix[sender].sum() <= count
+    assert (matrix == cli.count_matrix("router", count, size, seed=5, traffic=traffic)).all()
+
+
+def sender_logits(sender, count, traffic):
+    """The router pattern's logits, rebuilt from its documented recipe."""
+    ranking = np.random.default_rng([traffic.seed, count]).permutation(traffic.experts)
+    rng = np.random.default_rng([traffic.seed, count, sender])
+    bias = -traffic.skew * np.log1p(ranking)
+    logits = rng.standard_normal((traffic.tokens, traffic.experts)) + bias
+    return logits.astype(np.float32)
+
+
+def test_router_skew_concentrates_traffic():
+    flat = cli.count_matrix("router", 1 << 16, 8, 0, cli.Traffic("router", experts=64, topk=2))
+    skewed = cli.count_matrix("router", 1 << 16, 8, 0,
+                              cli.Traffic("router", experts=64, topk=2, skew=3.0))
+    assert skewed.sum(axis=0).std() > flat.sum(axis=0).std()
+
+
+# -- new outputs: JSON, patterns end to end, slow links, relaunch -------------------
+def test_alltoall_json_has_a_row_per_size_with_busbw_and_wrong(tmp_path):
+    path = tmp_path / "rows.json"
+    result = invoke("diag", "alltoall", "-e", "4K", "--json", str(path), *QUICK)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(path.read_text())
+    assert [row["size_bytes"] for row in rows] == [1024, 2048, 4096]
+    for row in rows:
+        assert {"size_bytes", "count", "dtype", "time_us_avg", "time_us_min", "time_us_max",
+                "algbw_gbps", "busbw_gbps", "wrong"} <= set(row)
+        assert row["time_us_min"] <= row["time_us_avg"] <= row["time_us_max"]
+        assert row["busbw_gbps"] == cli.bus_bandwidth(row["algbw_gbps"], 1)
+        assert row["wrong"] == 0 and row["dtype"] == "float32"
+
+
+def test_row_as_json_busbw_is_algbw_times_n_minus_1_over_n():
+    row = cli.Row(4096, 1024, "float32", 1e-5, 9e-6, 2e-5, 8.0, cli.bus_bandwidth(8.0, 4), None)
+    record = row.as_json()
+    assert record["busbw_gbps"] == pytest.approx(8.0 * 3 / 4)
+    assert record["time_us_avg"] == pytest.approx(10.0) and record["wrong"] is None
+
+
+@pytest.mark.parametrize("pattern", ["zipf", "hotspot", "router"])
+def test_new_patterns_check_clean_in_a_world_of_one(pattern):
+    result = invoke("diag", "alltoall", "-e", "2K", "--pattern", pattern, *QUICK)
+    assert result.exit_code == 0, result.output
+    assert [row[-1] for row in table(result.output)] == ["0", "0"]
+    assert f"pattern: {pattern}" in result.output
+
+
+def test_slow_link_lines_star_the_slowest_pair():
+    times = np.array([[0, 1e-4, 2e-4], [1e-4, 0, 5e-4], [2e-4, 5e-4, 0]])
+    lines = cli.slow_link_lines(times)
+    body = [line.split() for line in lines if not line.startswith("#")]
+    assert len(body) == 3 and all(len(cells) == 4 for cells in body)
+    assert body[1][3] == "500.0*" and body[2][2] == "500.0*" and body[0][3] == "200.0"
+    assert lines[-1] == "# slowest link: 1 <-> 2, 500.0 us"
+
+
+def test_progress_line_appears_after_a_while_and_is_cleared(monkeypatch, capsys):
+    quiet = cli.Progress(3, enabled=True)
+    quiet.show(1024)
+    assert capsys.readouterr().err == ""  # a short sweep shows nothing
+    monkeypatch.setattr(cli, "_PROGRESS_AFTER_S", 0.0)
+    progress = cli.Progress(3, enabled=True)
+    progress.show(1024)
+    progress.clear()
+    assert capsys.readouterr().err == "\r[1/3] 1024 B ...\r\033[K"
+    off = cli.Progress(3, enabled=False)
+    off.show(2048)
+    off.clear()
+    assert capsys.readouterr().err == ""
+
+
+def test_np_relaunches_under_mpiexec_without_the_option(monkeypatch):
+    for name in cli.MPI_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    argv = ["diag", "alltoall", "--np", "3", "-e", "2K", "--np=3"]
+    monkeypatch.setattr(sys, "argv", ["commlib", *argv])
+    launched = []
+    monkeypatch.setattr(cli.subprocess, "run",
+                        lambda command: launched.append(command) or
+                        subprocess.CompletedProcess(command, 7))
+    result = invoke(*argv)
+    assert result.exit_code == 7
+    (command,) = launched
+    assert command[1:3] == ["-n", "3"]
+    assert command[3:] == [sys.executable, "-m", "commlib.tools.cli", "diag", "alltoall",
+                           "-e", "2K"]
+
+
 # -- a real launch ------------------------------------------------------------------
 @pytest.mark.parametrize("nprocs, ranks_per_node, topology", [
     (2, None, "from shared memory"),
@@ -186,3 +323,20 @@ def test_alltoall_under_mpiexec(nprocs, ranks_per_node, topology):
     assert [int(row[1]) for row in rows] == elements
     assert [int(row[0]) for row in rows] == [4 * count for count in elements]
     assert [row[-1] for row in rows] == ["0"] * 7
+
+
+def test_router_pattern_and_slow_links_under_mpiexec():
+    argv = [sys.executable, "-m", "commlib.tools.cli", "diag", "alltoall", "-e", "8K",
+            "--pattern", "router", "--experts", "8", "--topk", "2", "--slow-links", *QUICK]
+    try:
+        result = run(2, argv, timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"--slow-links at 2 ranks hung:\n{error.output}")
+    assert result.returncode == 0, result.stdout
+    rows = table(result.stdout)
+    sizes, matrix = rows[:4], rows[4:]
+    assert [row[-1] for row in sizes] == ["0"] * 4
+    assert [cells[0] for cells in matrix] == ["0", "1"]
+    assert matrix[0][1] == "-" and matrix[1][2] == "-"
+    assert matrix[0][2].endswith("*") and matrix[1][1].endswith("*")
+    assert "# slowest link: 0 <-> 1" in result.stdout

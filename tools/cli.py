@@ -16,21 +16,31 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, packages_distributions, version
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import click
 import ml_dtypes
 import numpy as np
 
 import commlib
+from commlib.tools.world import world
 from commlib.topology import RANKS_PER_NODE_ENV, Topology
 
 FRAMEWORKS = ("numpy", "cupy", "torch", "jax")
-PATTERNS = ("uniform", "random")
+PATTERNS = ("uniform", "random", "zipf", "hotspot", "router")
+MPI_ENV_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
+LINK_BYTES = 1024 ** 2
+LINK_ITERS = 5
+# show the progress line only once a sweep has run this long
+_PROGRESS_AFTER_S = 2.0
 _SIZE_SUFFIXES = {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
 # check values stay below this, so that they convert to float64 exactly
 _MAX_DISTINCT_VALUES = 2 ** 32
@@ -161,20 +171,6 @@ def sweep_options(command: Callable) -> Callable:
 
 
 # -- shared helpers ----------------------------------------------------------
-@contextmanager
-def _world() -> Iterator[commlib.Communicator]:
-    """A communicator over every rank of the launch, freed on the way out.
-    The CLI moves host arrays only, so NCCL is never set up. With peers, an
-    uncaught error on any rank aborts the whole job instead of hanging it."""
-    comm = commlib.init(backend="mpi")
-    if comm.size > 1:
-        commlib.abort_on_exception()
-    try:
-        yield comm
-    finally:
-        comm.free()
-
-
 def describe_topology(topology: Topology) -> str:
     """Nodes, ranks per node, and where the node boundaries come from."""
     per_node = [len(topology.ranks_of(node)) for node in range(topology.num_nodes)]
@@ -203,7 +199,7 @@ def main() -> None:
 def info() -> None:
     """What this launch sees: MPI library, world, topology, backends and
     array frameworks."""
-    with _world() as comm:
+    with world() as comm:
         if comm.rank == 0:
             click.echo("\n".join(info_lines(comm)))
 
@@ -225,8 +221,47 @@ def info_lines(comm: commlib.Communicator) -> List[str]:
         "backends    mpi: available",
         "            nccl: " + ("available" if nccl_reason is None
                                 else f"unavailable ({nccl_reason})"),
+        f"nccl        {_nccl_version()}",
+        f"gpus        {_gpu_count()}",
+        f"cuda-aware  {_cuda_aware_mpi(MPI)}",
         "frameworks  " + ", ".join(_framework_status(name) for name in FRAMEWORKS),
     ]
+
+
+def _nccl_version() -> str:
+    """NCCL's version as CuPy reports it (e.g. 22005 -> 2.20.5), or why not.
+    Any failure (no CuPy, no NCCL, no driver) is a fact to print, not an error."""
+    try:
+        from cupy.cuda import nccl as cupy_nccl
+
+        code = int(cupy_nccl.get_version())
+    except Exception as error:  # noqa: BLE001 - every failure is reported
+        return f"unknown ({type(error).__name__})"
+    major, rest = divmod(code, 10000) if code >= 10000 else divmod(code, 1000)
+    minor, patch = divmod(rest, 100)
+    return f"{major}.{minor}.{patch}"
+
+
+def _gpu_count() -> str:
+    """CUDA devices this rank sees, or "unknown" without CuPy or a driver."""
+    try:
+        import cupy
+
+        return str(cupy.cuda.runtime.getDeviceCount())
+    except Exception as error:  # noqa: BLE001 - every failure is reported
+        return f"unknown ({type(error).__name__})"
+
+
+def _cuda_aware_mpi(mpi) -> str:
+    """yes/no when mpi4py can ask (MPI.Query_cuda_support, MPI-4.1 era),
+    else "unknown": older libraries and mpi4py versions cannot tell."""
+    query = getattr(mpi, "Query_cuda_support", None)
+    if query is None:
+        return "unknown"
+    try:
+        return "yes" if query() else "no"
+    except Exception:  # noqa: BLE001 - an unimplemented query means unknown
+        return "unknown"
 
 
 def _framework_status(module: str) -> str:
@@ -249,25 +284,94 @@ def diag() -> None:
 @diag.command("alltoall")
 @sweep_options
 @click.option("--pattern", type=click.Choice(PATTERNS), default="uniform", show_default=True,
-              help="uniform: equal bytes to every peer; random: seeded random split.")
+              help="uniform: equal bytes to every peer; random: seeded Dirichlet split; "
+                   "zipf: shares ~ 1/(offset+1)^skew; hotspot: half to rank 0; "
+                   "router: a synthetic top-k MoE router.")
 @click.option("--seed", type=int, default=0, show_default=True,
-              help="Seed of the random pattern (the same on every rank).")
+              help="Seed of the random patterns (the same on every rank).")
+@click.option("--experts", type=click.IntRange(min=1), default=64, show_default=True,
+              help="router: experts, a multiple of the world size.")
+@click.option("--topk", type=click.IntRange(min=1), default=8, show_default=True,
+              help="router: experts chosen per token.")
+@click.option("--skew", type=click.FloatRange(min=0), default=None,
+              help="zipf: exponent (default 1); router: expert popularity ~ "
+                   "1/(r+1)^skew (default 0, uniform).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True),
+              help="Also write the rows to this file as a JSON list (rank 0).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True),
+              help="Plot busbw against size to this PNG (rank 0; needs matplotlib).")
+@click.option("--slow-links", is_flag=True,
+              help="After the sweep, time 1 MiB between every pair of ranks and print "
+                   "the rank x rank matrix, marking the slowest link.")
+@click.option("--np", "nprocs", type=click.IntRange(min=1),
+              help="Not under MPI yet: re-launch as mpiexec -n NP with the same options.")
 @click.pass_context
-def alltoall(ctx: click.Context, sweep: Sweep, pattern: str, seed: int) -> None:
+def alltoall(ctx: click.Context, sweep: Sweep, pattern: str, seed: int, experts: int,
+             topk: int, skew: Optional[float], json_path: Optional[str],
+             plot_path: Optional[str], slow_links: bool, nprocs: Optional[int]) -> None:
     """Time comm.alltoallv from -b to -e bytes per rank and check the data,
-    like nccl-tests' alltoall_perf. Exits 1 if any element arrived wrong."""
-    with _world() as comm:
+    like nccl-tests' alltoall_perf. Exits 1 if any element arrived wrong.
+
+    On rank 0, a progress line is shown on stderr when it is a terminal and
+    the sweep has run for more than a couple of seconds.
+    """
+    if nprocs is not None and not under_mpi():
+        ctx.exit(relaunch(nprocs, sys.argv[1:]))
+    if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
+        raise click.BadParameter("plotting needs matplotlib: pip install matplotlib",
+                                 param_hint="'--plot'")
+    default_skew = 1.0 if pattern == "zipf" else 0.0
+    traffic = Traffic(pattern, seed, experts, topk, default_skew if skew is None else skew)
+    check_traffic(traffic, _world_size())
+    with world() as comm:
+        rows = _run_sweep(comm, sweep, traffic)
         echo = click.echo if comm.rank == 0 else _silent
-        echo(f"# commlib diag alltoall: {plural(comm.size, 'rank')}, "
-             f"{describe_topology(comm.topology)}")
-        echo(f"{sweep.describe()} pattern: {pattern}")
-        echo(table_header())
-        rows = [_alltoall_row(comm, size, sweep, pattern, seed, echo) for size in sweep.sizes()]
-        echo(f"# Avg bus bandwidth : {np.mean([row.busbw for row in rows]):.3f}")
+        if slow_links:
+            echo("\n".join(slow_link_lines(time_links(comm))))
+        if comm.rank == 0:
+            _save(rows, json_path, plot_path, comm.size)
         wrong = sum(row.wrong or 0 for row in rows)
         if wrong:
             echo(f"# FAILED: {wrong} element(s) arrived wrong", err=True)
             ctx.exit(1)
+
+
+def _run_sweep(comm: commlib.Communicator, sweep: Sweep, traffic: Traffic) -> List[Row]:
+    """The header, one row per size (printed as it is known), the average."""
+    echo = click.echo if comm.rank == 0 else _silent
+    echo(f"# commlib diag alltoall: {plural(comm.size, 'rank')}, "
+         f"{describe_topology(comm.topology)}")
+    echo(f"{sweep.describe()} pattern: {traffic.pattern}")
+    echo(table_header())
+    sizes = sweep.sizes()
+    progress = Progress(len(sizes), enabled=comm.rank == 0 and sys.stderr.isatty())
+    rows = []
+    for size in sizes:
+        progress.show(size)
+        row = _alltoall_row(comm, size, sweep, traffic)
+        progress.clear()
+        echo(format_row(row))
+        rows.append(row)
+    echo(f"# Avg bus bandwidth : {np.mean([row.busbw for row in rows]):.3f}")
+    return rows
+
+
+def _save(rows: List[Row], json_path: Optional[str], plot_path: Optional[str],
+          nranks: int) -> None:
+    """Write the rows where --json and --plot asked (rank 0 only)."""
+    if json_path is not None:
+        with open(json_path, "w") as file:
+            json.dump([row.as_json() for row in rows], file, indent=1)
+    if plot_path is not None:
+        plot_busbw(rows, plot_path, nranks)
+
+
+def _world_size() -> int:
+    """The launch's size, read without communicating, so usage errors that
+    depend on it are raised identically on every rank."""
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_size()
 
 
 def _silent(*_args, **_kwargs) -> None:
@@ -275,20 +379,112 @@ def _silent(*_args, **_kwargs) -> None:
 
 
 # -- alltoall: traffic and check -----------------------------------------------
-def count_matrix(pattern: str, count: int, size: int, seed: int) -> np.ndarray:
-    """[size, size] int64: elements rank i sends to rank j, each row summing to
-    what one rank sends. Every rank computes the same matrix, so receive
-    counts are known and the timed call is the data exchange alone.
+@dataclass(frozen=True)
+class Traffic:
+    """Who sends how much to whom: the --pattern and the settings it reads.
+    ``skew`` is the zipf exponent (zipf) or the expert-popularity exponent
+    (router); ``experts``/``topk`` shape the synthetic router."""
+
+    pattern: str = "uniform"
+    seed: int = 0
+    experts: int = 64
+    topk: int = 8
+    skew: float = 0.0
+    tokens: int = 128
+
+
+def count_matrix(pattern: str, count: int, size: int, seed: int,
+                 traffic: Optional[Traffic] = None) -> np.ndarray:
+    """[size, size] int64: elements rank i sends to rank j. Every rank
+    computes the same matrix (all randomness is seeded by ``seed`` and
+    ``count``), so receive counts are known and the timed call is the data
+    exchange alone.
 
     uniform rounds ``count`` down to a multiple of ``size`` (as nccl-tests
-    does); random splits all of it by Dirichlet weights, skewed like MoE
-    traffic, seeded by ``seed`` and ``count`` so each size differs.
+    does); random, zipf and hotspot split all of it, so each row sums to
+    ``count``; router rows sum to at most ``count`` (see ``router_matrix``).
+    ``traffic`` carries the zipf and router settings; without it, defaults.
     """
+    traffic = traffic or Traffic(pattern, seed)
     if pattern == "uniform":
         return np.full((size, size), count // size, dtype=np.int64)
+    if pattern == "hotspot":
+        return hotspot_matrix(count, size)
+    if pattern == "router":
+        return router_matrix(count, size, traffic)
     rng = np.random.default_rng([seed, count])
-    weights = rng.dirichlet(np.ones(size), size=size)
+    if pattern == "zipf":
+        offsets = (np.arange(size)[None, :] - np.arange(size)[:, None]) % size
+        weights = 1.0 / (offsets + 1.0) ** traffic.skew
+        weights /= weights.sum(axis=1, keepdims=True)
+    else:
+        weights = rng.dirichlet(np.ones(size), size=size)
     return np.stack([rng.multinomial(count, row) for row in weights]).astype(np.int64)
+
+
+def hotspot_matrix(count: int, size: int, hot_rank: int = 0) -> np.ndarray:
+    """Every rank sends half of ``count`` to ``hot_rank`` and splits the rest
+    evenly over the others (the remainder also to ``hot_rank``): the incast
+    that one overloaded expert's rank sees."""
+    if size == 1:
+        return np.full((1, 1), count, dtype=np.int64)
+    matrix = np.full((size, size), (count - count // 2) // (size - 1), dtype=np.int64)
+    matrix[:, hot_rank] = 0
+    matrix[:, hot_rank] = count - matrix.sum(axis=1)
+    return matrix
+
+
+def router_rows(count: int, size: int, traffic: Traffic) -> int:
+    """Elements per token row: a token reaches at most min(topk, size) ranks,
+    so ``tokens`` of them never send more than ``count`` per rank. Sizes grow
+    the row (the hidden width), not the token count; at least one element."""
+    return max(1, count // (traffic.tokens * min(traffic.topk, size)))
+
+
+def router_destinations(sender: int, count: int, size: int, traffic: Traffic) -> np.ndarray:
+    """[tokens, topk] ranks that ``sender``'s tokens are routed to, by
+    ``commlib.moe.route`` on seeded random logits plus a log-popularity bias
+    (expert popularity ~ 1/(r+1)^skew over a seeded ranking r; skew 0 is
+    uniform). Expert e lives on rank e // (experts // size)."""
+    from commlib.moe import route
+
+    popularity_rng = np.random.default_rng([traffic.seed, count])
+    ranking = popularity_rng.permutation(traffic.experts)
+    bias = -traffic.skew * np.log1p(ranking)
+    rng = np.random.default_rng([traffic.seed, count, sender])
+    logits = rng.standard_normal((traffic.tokens, traffic.experts)) + bias
+    experts, _ = route(logits.astype(np.float32), traffic.topk)
+    return np.asarray(experts) // (traffic.experts // size)
+
+
+def router_matrix(count: int, size: int, traffic: Traffic) -> np.ndarray:
+    """Elements each rank dispatches to each rank: the number of distinct
+    tokens routed there (a token goes once to a rank, however many of its
+    experts live there, as the Dispatcher sends it) times the row size."""
+    row = router_rows(count, size, traffic)
+    matrix = np.zeros((size, size), dtype=np.int64)
+    for sender in range(size):
+        ranks = router_destinations(sender, count, size, traffic)
+        reached = np.zeros((len(ranks), size), dtype=bool)
+        np.put_along_axis(reached, ranks, True, axis=1)
+        matrix[sender] = reached.sum(axis=0) * row
+    return matrix
+
+
+def check_traffic(traffic: Traffic, world_size: int) -> None:
+    """Usage errors of the router settings. Called before any MPI
+    communication, from argv and the world size alone, so every rank fails
+    the same way and none is left waiting."""
+    if traffic.pattern != "router":
+        return
+    if traffic.experts % world_size:
+        raise click.BadParameter(f"{traffic.experts} experts do not divide over "
+                                 f"{plural(world_size, 'rank')}; use a multiple of the "
+                                 f"world size", param_hint="'--experts'")
+    if traffic.topk > traffic.experts:
+        raise click.BadParameter(f"top-{traffic.topk} of {traffic.experts} experts is "
+                                 f"impossible; use at most --experts",
+                                 param_hint="'--topk'")
 
 
 def block_values(sender: int, dest: int, count: int, dtype: np.dtype) -> np.ndarray:
@@ -357,6 +553,14 @@ class Row:
     busbw: float
     wrong: Optional[int]
 
+    def as_json(self) -> dict:
+        """The row for --json: times in microseconds, bandwidths in GB/s,
+        ``wrong`` null when the check is off."""
+        return {"size_bytes": self.size, "count": self.count, "dtype": self.dtype,
+                "time_us_avg": self.avg * 1e6, "time_us_min": self.min * 1e6,
+                "time_us_max": self.max * 1e6, "algbw_gbps": self.algbw,
+                "busbw_gbps": self.busbw, "wrong": self.wrong}
+
 
 _COLUMNS = (("size", "(B)", 12), ("count", "(elements)", 12), ("type", "", 15),
             ("time avg", "(us)", 10), ("min", "(us)", 10), ("max", "(us)", 10),
@@ -384,11 +588,13 @@ def table_header() -> str:
     return "\n".join(["#", "# " + titles[0], ("# " + titles[1]).rstrip()])
 
 
-def _alltoall_row(comm: commlib.Communicator, size: int, sweep: Sweep, pattern: str,
-                  seed: int, echo: Callable[..., None]) -> Row:
-    """Run, time and check one size; print its line as soon as it is known."""
+def _alltoall_row(comm: commlib.Communicator, size: int, sweep: Sweep,
+                  traffic: Traffic) -> Row:
+    """Run, time and check one size. Its count is what the busiest rank
+    sends (all ranks send the same, except under the router pattern)."""
     dtype = sweep.dtype
-    matrix = count_matrix(pattern, size // dtype.itemsize, comm.size, seed)
+    matrix = count_matrix(traffic.pattern, size // dtype.itemsize, comm.size, traffic.seed,
+                          traffic)
     send_counts, recv_counts = matrix[comm.rank], matrix[:, comm.rank]
     send = send_buffer(comm.rank, send_counts, dtype)
     times, received = time_alltoallv(comm, send, send_counts, recv_counts, sweep.iters,
@@ -397,13 +603,11 @@ def _alltoall_row(comm: commlib.Communicator, size: int, sweep: Sweep, pattern: 
     if sweep.check:
         local = np.array([count_wrong(received, comm.rank, recv_counts)], dtype=np.int64)
         wrong = int(comm.allreduce(local, op="sum")[0])
-    count = int(matrix[0].sum())
+    count = int(matrix.sum(axis=1).max())
     nbytes = count * dtype.itemsize
     algbw = nbytes / times.mean() / 1e9
-    row = Row(nbytes, count, dtype.name, float(times.mean()), float(times.min()),
-              float(times.max()), algbw, bus_bandwidth(algbw, comm.size), wrong)
-    echo(format_row(row))
-    return row
+    return Row(nbytes, count, dtype.name, float(times.mean()), float(times.min()),
+               float(times.max()), algbw, bus_bandwidth(algbw, comm.size), wrong)
 
 
 def time_alltoallv(comm: commlib.Communicator, send: np.ndarray, send_counts: np.ndarray,
@@ -425,6 +629,148 @@ def time_alltoallv(comm: commlib.Communicator, send: np.ndarray, send_counts: np
         received, _ = comm.alltoallv(send, send_counts, recv_counts)
         times[i] = time.perf_counter() - start
     return comm.allreduce(times, op="max"), received
+
+
+class Progress:
+    """A one-line ``[i/n] size`` status on stderr, overwritten in place and
+    cleared before each table row, so it never mixes into the table. Shown
+    only when enabled (rank 0, stderr a terminal) and once the sweep has run
+    for ``_PROGRESS_AFTER_S``: short sweeps stay quiet."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self._total, self._enabled = total, enabled
+        self._done, self._start, self._shown = 0, time.perf_counter(), False
+
+    def show(self, size: int) -> None:
+        """Announce the size about to run."""
+        self._done += 1
+        if self._enabled and time.perf_counter() - self._start > _PROGRESS_AFTER_S:
+            self._write(f"\r[{self._done}/{self._total}] {size} B ...")
+            self._shown = True
+
+    def clear(self) -> None:
+        """Erase the status line, if one is on screen."""
+        if self._shown:
+            self._write("\r\033[K")
+            self._shown = False
+
+    @staticmethod
+    def _write(text: str) -> None:
+        """Straight to stderr: click.echo would strip the erase-line code."""
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+
+# -- slow links -----------------------------------------------------------------
+def time_links(comm: commlib.Communicator, nbytes: int = LINK_BYTES,
+               iters: int = LINK_ITERS) -> np.ndarray:
+    """[size, size] seconds for ``nbytes`` each way between ranks i and j,
+    the best of ``iters``, while the other ranks send nothing. Each pair is
+    one alltoallv with counts for that pair only, so a slow link stands out
+    instead of being averaged into the full exchange; O(size^2) small calls."""
+    times = np.zeros((comm.size, comm.size), dtype=np.float64)
+    payload = np.zeros(nbytes, dtype=np.uint8)
+    for i in range(comm.size):
+        for j in range(i + 1, comm.size):
+            counts = np.zeros(comm.size, dtype=np.int64)
+            if comm.rank in (i, j):
+                counts[j if comm.rank == i else i] = nbytes
+            send = payload if comm.rank in (i, j) else payload[:0]
+            times[i, j] = times[j, i] = _best_exchange(comm, send, counts, iters)
+    return comm.allreduce(times, op="max")
+
+
+def _best_exchange(comm: commlib.Communicator, send: np.ndarray, counts: np.ndarray,
+                   iters: int) -> float:
+    """The fastest of ``iters`` barrier-started exchanges, as this rank saw it
+    (idle ranks see ~0 and lose the "max" reduction to the pair)."""
+    best = float("inf")
+    for _ in range(iters):
+        comm.barrier()
+        start = time.perf_counter()
+        comm.alltoallv(send, counts, counts)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def slow_link_lines(times: np.ndarray) -> List[str]:
+    """The link matrix in microseconds, '-' on the diagonal, the slowest
+    link starred and named below it."""
+    size = len(times)
+    lines = [f"# slow links: {LINK_BYTES} B each way between each pair, best of "
+             f"{LINK_ITERS}, time (us)",
+             "#  src\\dst" + "".join(f"{j:>11}" for j in range(size))]
+    if size < 2:
+        return lines + ["# no links in a world of one"]
+    slowest = np.unravel_index(np.argmax(times), times.shape)
+    for i in range(size):
+        cells = ["-" if i == j else f"{times[i, j] * 1e6:.1f}" + ("*" if (i, j) in
+                 (slowest, slowest[::-1]) else " ") for j in range(size)]
+        lines.append(f"  {i:>8}" + "".join(f"{cell:>11}" for cell in cells))
+    i, j = sorted(int(r) for r in slowest)
+    return lines + [f"# slowest link: {i} <-> {j}, {times[i, j] * 1e6:.1f} us"]
+
+
+# -- relaunch and plot ------------------------------------------------------------
+def under_mpi() -> bool:
+    """Whether a launcher (MPICH/Hydra, Open MPI, PMIx) started this process."""
+    return any(name in os.environ for name in MPI_ENV_VARS)
+
+
+def without_np(argv: Sequence[str]) -> List[str]:
+    """``argv`` less ``--np N`` / ``--np=N``, for the relaunched command."""
+    kept: List[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--np":
+            skip = True
+        elif not arg.startswith("--np="):
+            kept.append(arg)
+    return kept
+
+
+def relaunch(nprocs: int, argv: Sequence[str]) -> int:
+    """Run this command again as ``mpiexec -n nprocs`` (the mpiexec beside
+    this Python, else on PATH) and return its exit status."""
+    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    launcher = local if os.path.exists(local) else shutil.which("mpiexec")
+    if launcher is None:
+        raise click.UsageError("--np needs mpiexec: pip install mpich, or launch with "
+                               "mpiexec yourself")
+    command = [launcher, "-n", str(nprocs), sys.executable, "-m", "commlib.tools.cli",
+               *without_np(argv)]
+    return subprocess.run(command).returncode
+
+
+def plot_busbw(rows: Sequence[Row], path: str, nranks: int) -> None:
+    """busbw against size, log2 x axis, to a PNG (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    figure, axes = pyplot.subplots(figsize=(7, 4))
+    axes.plot([row.size for row in rows], [row.busbw for row in rows], marker="o")
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("size per rank (B)")
+    axes.set_ylabel("busbw (GB/s)")
+    axes.set_title(f"commlib diag alltoall, {plural(nranks, 'rank')}")
+    axes.grid(True, which="both", alpha=0.3)
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    pyplot.close(figure)
+
+
+# commands that live in their own modules (they do not import this one)
+from commlib.tools.diag_attention import ring as diag_ring  # noqa: E402
+from commlib.tools.diag_attention import ulysses as diag_ulysses  # noqa: E402
+from commlib.tools.diag_moe import moe  # noqa: E402
+from commlib.tools.simulate import simulate  # noqa: E402
+
+for command in (moe, diag_ring, diag_ulysses):
+    diag.add_command(command)
+main.add_command(simulate)
 
 
 if __name__ == "__main__":

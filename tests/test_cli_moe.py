@@ -1,0 +1,155 @@
+"""``simulate`` in-process (CliRunner), ``diag moe`` in a world of one and
+under mpiexec at 2 and 4 ranks on emulated nodes, and the requirement that
+ties them: simulate predicts the inter-node bytes diag moe measures."""
+
+import json
+import sys
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from commlib.tools import diag_moe, simulate
+from launch import run
+
+LAUNCH_TIMEOUT_S = 120
+SMALL = ["--experts", "16", "--topk", "4", "--tokens", "256", "--hidden", "64",
+         "--dtype", "float32", "--seed", "3"]
+SCHEMES = ("flat", "node_limited", "two_hop")
+
+
+def invoke(command, *args):
+    return CliRunner().invoke(command, list(args))
+
+
+def simulate_json(tmp_path, *args):
+    path = tmp_path / "simulate.json"
+    result = invoke(simulate.simulate, *args, "--json", str(path))
+    assert result.exit_code == 0, result.output
+    return json.loads(path.read_text())
+
+
+# -- simulate ----------------------------------------------------------------
+def test_simulate_json_has_the_chosen_scheme_and_all_three(tmp_path):
+    doc = simulate_json(tmp_path, "--nodes", "2", "--gpus-per-node", "2", *SMALL)
+    assert doc["scheme"] == "flat"
+    for scheme in (doc, *(doc[name] for name in SCHEMES)):
+        assert set(scheme) >= {"inter_node_bytes", "intra_node_bytes", "per_gpu",
+                               "predicted_seconds"}
+        assert len(scheme["per_gpu"]["inter_node_bytes"]) == 4
+        assert sum(scheme["per_gpu"]["inter_node_bytes"]) == scheme["inter_node_bytes"]
+    assert doc["inter_node_bytes"] == doc["flat"]["inter_node_bytes"]
+    assert doc["config"]["node_limited_topk_groups"] == 1  # 4 experts fit in one node of 8
+
+
+def test_node_limits_and_two_hops_each_cut_inter_node_bytes(tmp_path):
+    doc = simulate_json(tmp_path, "--nodes", "4", "--gpus-per-node", "2", "--experts", "32",
+                        "--topk", "8", "--topk-groups", "2", "--hierarchical", "--tokens", "256",
+                        "--hidden", "64")
+    flat, limited, two_hop = (doc[name]["inter_node_bytes"] for name in SCHEMES)
+    assert flat > limited > two_hop > 0
+    assert doc["scheme"] == "two_hop" and doc["inter_node_bytes"] == two_hop
+    # node-limited two-hop: a token crosses to at most 2 nodes, one row each
+    assert two_hop <= 256 * 8 * 2 * 64 * 2
+    assert doc["two_hop"]["predicted_seconds"] < doc["flat"]["predicted_seconds"]
+
+
+def test_time_model_is_the_slowest_gpu_over_both_links(tmp_path):
+    doc = simulate_json(tmp_path, "--nodes", "2", "--gpus-per-node", "2", *SMALL,
+                        "--intra-bw", "100", "--inter-bw", "10")
+    per_gpu = doc["per_gpu"]
+    expected = max(inter / 10e9 + intra / 100e9 for inter, intra in
+                   zip(per_gpu["inter_node_bytes"], per_gpu["intra_node_bytes"]))
+    assert doc["predicted_seconds"] == pytest.approx(expected)
+
+
+def test_one_node_sends_nothing_between_nodes(tmp_path):
+    doc = simulate_json(tmp_path, "--nodes", "1", "--gpus-per-node", "4", *SMALL)
+    assert all(doc[name]["inter_node_bytes"] == 0 for name in SCHEMES)
+    assert doc["intra_node_bytes"] > 0
+
+
+def test_skew_concentrates_load_on_low_experts():
+    experts, _ = simulate.synthetic_routing(0, 512, 16, 2, 2.0, 0)
+    load = np.bincount(experts.ravel(), minlength=16)
+    assert load[:4].sum() > load[-4:].sum() * 4
+
+
+@pytest.mark.parametrize("args, hint", [
+    (["--nodes", "2", "--gpus-per-node", "3", "--experts", "16"], "--experts"),
+    (["--nodes", "2", "--gpus-per-node", "2", "--experts", "16", "--topk", "17"], "--topk"),
+    (["--nodes", "2", "--gpus-per-node", "2", "--experts", "16", "--topk-groups", "3"],
+     "--topk-groups"),
+    (["--nodes", "2", "--gpus-per-node", "2", "--experts", "16", "--topk", "12",
+      "--topk-groups", "1"], "--topk-groups"),
+])
+def test_simulate_usage_errors_exit_2(args, hint):
+    result = invoke(simulate.simulate, *args)
+    assert result.exit_code == 2
+    assert hint in result.output
+
+
+# -- diag moe in a world of one ---------------------------------------------------
+def test_diag_moe_in_one_rank_reports_and_writes_json(tmp_path):
+    path = tmp_path / "moe.json"
+    result = invoke(diag_moe.moe, *SMALL, "--iters", "2", "--capacity-factor", "1.0",
+                    "--skew", "1", "--json", str(path))
+    assert result.exit_code == 0, result.output
+    doc = json.loads(path.read_text())
+    assert doc["inter_node_bytes"] == doc["intra_node_bytes"] == 0  # nothing leaves the rank
+    assert doc["dropped"] > 0 and doc["imbalance"] > 1
+    assert doc["tokens_per_s"] > 0
+    assert "tokens/s" in result.output and "dropped" in result.output
+
+
+@pytest.mark.parametrize("args, hint", [
+    (["--topk", "65"], "--topk"),
+    (["--topk-groups", "2"], "--topk-groups"),
+    (["--plot", "traffic.png"], "matplotlib"),
+])
+def test_diag_moe_usage_errors_exit_2(args, hint, monkeypatch):
+    if hint == "matplotlib":
+        monkeypatch.setattr(diag_moe.importlib.util, "find_spec", lambda name: None)
+    result = invoke(diag_moe.moe, "--tokens", "16", "--hidden", "8", *args)
+    assert result.exit_code == 2, result.output
+    assert hint in result.output
+
+
+# -- under mpiexec: measured against predicted ------------------------------------
+def launch_diag(tmp_path, nprocs, ranks_per_node, *args):
+    path = tmp_path / "moe.json"
+    proc = run(nprocs, [sys.executable, "-m", "commlib.tools.diag_moe", *SMALL, "--iters", "2",
+                        "--json", str(path), *args], LAUNCH_TIMEOUT_S,
+               env={"COMMLIB_RANKS_PER_NODE": str(ranks_per_node)})
+    assert proc.returncode == 0, proc.stdout
+    return json.loads(path.read_text()), proc.stdout
+
+
+@pytest.mark.parametrize("nprocs, ranks_per_node, args, scheme", [
+    (2, 1, [], "flat"),
+    (2, 1, ["--hierarchical"], "flat_two_hop"),
+    (4, 2, ["--skew", "0.5"], "flat"),
+    (4, 2, ["--topk-groups", "1", "--hierarchical"], "two_hop"),
+])
+def test_simulate_predicts_the_measured_bytes(tmp_path, nprocs, ranks_per_node, args, scheme):
+    measured, out = launch_diag(tmp_path, nprocs, ranks_per_node, *args)
+    assert {"tokens_per_s", "inter_node_bytes", "intra_node_bytes", "imbalance", "dropped",
+            "config"} <= set(measured)
+    assert measured["config"]["nodes"] == nprocs // ranks_per_node
+    assert out.count("inter_node_bytes") == 1  # rank 0 alone prints
+    predicted = simulate_json(tmp_path, "--nodes", str(nprocs // ranks_per_node),
+                              "--gpus-per-node", str(ranks_per_node), *SMALL, *args)
+    assert predicted["scheme"] == scheme
+    assert measured["inter_node_bytes"] > 0
+    assert predicted["inter_node_bytes"] == pytest.approx(measured["inter_node_bytes"], rel=0.1)
+    # counting exactly as the Dispatcher sends, the match is exact
+    assert predicted["inter_node_bytes"] == measured["inter_node_bytes"]
+    assert predicted["intra_node_bytes"] == measured["intra_node_bytes"]
+
+
+def test_diag_moe_usage_error_exits_2_on_every_rank(tmp_path):
+    proc = run(2, [sys.executable, "-m", "commlib.tools.diag_moe", "--experts", "15",
+                   "--tokens", "16", "--hidden", "8"], LAUNCH_TIMEOUT_S,
+               env={"COMMLIB_RANKS_PER_NODE": "1"})
+    assert proc.returncode == 2, proc.stdout
+    assert proc.stdout.count("Invalid value for '--experts'") == 2

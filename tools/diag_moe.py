@@ -1,0 +1,222 @@
+"""``commlib diag moe`` (or ``python -m commlib.tools.diag_moe``): time MoE
+dispatch + combine on this launch and report the traffic it caused.
+
+    COMMLIB_RANKS_PER_NODE=2 mpiexec -n 4 python -m commlib.tools.diag_moe --hierarchical
+
+Each rank routes seeded synthetic logits (``simulate.synthetic_routing``:
+standard normal logits plus a ``--skew`` popularity bias towards low expert
+ids, softmax score), then dispatches host rows through
+``commlib.moe.Dispatcher`` to identity experts and combines them back, so the
+times are the communication path alone. Rank 0 prints tokens/s and, from the
+dispatch's ``DispatchStats``, the bytes between and inside nodes. With the
+same configuration, ``commlib simulate`` predicts those bytes exactly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional
+
+import click
+import numpy as np
+
+import commlib
+from commlib.tools.world import world
+from commlib.moe import DispatchStats, Dispatcher
+from commlib.tools.simulate import DTYPES, SCORE, parse_dtype, synthetic_routing
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The command's options, as they go into the JSON report."""
+
+    experts: int
+    topk: int
+    tokens: int
+    hidden: int
+    dtype: str
+    skew: float
+    topk_groups: Optional[int]
+    capacity_factor: Optional[float]
+    hierarchical: bool
+    iters: int
+    seed: int
+
+
+def check_usage(settings: Settings, size: int, nodes: int) -> None:
+    """Usage errors (exit 2). Every rank decides from the same facts (the
+    options, the world size, the topology every rank agrees on), so all of
+    them exit together before any data moves and none is left waiting."""
+    if settings.experts % size:
+        raise click.BadParameter(f"{settings.experts} experts cannot be spread evenly over "
+                                 f"{size} ranks; use a multiple of {size}",
+                                 param_hint="'--experts'")
+    if settings.topk > settings.experts:
+        raise click.BadParameter(f"top-{settings.topk} is impossible with {settings.experts} "
+                                 f"experts; use at most {settings.experts}",
+                                 param_hint="'--topk'")
+    if settings.topk_groups is None:
+        return
+    if settings.topk_groups > nodes:
+        raise click.BadParameter(f"{settings.topk_groups} exceeds the {nodes} node(s) (one "
+                                 f"expert group per node); use 1..{nodes}",
+                                 param_hint="'--topk-groups'")
+    per_node = settings.experts // nodes
+    if settings.topk > settings.topk_groups * per_node:
+        raise click.BadParameter(f"top-{settings.topk} does not fit in {settings.topk_groups} "
+                                 f"node(s) of {per_node} experts; use at least "
+                                 f"{-(-settings.topk // per_node)}", param_hint="'--topk-groups'")
+
+
+def check_plot_available(plot: Optional[str]) -> None:
+    """--plot needs matplotlib; say so before MPI starts, not after the run."""
+    if plot and importlib.util.find_spec("matplotlib") is None:
+        raise click.UsageError("--plot needs matplotlib, which is not installed: "
+                               "pip install matplotlib (or drop --plot)")
+
+
+def time_dispatch(comm: commlib.Communicator, dispatcher: Dispatcher, x: np.ndarray,
+                  experts: np.ndarray, weights: np.ndarray, iters: int):
+    """(median seconds of dispatch + combine on the slowest rank, the stats
+    of one dispatch). One untimed round first warms the buffers; each timed
+    one starts at a barrier so it measures the exchange, not rank skew."""
+    _, handle = dispatcher.dispatch(x, experts, weights)
+    times = np.empty(iters, dtype=np.float64)
+    for i in range(iters):
+        comm.barrier()
+        start = time.perf_counter()
+        expert_x, handle = dispatcher.dispatch(x, experts, weights)
+        dispatcher.combine(expert_x, handle)  # identity experts
+        times[i] = time.perf_counter() - start
+    slowest = comm.allreduce(times, op="max")
+    return float(np.median(slowest)), handle.stats
+
+
+def report(settings: Settings, comm: commlib.Communicator, seconds: float,
+           stats: DispatchStats) -> Dict[str, Any]:
+    """The numbers rank 0 prints and writes: totals over all ranks for one
+    dispatch; bytes per token is payload sent (both links) per routed token."""
+    total_tokens = settings.tokens * comm.size
+    sent = stats.inter_node_bytes + stats.intra_node_bytes
+    topology = comm.topology
+    return {
+        "tokens_per_s": total_tokens / seconds if seconds > 0 else float("inf"),
+        "seconds_per_iter": seconds,
+        "inter_node_bytes": stats.inter_node_bytes,
+        "intra_node_bytes": stats.intra_node_bytes,
+        "bytes_per_token": sent / total_tokens if total_tokens else 0.0,
+        "imbalance": stats.imbalance,
+        "dropped": int(stats.dropped.sum()),
+        "tokens_per_expert": stats.tokens_per_expert.tolist(),
+        "traffic": stats.traffic.tolist(),
+        "config": dict(asdict(settings), score=SCORE, world_size=comm.size,
+                       nodes=topology.num_nodes, emulated_nodes=topology.emulated,
+                       ranks_per_node=[len(topology.ranks_of(n))
+                                       for n in range(topology.num_nodes)]),
+    }
+
+
+def summary_lines(result: Dict[str, Any]) -> List[str]:
+    """The human-readable report, one fact per line."""
+    config = result["config"]
+    routing = (f"node-limited ({config['topk_groups']} of {config['nodes']} nodes)"
+               if config["topk_groups"] else "top-k")
+    path = "two-hop" if config["hierarchical"] else "flat"
+    return [
+        f"# commlib diag moe: {_plural(config['world_size'], 'rank')}, "
+        f"{_plural(config['nodes'], 'node')}{' (emulated)' if config['emulated_nodes'] else ''}"
+        f", ranks per node {','.join(map(str, config['ranks_per_node']))}",
+        f"# experts {config['experts']} top-{config['topk']} {routing}, {path} dispatch, "
+        f"{config['tokens']} tokens/rank, hidden {config['hidden']} {config['dtype']}, "
+        f"skew {config['skew']}, capacity factor {config['capacity_factor']}",
+        f"time per dispatch+combine  {result['seconds_per_iter'] * 1e3:.3f} ms "
+        f"(median of {config['iters']}, slowest rank)",
+        f"tokens/s                   {result['tokens_per_s']:.4g}",
+        f"inter_node_bytes           {result['inter_node_bytes']}",
+        f"intra_node_bytes           {result['intra_node_bytes']}",
+        f"bytes per token            {result['bytes_per_token']:.1f}",
+        f"imbalance                  {result['imbalance']:.3f}",
+        f"dropped                    {result['dropped']}",
+    ]
+
+
+def _plural(count: int, noun: str) -> str:
+    """``1 rank``, ``4 ranks``."""
+    return f"{count} {noun}{'s' if count != 1 else ''}"
+
+
+def plot_traffic(traffic: np.ndarray, path: str) -> None:
+    """Rank x rank bytes of one dispatch as a heatmap (sender rows)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 5))
+    image = axes.imshow(traffic, cmap="viridis")
+    axes.set_xlabel("destination rank")
+    axes.set_ylabel("source rank")
+    axes.set_title("MoE dispatch traffic (bytes)")
+    figure.colorbar(image, ax=axes)
+    figure.savefig(path, bbox_inches="tight")
+    plt.close(figure)
+
+
+@click.command("moe", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--experts", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--topk", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--tokens", type=click.IntRange(min=0), default=4096, show_default=True,
+              help="Tokens per rank.")
+@click.option("--hidden", type=click.IntRange(min=1), default=1024, show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
+@click.option("--skew", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Popularity bias: logits + -skew*log(1+expert id).")
+@click.option("--topk-groups", type=click.IntRange(min=1), default=None,
+              help="Nodes a token may use (group-limited routing, one group per node). "
+                   "Default: plain top-k.")
+@click.option("--capacity-factor", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Cap each expert at ceil(T*k/E*cf) tokens per source. Default: no cap.")
+@click.option("--hierarchical", is_flag=True, help="Two-hop dispatch (node, then rank).")
+@click.option("--iters", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True),
+              help="Also write the report as JSON to this file (rank 0).")
+@click.option("--plot", type=click.Path(dir_okay=False, writable=True),
+              help="Also draw the rank x rank traffic as a PNG heatmap (needs matplotlib).")
+def moe(json_path: Optional[str], plot: Optional[str], **options: Any) -> None:
+    """Time MoE dispatch + combine (identity experts) on seeded synthetic
+    routing and report tokens/s, bytes between and inside nodes, imbalance
+    and drops for one dispatch. `commlib simulate` predicts the same bytes."""
+    settings = Settings(**options)
+    check_plot_available(plot)
+    with world() as comm:
+        check_usage(settings, comm.size, comm.topology.num_nodes)
+        result = run(comm, settings)
+        if comm.rank == 0:
+            click.echo("\n".join(summary_lines(result)))
+            if json_path:
+                with open(json_path, "w") as handle:
+                    json.dump(result, handle, indent=2)
+            if plot:
+                plot_traffic(np.asarray(result["traffic"]), plot)
+
+
+def run(comm: commlib.Communicator, settings: Settings) -> Dict[str, Any]:
+    """Route this rank's tokens, time the dispatch and build the report."""
+    groups = None if settings.topk_groups is None else comm.topology.num_nodes
+    experts, weights = synthetic_routing(comm.rank, settings.tokens, settings.experts,
+                                         settings.topk, settings.skew, settings.seed, groups,
+                                         settings.topk_groups)
+    rng = np.random.default_rng([settings.seed, comm.rank, 1])
+    x = rng.standard_normal((settings.tokens, settings.hidden), dtype=np.float32)
+    x = x.astype(parse_dtype(settings.dtype))
+    dispatcher = Dispatcher(comm, settings.experts, capacity_factor=settings.capacity_factor,
+                            hierarchical=settings.hierarchical)
+    seconds, stats = time_dispatch(comm, dispatcher, x, experts, weights, settings.iters)
+    return report(settings, comm, seconds, stats)
+
+
+if __name__ == "__main__":
+    moe()
