@@ -307,6 +307,7 @@ def test_np_relaunches_under_mpiexec_without_the_option(monkeypatch):
 @pytest.mark.parametrize("nprocs, ranks_per_node, topology", [
     (2, None, "from shared memory"),
     (3, "1", "3 nodes, 1 rank per node (emulated by COMMLIB_RANKS_PER_NODE)"),
+    (4, "2", "2 nodes, 2 ranks per node (emulated by COMMLIB_RANKS_PER_NODE)"),
 ])
 def test_alltoall_under_mpiexec(nprocs, ranks_per_node, topology):
     argv = [sys.executable, "-m", "commlib.tools.cli", "diag", "alltoall", "-e", "64K"]
@@ -340,3 +341,27 @@ def test_router_pattern_and_slow_links_under_mpiexec():
     assert matrix[0][1] == "-" and matrix[1][2] == "-"
     assert matrix[0][2].endswith("*") and matrix[1][1].endswith("*")
     assert "# slowest link: 0 <-> 1" in result.stdout
+
+
+def test_plot_draws_busbw_against_size(tmp_path):
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "busbw.png"
+    result = CliRunner().invoke(cli.main, ["diag", "alltoall", "-e", "4K", "--plot", str(target)])
+    assert result.exit_code == 0, result.output
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_moe_plot_draws_the_traffic_heatmap(tmp_path):
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "traffic.png"
+    result = CliRunner().invoke(cli.main, ["diag", "moe", "--tokens", "64", "--hidden", "16",
+                                       "--experts", "8", "--topk", "2", "--iters", "1",
+                                       "--plot", str(target)])
+    assert result.exit_code == 0, result.output
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(nccl.unavailable_reason() is None, reason="this machine can run NCCL")
+def test_nccl_backend_without_a_gpu_is_a_usage_error():
+    result = CliRunner().invoke(cli.main, ["diag", "alltoall", "-e", "4K", "--backend", "nccl"])
+    assert result.exit_code == 2 and "backend='nccl' cannot run here" in result.output

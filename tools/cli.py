@@ -305,10 +305,15 @@ def diag() -> None:
                    "the rank x rank matrix, marking the slowest link.")
 @click.option("--np", "nprocs", type=click.IntRange(min=1),
               help="Not under MPI yet: re-launch as mpiexec -n NP with the same options.")
+@click.option("--backend", type=click.Choice(["mpi", "nccl", "auto"]), default="mpi",
+              show_default=True,
+              help="mpi: host buffers over MPI; nccl: CuPy buffers over NCCL (needs a GPU); "
+                   "auto: NCCL where every rank has a GPU.")
 @click.pass_context
 def alltoall(ctx: click.Context, sweep: Sweep, pattern: str, seed: int, experts: int,
              topk: int, skew: Optional[float], json_path: Optional[str],
-             plot_path: Optional[str], slow_links: bool, nprocs: Optional[int]) -> None:
+             plot_path: Optional[str], slow_links: bool, nprocs: Optional[int],
+             backend: str) -> None:
     """Time comm.alltoallv from -b to -e bytes per rank and check the data,
     like nccl-tests' alltoall_perf. Exits 1 if any element arrived wrong.
 
@@ -323,7 +328,7 @@ def alltoall(ctx: click.Context, sweep: Sweep, pattern: str, seed: int, experts:
     default_skew = 1.0 if pattern == "zipf" else 0.0
     traffic = Traffic(pattern, seed, experts, topk, default_skew if skew is None else skew)
     check_traffic(traffic, _world_size())
-    with world() as comm:
+    with world(backend=backend) as comm:
         rows = _run_sweep(comm, sweep, traffic)
         echo = click.echo if comm.rank == 0 else _silent
         if slow_links:
@@ -596,9 +601,10 @@ def _alltoall_row(comm: commlib.Communicator, size: int, sweep: Sweep,
     matrix = count_matrix(traffic.pattern, size // dtype.itemsize, comm.size, traffic.seed,
                           traffic)
     send_counts, recv_counts = matrix[comm.rank], matrix[:, comm.rank]
-    send = send_buffer(comm.rank, send_counts, dtype)
+    send = on_device(send_buffer(comm.rank, send_counts, dtype), comm)
     times, received = time_alltoallv(comm, send, send_counts, recv_counts, sweep.iters,
                                      sweep.warmup_iters)
+    received = on_host(received, dtype)
     wrong = None
     if sweep.check:
         local = np.array([count_wrong(received, comm.rank, recv_counts)], dtype=np.int64)
@@ -608,6 +614,22 @@ def _alltoall_row(comm: commlib.Communicator, size: int, sweep: Sweep,
     algbw = nbytes / times.mean() / 1e9
     return Row(nbytes, count, dtype.name, float(times.mean()), float(times.min()),
                float(times.max()), algbw, bus_bandwidth(algbw, comm.size), wrong)
+
+
+def on_device(send: np.ndarray, comm: commlib.Communicator):
+    """The send buffer where the backend moves data: unchanged for MPI, a
+    CuPy copy for NCCL (as raw same-sized integers: CuPy has no bfloat16)."""
+    if comm.backend != "nccl":
+        return send
+    import cupy
+    return cupy.asarray(send.view(f"u{send.dtype.itemsize}"))
+
+
+def on_host(received, dtype: np.dtype) -> np.ndarray:
+    """What arrived, as a NumPy array of ``dtype``, for the check."""
+    if hasattr(received, "get"):
+        return received.get().view(dtype)
+    return received
 
 
 def time_alltoallv(comm: commlib.Communicator, send: np.ndarray, send_counts: np.ndarray,

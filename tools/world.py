@@ -5,17 +5,23 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
+import click
+
 import commlib
 
 
 @contextmanager
-def world(check: Optional[Callable[[int], None]] = None) -> Iterator[commlib.Communicator]:
-    """A host (MPI) communicator over the launch (NCCL is never set up: the
-    CLI moves host arrays), freed on the way out. ``check(size)`` runs first:
+def world(check: Optional[Callable[[int], None]] = None,
+          backend: str = "mpi") -> Iterator[commlib.Communicator]:
+    """A communicator over the launch (``backend`` "mpi": host arrays only,
+    NCCL is not set up), freed on the way out. ``check(size)`` runs first:
     usage errors that depend only on the arguments and the world size are
     then raised alike on every rank before any traffic. With peers, a later
     uncaught error on one rank aborts the job instead of hanging the others."""
-    comm = commlib.init(backend="mpi")
+    try:
+        comm = commlib.init(backend=backend)
+    except commlib.BackendUnavailableError as error:  # the same on every rank
+        raise click.BadParameter(str(error), param_hint="'--backend'") from None
     try:
         if check is not None:
             check(comm.size)
