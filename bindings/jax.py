@@ -157,11 +157,7 @@ class Dispatcher:
     def _host_dispatch_grad(self, key, grad):
         handle, where = self._handles[int(key)]
         grad = np.asarray(grad)
-        rows = grad.reshape((-1,) + grad.shape[2:])[where]
-        arrivals = np.zeros((handle.received_rows,) + rows.shape[1:], np.float32)
-        from commlib.moe.dispatch import _scatter_add
-        _scatter_add(np, arrivals, handle.arrival_rows, rows)
-        return self.core.return_rows(arrivals, handle, grad.dtype)
+        return self.core.dispatch_backward(grad.reshape((-1,) + grad.shape[2:])[where], handle)
 
     def _host_combine(self, key, expert_y):
         handle, where = self._handles[int(key)]
@@ -170,19 +166,14 @@ class Dispatcher:
 
     def _host_combine_grad(self, key, expert_y, grad, weights):
         handle, where = self._handles[int(key)]
-        expert_y = np.asarray(expert_y)
-        rows = expert_y.reshape((-1,) + expert_y.shape[2:])[where].astype(np.float32)
-        arrived = self.core.send_rows(np.asarray(grad), handle)[handle.arrival_rows]
-        arrived = arrived.astype(np.float32)
-        d_rows = arrived * handle.arrival_weights.reshape((-1,) + (1,) * (arrived.ndim - 1))
+        expert_y, weights = np.asarray(expert_y), np.asarray(weights)
+        rows = expert_y.reshape((-1,) + expert_y.shape[2:])[where]
+        d_rows, d_weights = self.core.combine_backward(rows, np.asarray(grad), handle,
+                                                       weights.shape[1])
         d_expert_y = np.zeros((expert_y.shape[0] * expert_y.shape[1],) + expert_y.shape[2:],
                               expert_y.dtype)
         d_expert_y[where] = d_rows
-        per_slot = np.zeros((handle.received_rows, np.asarray(weights).shape[1]), np.float32)
-        per_slot[handle.arrival_rows, handle.arrival_slots] = \
-            (arrived * rows).reshape(len(rows), -1).sum(axis=1)
-        return (d_expert_y.reshape(expert_y.shape),
-                self.core.return_rows(per_slot, handle).astype(np.asarray(weights).dtype))
+        return d_expert_y.reshape(expert_y.shape), d_weights.astype(weights.dtype)
 
     # traced side ---------------------------------------------------------------
     def _dispatch(self, x, experts, weights):

@@ -22,7 +22,6 @@ from commlib import moe as _moe
 from commlib import ring as _ring
 from commlib import ulysses as _ulysses
 from commlib.arrays import unwrap
-from commlib.moe.dispatch import _scatter_add
 
 __all__ = ["ring_attention", "ulysses_attention", "hybrid_attention", "seq_to_head",
            "head_to_seq", "Dispatcher"]
@@ -140,12 +139,8 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad_rows = _numpy(grad)
-        xp = ctx.like.xp
-        rows = xp.zeros((ctx.handle.received_rows,) + grad_rows.shape[1:], dtype=xp.float32)
-        _scatter_add(xp, rows, ctx.handle.arrival_rows, grad_rows)
-        dx = ctx.core.return_rows(rows, ctx.handle, grad_rows.dtype)
-        return ctx.like.wrap(xp.ascontiguousarray(dx)), None, None, None, None
+        dx = ctx.core.dispatch_backward(_numpy(grad), ctx.handle)
+        return ctx.like.wrap(ctx.like.xp.ascontiguousarray(dx)), None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -161,18 +156,11 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        expert_y, weights_in = ctx.saved_tensors
-        native, handle = unwrap(expert_y.detach()), ctx.handle
-        gate = unwrap(weights_in.detach())
+        expert_y, weights = ctx.saved_tensors
+        native, gate = unwrap(expert_y.detach()), unwrap(weights.detach())
+        d_expert_y, d_weights = ctx.core.combine_backward(native.data, _numpy(grad),
+                                                          ctx.handle, weights.shape[1])
         xp = native.xp
-        arrived = ctx.core.send_rows(_numpy(grad), handle)[handle.arrival_rows]
-        arrived = arrived.astype(xp.float32)
-        weights = handle.arrival_weights.reshape((-1,) + (1,) * (arrived.ndim - 1))
-        d_expert_y = (arrived * weights).astype(native.data.dtype)
-        dots = (arrived * native.data.astype(xp.float32)).reshape(len(arrived), -1).sum(axis=1)
-        per_slot = xp.zeros((handle.received_rows, weights_in.shape[1]), dtype=xp.float32)
-        per_slot[handle.arrival_rows, handle.arrival_slots] = dots
-        d_weights = ctx.core.return_rows(per_slot, handle)
         return (native.wrap(xp.ascontiguousarray(d_expert_y)),
                 gate.wrap(xp.ascontiguousarray(d_weights).astype(gate.data.dtype)), None, None)
 

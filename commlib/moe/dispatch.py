@@ -273,11 +273,37 @@ class Dispatcher:
         self.comm.agree("moe.combine", f"dtype {ny.dtype.name}",
                         f"row shape {tuple(ny.data.shape[1:])}",
                         problem=self._combine_problem(ny, handle))
-        rows = ny.xp.zeros((handle.received_rows,) + ny.data.shape[1:], dtype=ny.xp.float32)
-        _scatter_add(ny.xp, rows, handle.arrival_rows, ny.data, handle.arrival_weights)
-        return ny.wrap(self.return_rows(rows, handle, ny.data.dtype))
+        return ny.wrap(self._to_tokens(ny.xp, ny.data, handle, handle.arrival_weights))
 
-    # -- the two directions, for gradients (commlib.bindings) ------------------
+    # -- gradients (commlib.bindings): the same paths, mirrored ------------------
+    def dispatch_backward(self, d_expert_x: Any, handle: DispatchHandle) -> Any:
+        """d x from d expert_x (NumPy/CuPy): each expert row's gradient summed
+        back to its token along the combine path."""
+        xp = unwrap(d_expert_x).xp
+        return self._to_tokens(xp, d_expert_x, handle)
+
+    def combine_backward(self, expert_y: Any, d_y: Any, handle: DispatchHandle,
+                         k: int) -> Tuple[Any, Any]:
+        """(d expert_y, d weights [T, k]) from d y (NumPy/CuPy): d y travels
+        the dispatch path to the expert rows, where d expert_y = w * d y and
+        each slot's d w = <d y, expert_y> travels back to its token."""
+        xp = unwrap(expert_y).xp
+        arrived = self.send_rows(d_y, handle)[handle.arrival_rows].astype(xp.float32)
+        weights = handle.arrival_weights.reshape((-1,) + (1,) * (arrived.ndim - 1))
+        d_expert_y = (arrived * weights).astype(expert_y.dtype)
+        dots = (arrived * expert_y.astype(xp.float32)).reshape(len(arrived), -1).sum(axis=1)
+        per_slot = xp.zeros((handle.received_rows, k), dtype=xp.float32)
+        per_slot[handle.arrival_rows, handle.arrival_slots] = dots
+        return d_expert_y, self.return_rows(per_slot, handle)
+
+    def _to_tokens(self, xp, expert_rows, handle: DispatchHandle, weights=None):
+        """Expert rows (optionally weighted) summed per arrival, then back to
+        their tokens: combine's path, and dispatch's adjoint."""
+        rows = xp.zeros((handle.received_rows,) + expert_rows.shape[1:], dtype=xp.float32)
+        _scatter_add(xp, rows, handle.arrival_rows, expert_rows, weights)
+        return self.return_rows(rows, handle, expert_rows.dtype)
+
+    # -- the two directions of the dispatch path ---------------------------------
     def return_rows(self, rows: Any, handle: DispatchHandle, dtype=None) -> Any:
         """Per-arrival rows [received, ...] (NumPy/CuPy) back along the
         dispatch path to the tokens [T, ...], summing the copies of a token
