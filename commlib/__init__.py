@@ -9,8 +9,14 @@ from .abort import abort_on_exception
 from .arrays import SupportsDLPack
 from .bootstrap import init
 from .communicator import Communicator
-from .errors import (AllocationRefusedError, BackendUnavailableError, CollectiveMismatchError,
-                     CommlibError, CommTimeoutError, PeerFailedError)
+from .errors import (
+                     AllocationRefusedError,
+                     BackendUnavailableError,
+                     CollectiveMismatchError,
+                     CommlibError,
+                     CommTimeoutError,
+                     PeerFailedError,
+)
 from .topology import Topology
 
 __version__ = "0.1.0"

@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from . import topology as _topology
 from .abort import abort_on_exception
 from .backends.mpi import MpiBackend
-from .consistency import check_from_env
 from .communicator import Communicator
+from .consistency import check_from_env
 from .errors import BackendUnavailableError
-from . import topology as _topology
 from .watchdog import timeout_from_env
 
 BACKENDS = ("auto", "mpi", "nccl")

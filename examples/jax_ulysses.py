@@ -15,4 +15,5 @@ step = jax.jit(jax.value_and_grad(
 loss, dq = step(*mine)                               # jit-ed, differentiable, Ulysses inside
 total = comm.allreduce(np.array([float(loss)]))[0]
 full = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-print(f"rank {comm.rank}: dq {dq.shape}, loss {total:.4f} vs unsharded {float(jnp.square(full).sum()):.4f}")
+unsharded = float(jnp.square(full).sum())
+print(f"rank {comm.rank}: dq {dq.shape}, loss {total:.4f} vs unsharded {unsharded:.4f}")

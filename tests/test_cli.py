@@ -12,8 +12,9 @@ import pytest
 from click.testing import CliRunner
 
 from commlib.backends import nccl
-from commlib.tools import cli
 from commlib.moe import route
+from commlib.tools import cli
+
 from launch import run
 
 LAUNCH_TIMEOUT_S = 60

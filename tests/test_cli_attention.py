@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from commlib.tools import diag_attention
+
 from launch import run
 
 LAUNCH_TIMEOUT_S = 120

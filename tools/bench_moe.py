@@ -13,6 +13,7 @@ inside nodes.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from typing import Callable, Dict, Optional
@@ -106,7 +107,7 @@ def main(tokens: int, hidden: int, num_experts: int, topk: int, ranks_per_node: 
     times = {name: [] for name in contenders}
     for _ in range(iters):
         for name, run in contenders.items():
-            times[name].append(_slowest(world, lambda: run(x, experts, weights)))
+            times[name].append(_slowest(world, functools.partial(run, x, experts, weights)))
     say(f"bench_moe: {comm.size} ranks, {comm.topology.num_nodes} nodes; {tokens} tokens x "
         f"{hidden} float32 per rank, {num_experts} experts, top-{topk}; identity experts")
     rows = []

@@ -24,8 +24,14 @@ import numpy as np
 from mpi4py import MPI
 
 import commlib
-from commlib.tools.bench_alltoallv import (auto_iters, make_rows, mpi4py_exchange,
-                                           parse_size, send_counts, time_interleaved)
+from commlib.tools.bench_alltoallv import (
+    auto_iters,
+    make_rows,
+    mpi4py_exchange,
+    parse_size,
+    send_counts,
+    time_interleaved,
+)
 
 SIZES = ("4K", "16M")
 

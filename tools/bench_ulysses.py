@@ -15,6 +15,7 @@ in the same launch.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from typing import Callable, List, Optional
@@ -81,8 +82,8 @@ def fused(comm, world, repeats: int) -> List[dict]:
             if comm.size <= 4 else q
         v = k.copy()
         t_three, t_one = _interleaved(world, [  # sub-millisecond calls: many rounds
-            lambda: [ulysses.seq_to_head(t, comm) for t in (q, k, v)],
-            lambda: ulysses.seq_to_head_many([q, k, v], comm)], 40 * repeats)
+            lambda q=q, k=k, v=v: [ulysses.seq_to_head(t, comm) for t in (q, k, v)],
+            functools.partial(ulysses.seq_to_head_many, [q, k, v], comm)], 40 * repeats)
         rows.append({"test": "fused", "ranks": comm.size, "seq": seq, "three_calls_s": t_three,
                      "fused_s": t_one, "speedup": t_three / t_one})
     return rows
@@ -101,7 +102,7 @@ def planner(comm, world, repeats: int, seq: int = 4096, head_dim: int = 64) -> L
         pick = hybrid.plan(comm, seq, heads, kv_heads, head_dim, itemsize=4)
         allowed = [c.ulysses_size for c in pick.candidates]
         times = dict(zip(allowed, _interleaved(world, [
-            (lambda u=u: hybrid.hybrid_attention(q, k, v, comm, u)) for u in allowed],
+            functools.partial(hybrid.hybrid_attention, q, k, v, comm, u) for u in allowed],
             repeats)))
         fastest = min(times, key=times.get)
         rows.append({"test": "planner", "shape": name, "ranks": comm.size, "seq": seq,

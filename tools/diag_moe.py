@@ -24,9 +24,9 @@ import click
 import numpy as np
 
 import commlib
-from commlib.tools.world import world
-from commlib.moe import DispatchStats, Dispatcher
+from commlib.moe import Dispatcher, DispatchStats
 from commlib.tools.simulate import DTYPES, SCORE, parse_dtype, synthetic_routing
+from commlib.tools.world import world
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ deduplicated dispatch and combine (flat or two-hop), capacity and load
 statistics. Expert e of E lives on rank e // (E // P)."""
 
 from .balance import BiasBalancer
-from .dispatch import DROP_POLICIES, DispatchHandle, Dispatcher
+from .dispatch import DROP_POLICIES, Dispatcher, DispatchHandle
 from .routing import route
 from .stats import DispatchStats
 

@@ -3,9 +3,11 @@
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 import commlib
+
 from conftest import all_ranks, raises_everywhere, reference_alltoallv, same_on_all_ranks
 
 DTYPES = [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,

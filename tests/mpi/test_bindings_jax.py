@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from commlib import ring
+
 from conftest import all_ranks
 
 jax = pytest.importorskip("jax")

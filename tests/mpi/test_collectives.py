@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import commlib
+
 from conftest import all_ranks, raises_everywhere
 
 

@@ -3,7 +3,8 @@ from every rank's reproducible input, and conservation."""
 
 import ml_dtypes
 import numpy as np
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from conftest import all_ranks, same_on_all_ranks
 

@@ -6,6 +6,7 @@ import pytest
 
 import commlib
 from commlib import memory
+
 from conftest import all_ranks, raises_everywhere
 
 

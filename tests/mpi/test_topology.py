@@ -4,6 +4,7 @@ import pytest
 from mpi4py import MPI
 
 import commlib
+
 from conftest import raises_everywhere
 
 
