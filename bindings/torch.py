@@ -5,7 +5,9 @@ Each is a ``torch.autograd.Function`` whose backward runs the mirror
 communication (ring_attention_backward, head_to_seq for seq_to_head, combine's
 path for dispatch's gradient and back). Tensors cross into commlib through
 DLPack without a copy (a contiguous CPU tensor shares its memory) and the
-results come back as tensors on the caller's device.
+results come back as tensors on the caller's device. The computation is
+torch's own, in the tensors' dtype (PyTorch's fused SDPA kernels for the
+attention blocks), never NumPy.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from commlib import hybrid as _hybrid
 from commlib import moe as _moe
 from commlib import ring as _ring
 from commlib import ulysses as _ulysses
-from commlib.arrays import unwrap
+from commlib.kernels import Kernel
 
 __all__ = ["ring_attention", "ulysses_attention", "hybrid_attention", "seq_to_head",
            "head_to_seq", "Dispatcher"]
@@ -50,28 +52,30 @@ def _attention(q, k, v, forward, backward, **settings):
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, causal: bool = False,
-                   layout: str = "contiguous", softmax_scale: Optional[float] = None
-                   ) -> torch.Tensor:
-    """Differentiable ``commlib.ring.ring_attention``."""
+                   layout: str = "contiguous", softmax_scale: Optional[float] = None,
+                   kernel: Optional[Kernel] = None) -> torch.Tensor:
+    """Differentiable ``commlib.ring.ring_attention``; ``kernel`` replaces
+    torch's fused SDPA kernels (``commlib.kernels.Kernel``)."""
     return _attention(q, k, v, _ring.ring_attention, _ring.ring_attention_backward, comm=comm,
-                      causal=causal, layout=layout, softmax_scale=softmax_scale)
+                      causal=causal, layout=layout, softmax_scale=softmax_scale, kernel=kernel)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm,
-                      causal: bool = False, softmax_scale: Optional[float] = None
-                      ) -> torch.Tensor:
+                      causal: bool = False, softmax_scale: Optional[float] = None,
+                      kernel: Optional[Kernel] = None) -> torch.Tensor:
     """Differentiable ``commlib.ulysses.ulysses_attention``."""
     return _attention(q, k, v, _ulysses.ulysses_attention, _ulysses.ulysses_attention_backward,
-                      comm=comm, causal=causal, softmax_scale=softmax_scale)
+                      comm=comm, causal=causal, softmax_scale=softmax_scale, kernel=kernel)
 
 
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm,
                      ulysses_size: int, causal: bool = False,
-                     softmax_scale: Optional[float] = None) -> torch.Tensor:
+                     softmax_scale: Optional[float] = None,
+                     kernel: Optional[Kernel] = None) -> torch.Tensor:
     """Differentiable ``commlib.hybrid.hybrid_attention``."""
     return _attention(q, k, v, _hybrid.hybrid_attention, _hybrid.hybrid_attention_backward,
                       comm=comm, ulysses_size=ulysses_size, causal=causal,
-                      softmax_scale=softmax_scale)
+                      softmax_scale=softmax_scale, kernel=kernel)
 
 
 class _SeqToHead(torch.autograd.Function):
@@ -122,31 +126,26 @@ class TorchHandle:
         return self.core.stats
 
 
-def _numpy(t: torch.Tensor):
-    return unwrap(t.detach().contiguous()).data
-
-
 class _Dispatch(torch.autograd.Function):
     """expert_x = dispatch(x); dx = the expert rows' gradients summed back
-    to their tokens along the combine path."""
+    to their tokens along the combine path, computed by torch."""
 
     @staticmethod
     def forward(ctx, x, experts, weights, core, box):
         expert_x, handle = core.dispatch(x.detach(), experts, weights.detach())
         box.append(handle)
-        ctx.core, ctx.handle, ctx.like = core, handle, unwrap(x.detach())
+        ctx.core, ctx.handle = core, handle
         return expert_x
 
     @staticmethod
     def backward(ctx, grad):
-        dx = ctx.core.dispatch_backward(_numpy(grad), ctx.handle)
-        return ctx.like.wrap(ctx.like.xp.ascontiguousarray(dx)), None, None, None, None
+        return ctx.core.dispatch_backward(grad, ctx.handle), None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
-    """y = combine(expert_y) with the handle's weights. Backward: dy travels
-    the dispatch path to the expert rows; d expert_y = w * dy there; d w =
-    <dy, expert_y> per slot, sent back to its token."""
+    """y = combine(expert_y) with the handle's weights. Backward, in torch:
+    dy travels the dispatch path to the expert rows; d expert_y = w * dy
+    there; d w = <dy, expert_y> per slot, sent back to its token."""
 
     @staticmethod
     def forward(ctx, expert_y, weights, core, handle):
@@ -157,12 +156,9 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         expert_y, weights = ctx.saved_tensors
-        native, gate = unwrap(expert_y.detach()), unwrap(weights.detach())
-        d_expert_y, d_weights = ctx.core.combine_backward(native.data, _numpy(grad),
-                                                          ctx.handle, weights.shape[1])
-        xp = native.xp
-        return (native.wrap(xp.ascontiguousarray(d_expert_y)),
-                gate.wrap(xp.ascontiguousarray(d_weights).astype(gate.data.dtype)), None, None)
+        d_expert_y, d_weights = ctx.core.combine_backward(expert_y.detach(), grad, ctx.handle,
+                                                          weights.shape[1])
+        return d_expert_y, d_weights.to(weights.dtype), None, None
 
 
 class Dispatcher:

@@ -84,7 +84,8 @@ def _from_cupy(x) -> Native:
 def _from_torch(x) -> Native:
     import torch
 
-    t = x.detach().resolve_conj().resolve_neg()
+    # a non-contiguous tensor is copied by torch, on its own device and stream
+    t = x.detach().resolve_conj().resolve_neg().contiguous()
     name = str(t.dtype).removeprefix("torch.")
     twins = _ml_dtypes_twins()
     on_device = t.device.type == "cuda"

@@ -1,53 +1,68 @@
 """Checks of attention inputs shared by Ring, Ulysses and the hybrid.
 
-Each rank checks its own shards; the algorithms then hand any problem to
-``Communicator.agree``, so that all ranks raise together."""
+Each rank checks its own shards (arrays of any one framework); the
+algorithms then hand any problem to ``Communicator.agree`` through
+``agree_on_inputs``, so that all ranks raise together."""
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Tuple
 
-from .arrays import Native
+from .namespace import dtype_name, framework, on_cuda
 
-Extra = Tuple[Tuple[str, Native, tuple], ...]
+Extra = Tuple[Tuple[str, Any, tuple], ...]
+
+ATTENTION_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
-def check_qkv(q: Native, k: Native, v: Native, extra: Extra = ()) -> None:
-    """q [b, s, h, d], k and v [b, s, hk, d] with h % hk == 0, one dtype, one
-    side (host or CUDA), and the ``extra`` (name, array, shape) triples."""
-    if {q.on_device, k.on_device, v.on_device} != {q.on_device}:
+def _framework_of(name: str, x: Any) -> str:
+    try:
+        return framework(x)
+    except TypeError:
+        raise ValueError(f"{name} must be a NumPy, CuPy, PyTorch or JAX array, got "
+                         f"{type(x).__module__}.{type(x).__qualname__}") from None
+
+
+def check_qkv(q: Any, k: Any, v: Any, extra: Extra = ()) -> None:
+    """q [b, s, h, d], k and v [b, s, hk, d] with h % hk == 0, one framework,
+    one dtype, one side (host or CUDA), and the ``extra`` (name, array,
+    shape) triples."""
+    kinds = {name: _framework_of(name, x) for name, x in (("q", q), ("k", k), ("v", v))}
+    if len(set(kinds.values())) != 1:
+        raise ValueError(f"q, k and v must come from one framework, got "
+                         f"{', '.join(f'{n}: {f}' for n, f in kinds.items())}")
+    if len({on_cuda(q), on_cuda(k), on_cuda(v)}) != 1:
         raise ValueError("q, k and v must all be host arrays or all CUDA arrays")
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.data.ndim != 4:
+        if len(x.shape) != 4:
             raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape "
-                             f"{tuple(x.data.shape)}")
-    (b, s, h, d), (kb, ks, hk, kd) = q.data.shape, k.data.shape
-    if tuple(v.data.shape) != tuple(k.data.shape):
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.data.shape)} and "
-                         f"{tuple(v.data.shape)}")
+                             f"{tuple(x.shape)}")
+    (b, s, h, d), (kb, ks, hk, kd) = q.shape, k.shape
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
     if (kb, ks, kd) != (b, s, d):
-        raise ValueError(f"q {tuple(q.data.shape)} and k {tuple(k.data.shape)} must agree on "
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on "
                          f"batch, local sequence length and head_dim")
-    if h % hk:
+    if hk == 0 or h % hk:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hk}) for GQA/MQA")
-    if q.dtype != q.data.dtype:
-        raise ValueError(f"{q.dtype.name} CUDA arrays are not supported by the built-in block "
-                         f"kernel (CuPy has no {q.dtype.name}); cast q, k and v to float16 or "
-                         f"float32")
-    if not q.dtype == k.dtype == v.dtype:
-        raise ValueError(f"q, k and v must have one dtype, got {q.dtype.name}, "
-                         f"{k.dtype.name}, {v.dtype.name}")
+    names = [dtype_name(x) for x in (q, k, v)]
+    if len(set(names)) != 1:
+        raise ValueError(f"q, k and v must have one dtype, got {', '.join(names)}")
+    if names[0] not in ATTENTION_DTYPES:
+        raise ValueError(f"attention takes q, k and v of {', '.join(ATTENTION_DTYPES)}, got "
+                         f"{names[0]}; cast them first")
     for name, x, shape in extra:
-        if tuple(x.data.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(x.data.shape)}")
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
 
 
-def backward_extras(q: Native, dout: Native, out: Native, lse: Native) -> Extra:
+def backward_extras(q: Any, dout: Any, out: Any, lse: Any) -> Extra:
     """What a backward pass checks beyond q, k, v: dout and out shaped like
     q, lse [b, h, s]."""
-    b, s, h = q.data.shape[:3] if q.data.ndim == 4 else (0, 0, 0)
-    return (("dout", dout, tuple(q.data.shape)), ("out", out, tuple(q.data.shape)),
+    b, s, h = tuple(q.shape[:3]) if len(q.shape) == 4 else (0, 0, 0)
+    return (("dout", dout, tuple(q.shape)), ("out", out, tuple(q.shape)),
             ("lse", lse, (b, h, s)))
 
 
@@ -60,10 +75,23 @@ def problem_of(check: Callable[..., None], *args) -> Optional[Exception]:
     return None
 
 
-def scale_of(q: Native, softmax_scale: Optional[float]) -> float:
-    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.data.shape[-1])
+def scale_of(q: Any, softmax_scale: Optional[float]) -> float:
+    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
-def settings(*pairs: Sequence) -> Tuple[str, ...]:
-    """``("causal=True", ...)`` for a fingerprint."""
-    return tuple(f"{name}={value}" for name, value in pairs)
+def agree_on_inputs(comm, op: str, q: Any, k: Any, problem: Optional[Exception],
+                    **settings: Any) -> None:
+    """All ranks must call ``op`` with the same shapes (local sequence
+    lengths included), dtype and ``settings``, and none may have a
+    ``problem`` with its own inputs; otherwise every rank raises
+    ``CollectiveMismatchError``."""
+    described = tuple(f"{name}={value}" for name, value in settings.items())
+    comm.agree(op, tuple(getattr(q, "shape", ())), tuple(getattr(k, "shape", ())),
+               _dtype_or_type(q), *described, problem=problem)
+
+
+def _dtype_or_type(x: Any) -> str:
+    try:
+        return dtype_name(x)
+    except (TypeError, AttributeError):
+        return type(x).__name__

@@ -11,17 +11,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import consistency
 from . import counts as _counts
-from .arrays import Native, contiguous, unwrap
+from .arrays import Native, byte_view, contiguous, unwrap
 from .backends import REDUCE_OPS, Backend
 from .backends.mpi import MpiBackend
 from .errors import AllocationRefusedError, CollectiveMismatchError
 from .memory import shortfall
+from .namespace import contiguous as framework_contiguous
+from .namespace import namespace
 from .topology import Topology
 
 # alltoallv's count exchange sends each peer [rows, signature], or this
@@ -34,12 +36,25 @@ def _normalize_axis(axis: int, ndim: int, what: str) -> int:
     return axis % ndim
 
 
-def _concat_blocks(xp, stacked, axis: int):
-    """[P, *block] -> the P blocks concatenated along ``axis``: one copy."""
+def _concat_blocks(stacked, axis: int):
+    """[P, *block] -> the P blocks concatenated along ``axis``: one copy, in
+    the array's own framework."""
+    xp = namespace(stacked)
     blocks, block_shape = stacked.shape[0], stacked.shape[1:]
     shape = list(block_shape)
     shape[axis] *= blocks
-    return xp.ascontiguousarray(xp.moveaxis(stacked, 0, axis)).reshape(shape)
+    return xp.reshape(xp.moveaxis(stacked, 0, axis), tuple(shape))
+
+
+def _in_framework(x: Any, native: Native) -> Any:
+    """``x`` itself when it is a NumPy, CuPy, torch or JAX array, else (a
+    list, another DLPack exporter) its NumPy/CuPy view: the array that
+    layout changes run on, in its own framework."""
+    try:
+        namespace(x)
+        return x
+    except TypeError:
+        return native.data
 
 
 def _row_facts(native: Native) -> Tuple[str, str]:
@@ -266,9 +281,9 @@ class Communicator:
     def alltoall(self, x: Any, split_axis: int = 0, concat_axis: int = 0) -> Any:
         """Split ``x`` along ``split_axis`` into ``size`` equal chunks, send
         chunk i to rank i, and concatenate what arrives, in rank order, along
-        ``concat_axis``."""
+        ``concat_axis``. The layout changes run in x's own framework."""
         native = unwrap(x)
-        data, xp, size = native.data, native.xp, self.size
+        data, size = native.data, self.size
         self._begin("alltoall", native.dtype.name, tuple(data.shape), split_axis, concat_axis)
         backend = self._backend_for(native)
         split_axis = _normalize_axis(split_axis, data.ndim, "split_axis")
@@ -277,12 +292,42 @@ class Communicator:
         if length % size:
             raise ValueError(f"alltoall splits axis {split_axis} (length {length}) into {size} "
                              f"equal chunks; make that axis a multiple of {size}")
-        send = xp.ascontiguousarray(xp.moveaxis(data, split_axis, 0))
-        out = xp.empty_like(send)
-        backend.alltoall(send, out)
-        chunk_first = out.reshape((size, length // size) + send.shape[1:])
-        stacked = xp.moveaxis(chunk_first, 1, split_axis + 1)
-        return native.wrap(_concat_blocks(xp, stacked, concat_axis))
+        array = _in_framework(x, native)
+        xp = namespace(array)
+        send = unwrap(framework_contiguous(xp.moveaxis(array, split_axis, 0)))
+        out = send.xp.empty_like(send.data)
+        backend.alltoall(send.data, out)
+        received = send.wrap(out)
+        chunk_first = xp.reshape(received, (size, length // size) + tuple(received.shape[1:]))
+        return _concat_blocks(xp.moveaxis(chunk_first, 1, split_axis + 1), concat_axis)
+
+    def alltoall_many(self, arrays: Sequence[Any]) -> List[Any]:
+        """Several all-to-alls in one exchange: each array is cut along axis 0
+        into ``size`` equal chunks, chunk i to rank i, and every peer gets one
+        message holding its chunk of every array (worth it while messages are
+        latency-bound). Returns each array's [size * chunk, ...] result, rank
+        0's chunk first, in that array's framework. The packing copies bytes
+        only; arrays may differ in dtype and trailing shape."""
+        natives = [unwrap(x) for x in arrays]
+        size = self.size
+        self._begin("alltoall_many", *((n.dtype.name, tuple(n.data.shape)) for n in natives))
+        backend = self._backend_for(*natives)
+        for n in natives:
+            if n.data.ndim == 0 or n.data.shape[0] % size:
+                raise ValueError(f"alltoall_many cuts axis 0 into {size} equal chunks; got an "
+                                 f"array of shape {tuple(n.data.shape)}")
+        xp = natives[0].xp
+        parts = [byte_view(contiguous(n)).reshape(size, -1) for n in natives]
+        packed = parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=1)
+        out = xp.empty_like(packed)
+        backend.alltoall(packed, out)
+        results, offset = [], 0
+        for n, part in zip(natives, parts):
+            width = part.shape[1]
+            block = xp.ascontiguousarray(out[:, offset:offset + width])
+            results.append(n.wrap(block.view(n.data.dtype).reshape(n.data.shape)))
+            offset += width
+        return results
 
     def ring_shift(self, x: Any, shift: int = 1) -> Any:
         """Every rank sends ``x`` ``shift`` places up the ring: the result is
@@ -318,7 +363,7 @@ class Communicator:
             data = data.reshape(1)
         out = native.xp.empty((self.size,) + data.shape, dtype=data.dtype)
         backend.allgather(data, out)
-        return native.wrap(_concat_blocks(native.xp, out, axis))
+        return _concat_blocks(native.wrap(out), axis)
 
     def allreduce(self, x: Any, op: str = "sum") -> Any:
         """Element-wise reduction over ranks: "sum", "prod", "max" or "min".

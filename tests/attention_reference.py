@@ -20,3 +20,17 @@ def reference_attention(q, k, v, causal, scale=None):
     total = weights.sum(axis=-1, keepdims=True)
     out = np.einsum("bhqk,bkhd->bqhd", weights / total, v)
     return out, (top + np.log(total))[..., 0]
+
+
+def torch_reference(q, k, v, dout, causal, scale=None):
+    """(out, dq, dk, dv) of torch's scaled_dot_product_attention on the
+    unsharded sequence, float64, through autograd: the independent
+    reference for outputs and gradients."""
+    import torch
+
+    tq, tk, tv = (torch.tensor(np.asarray(x, np.float64)).transpose(1, 2).requires_grad_()
+                  for x in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal,
+                                                           enable_gqa=True, scale=scale)
+    out.backward(torch.tensor(np.asarray(dout, np.float64)).transpose(1, 2))
+    return [t.detach().transpose(1, 2).numpy() for t in (out, tq.grad, tk.grad, tv.grad)]

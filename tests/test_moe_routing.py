@@ -3,6 +3,8 @@
 ``route`` is checked against an independent reference of DeepSeek-V3's gate
 written as a plain per-token loop in float64, and against Mixtral-style
 "softmax over the top-k logits", which equals renormalised softmax top-k.
+The full case matrix runs on NumPy; a representative set runs in every
+framework (``arrayimpl``), bfloat16 logits included.
 """
 
 import itertools
@@ -12,6 +14,10 @@ import pytest
 
 from commlib.moe.balance import BiasBalancer
 from commlib.moe.routing import route
+
+import arrayimpl
+
+NUMPY = arrayimpl.IMPLS["numpy"]
 
 # float32 routing and a float64 reference may order two scores differently
 # when they are this close; such rows are compared only where that cannot matter
@@ -44,7 +50,8 @@ def reference_gate(logits, k, score, bias, num_groups, topk_groups, normalize):
         if num_groups is not None:
             size = num_experts // num_groups
             top_per_group = max(1, k // topk_groups)
-            group_score = [sum(sorted(chooser[g * size:(g + 1) * size], reverse=True)[:top_per_group])
+            group_score = [sum(sorted(chooser[g * size:(g + 1) * size],
+                                      reverse=True)[:top_per_group])
                            for g in range(num_groups)]
             ranked_groups = sorted(range(num_groups), key=lambda g: (-group_score[g], g))
             kept = ranked_groups[:topk_groups]
@@ -72,13 +79,31 @@ def softmax_topk_reference(logits, k):
     return experts, exp / exp.sum(axis=1, keepdims=True)
 
 
-def assert_matches_reference(logits, k, score, bias, num_groups, topk_groups, normalize):
+def index_dtype_name(impl):
+    """int64, except JAX without x64 (whose integers are int32)."""
+    if impl.framework == "jax":
+        import jax
+        return "int64" if jax.config.jax_enable_x64 else "int32"
+    return "int64"
+
+
+def assert_matches_reference(logits, k, score, bias, num_groups, topk_groups, normalize,
+                             impl=NUMPY, dtype="float32", host_bias=False):
     """Same expert sets (and order) as the reference wherever the reference's
-    decision is not a near-tie; same weights for those experts. Returns how
-    many rows were near-ties at a set boundary."""
-    experts, weights = route(logits, k, score=score, bias=bias, num_groups=num_groups,
+    decision is not a near-tie; same weights for those experts. ``logits``
+    and ``bias`` go in as ``impl`` arrays (logits as ``dtype``; the bias
+    stays NumPy with ``host_bias``, as the balancer hands it over); the
+    reference sees the logits as rounded to ``dtype``. Returns how many rows
+    were near-ties at a set boundary."""
+    given = impl.asarray(logits, dtype)
+    logits = impl.to_numpy(given).astype(np.float32)
+    shift = bias if bias is None or host_bias else impl.asarray(bias)
+    experts, weights = route(given, k, score=score, bias=shift, num_groups=num_groups,
                              topk_groups=topk_groups, normalize=normalize)
-    assert experts.dtype == np.int64 and weights.dtype == np.float32
+    assert impl.is_native(experts) and impl.is_native(weights)
+    assert impl.dtype_name(experts) == index_dtype_name(impl)
+    assert impl.dtype_name(weights) == "float32"
+    experts, weights = impl.to_numpy(experts), impl.to_numpy(weights)
     assert experts.shape == weights.shape == (logits.shape[0], k)
     ref_experts, ref_weights, set_margin, order_margin = reference_gate(
         logits, k, score, bias, num_groups, topk_groups, normalize)
@@ -88,7 +113,8 @@ def assert_matches_reference(logits, k, score, bias, num_groups, topk_groups, no
     for t in np.flatnonzero(clear):
         got = dict(zip(experts[t].tolist(), weights[t].tolist()))
         want = dict(zip(ref_experts[t].tolist(), ref_weights[t].tolist()))
-        assert got.keys() == want.keys(), f"row {t}: experts {sorted(got)} != {sorted(want)} in {case}"
+        assert got.keys() == want.keys(), \
+            f"row {t}: experts {sorted(got)} != {sorted(want)} in {case}"
         np.testing.assert_allclose([got[e] for e in want], list(want.values()),
                                    rtol=1e-5, atol=1e-7, err_msg=f"row {t} in {case}")
     ordered = clear & (order_margin > NEAR_TIE)
@@ -125,6 +151,40 @@ def test_route_matches_reference_gate(score):
     assert near_ties < 0.01 * rows
 
 
+# k, score, (num_groups, topk_groups), bias (None, "framework", "host"), normalize
+FRAMEWORK_CASES = [(2, "softmax", (None, None), "host", True),
+                   (4, "sigmoid", (4, 2), "framework", True),
+                   (3, "sigmoid", (None, None), None, False)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("impl", arrayimpl.params())
+def test_route_in_every_framework(impl, dtype):
+    """Computed in the logits' framework, returned there; bfloat16 logits
+    route as their float32 values would."""
+    rng = np.random.default_rng(2025)
+    for k, score, (num_groups, topk_groups), bias, normalize in FRAMEWORK_CASES:
+        logits = rng.standard_normal((32, 16)).astype(np.float32)
+        shift = None if bias is None else (0.05 * rng.standard_normal(16)).astype(np.float32)
+        assert assert_matches_reference(logits, k, score, shift, num_groups, topk_groups,
+                                        normalize, impl, dtype, host_bias=bias == "host") < 2
+
+
+def test_route_computes_in_torch(monkeypatch):
+    """No torch tensor is turned into NumPy on the way: the old path
+    (unwrap to NumPy, compute, wrap back) fails here."""
+    torch = pytest.importorskip("torch")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("route converted a torch tensor to NumPy")
+    monkeypatch.setattr(torch.Tensor, "numpy", refuse)
+    monkeypatch.setattr(torch.Tensor, "__array__", refuse)
+    logits = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)).bfloat16()
+    experts, weights = route(logits, 4, score="sigmoid", bias=torch.zeros(16),
+                             num_groups=4, topk_groups=2)
+    assert experts.dtype == torch.int64 and weights.dtype == torch.float32
+
+
 def test_deepseek_v3_configuration():
     """256 experts in 8 groups, 4 groups per token, 8 experts per token."""
     rng = np.random.default_rng(3)
@@ -144,15 +204,19 @@ def test_softmax_topk_equals_mixtral_form():
         np.testing.assert_allclose(weights.sum(axis=1), 1, rtol=1e-6)
 
 
-def test_ties_go_to_the_lower_index():
-    experts, weights = route(np.zeros((3, 8), np.float32), 3)
+@pytest.mark.parametrize("impl", arrayimpl.params())
+def test_ties_go_to_the_lower_index(impl):
+    def chosen(logits, k, **options):
+        experts, weights = route(impl.asarray(np.array(logits, np.float32)), k, **options)
+        return impl.to_numpy(experts), impl.to_numpy(weights)
+
+    experts, weights = chosen(np.zeros((3, 8)), 3)
     np.testing.assert_array_equal(experts, [[0, 1, 2]] * 3)
     np.testing.assert_allclose(weights, 1 / 3)
-    experts, _ = route(np.array([[1, 3, 3, 2, 3]], np.float32), 2)
+    experts, _ = chosen([[1, 3, 3, 2, 3]], 2)
     np.testing.assert_array_equal(experts, [[1, 2]])
     # equal groups: the lower groups win, then the lower experts in them
-    experts, _ = route(np.zeros((2, 16), np.float32), 4, score="sigmoid",
-                       num_groups=4, topk_groups=2)
+    experts, _ = chosen(np.zeros((2, 16)), 4, score="sigmoid", num_groups=4, topk_groups=2)
     np.testing.assert_array_equal(experts, [[0, 1, 2, 3]] * 2)
 
 
@@ -209,33 +273,11 @@ def test_normalized_weights_survive_underflowing_affinities():
                                rtol=1e-6)
 
 
-def test_no_tokens():
-    experts, weights = route(np.zeros((0, 8), np.float32), 2, num_groups=4, topk_groups=2)
-    assert experts.shape == weights.shape == (0, 2)
-
-
-def test_torch_in_torch_out():
-    torch = pytest.importorskip("torch")
-    rng = np.random.default_rng(8)
-    logits = rng.standard_normal((16, 16)).astype(np.float32)
-    bias = (0.1 * rng.standard_normal(16)).astype(np.float32)
-    want = route(logits, 4, score="sigmoid", bias=bias, num_groups=4, topk_groups=2)
-    got = route(torch.from_numpy(logits), 4, score="sigmoid", bias=torch.from_numpy(bias),
-                num_groups=4, topk_groups=2)
-    assert isinstance(got[0], torch.Tensor) and got[0].dtype == torch.int64
-    assert isinstance(got[1], torch.Tensor) and got[1].dtype == torch.float32
-    np.testing.assert_array_equal(got[0].numpy(), want[0])
-    np.testing.assert_array_equal(got[1].numpy(), want[1])
-    experts, weights = route(torch.from_numpy(logits).to(torch.bfloat16), 4)
-    assert experts.dtype == torch.int64 and weights.dtype == torch.float32
-
-
-def test_jax_in_jax_out():
-    jax = pytest.importorskip("jax")
-    logits = np.random.default_rng(9).standard_normal((8, 16)).astype(np.float32)
-    experts, weights = route(jax.numpy.asarray(logits), 2)
-    assert isinstance(experts, jax.Array) and isinstance(weights, jax.Array)
-    np.testing.assert_array_equal(np.asarray(experts), route(logits, 2)[0])
+@pytest.mark.parametrize("impl", arrayimpl.params())
+def test_no_tokens(impl):
+    experts, weights = route(impl.asarray(np.zeros((0, 8), np.float32)), 2, num_groups=4,
+                             topk_groups=2)
+    assert experts.shape == weights.shape == (0, 2) and impl.is_native(experts)
 
 
 def _with(row, col, value):
@@ -272,6 +314,13 @@ def test_bad_input_is_a_clear_value_error(change, message):
     args.update(change)
     with pytest.raises(ValueError, match=message):
         route(args.pop("logits"), args.pop("k"), **args)
+
+
+@pytest.mark.parametrize("impl", arrayimpl.params())
+def test_nan_logits_are_refused_in_every_framework(impl):
+    logits = impl.asarray(_with([0, 3], [1, 5], [np.nan, np.inf]), "bfloat16")
+    with pytest.raises(ValueError, match=r"NaN or inf values in 2 of 4 rows"):
+        route(logits, 2)
 
 
 # ---------------------------------------------------------------- BiasBalancer
@@ -341,9 +390,9 @@ def test_balancer_sums_load_over_ranks():
     np.testing.assert_array_equal(bias, [-1, 1, 1, -1])  # summed: [6, 0, 0, 6]
 
 
-def test_balancer_takes_torch_load():
-    torch = pytest.importorskip("torch")
-    bias = BiasBalancer(3, rate=1.0, recenter=False).update(torch.tensor([0, 3, 0]))
+@pytest.mark.parametrize("impl", arrayimpl.params())
+def test_balancer_takes_load_from_any_framework(impl):
+    bias = BiasBalancer(3, rate=1.0, recenter=False).update(impl.asarray(np.array([0, 3, 0])))
     assert isinstance(bias, np.ndarray)
     np.testing.assert_array_equal(bias, [1, -1, 1])
 

@@ -6,6 +6,7 @@ import pytest
 
 from commlib.ring import attention_backward, attention_forward, merge
 from commlib.ring.layout import chunks_of
+
 from attention_reference import reference_attention
 
 torch = pytest.importorskip("torch")

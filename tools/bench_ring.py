@@ -21,6 +21,7 @@ loads), so that P ranks on P cores compare fairly with one rank on one core.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import tracemalloc
@@ -32,7 +33,7 @@ from mpi4py import MPI
 
 import commlib
 from commlib import ring
-from commlib.ring.kernel import choose_tile
+from commlib.kernels.tiled import choose_tile
 
 
 class _NoTransfer:
@@ -82,9 +83,10 @@ def scaling(comm, world, seq: int, heads: int, dim: int, repeats: int) -> List[d
     for causal, layout in ((False, "contiguous"), (True, "zigzag")):
         q, k, v = _inputs(seq // comm.size, heads, dim, comm.rank)
         fq, fk, fv = _inputs(seq, heads, dim, comm.rank)
-        t_ring = _best(world, lambda: ring.ring_attention(q, k, v, comm, causal, layout), repeats)
-        t_one = _best(world, lambda: ring.ring_attention(fq, fk, fv, alone, causal, layout),
-                      repeats)
+        t_ring = _best(world, functools.partial(ring.ring_attention, q, k, v, comm, causal,
+                                                layout), repeats)
+        t_one = _best(world, functools.partial(ring.ring_attention, fq, fk, fv, alone, causal,
+                                               layout), repeats)
         rows.append({"test": "scaling", "seq": seq, "causal": causal, "layout": layout,
                      "ranks": comm.size, "t_one_s": t_one, "t_ring_s": t_ring,
                      "efficiency": t_one / (comm.size * t_ring)})
@@ -105,8 +107,9 @@ def overlap(comm, world, seq: int, heads: int, dim: int, repeats: int) -> List[d
 def balance(comm, world, seq: int, heads: int, dim: int, repeats: int) -> List[dict]:
     """Causal zigzag against causal contiguous on the same global problem."""
     q, k, v = _inputs(seq // comm.size, heads, dim, comm.rank)
-    times = {layout: _best(world, lambda: ring.ring_attention(q, k, v, comm, True, layout),
-                           repeats) for layout in ("contiguous", "zigzag")}
+    times = {layout: _best(world, functools.partial(ring.ring_attention, q, k, v, comm, True,
+                                                    layout), repeats)
+             for layout in ("contiguous", "zigzag")}
     return [{"test": "balance", "seq": seq, "ranks": comm.size,
              "t_contiguous_s": times["contiguous"], "t_zigzag_s": times["zigzag"],
              "speedup": times["contiguous"] / times["zigzag"]}]

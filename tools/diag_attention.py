@@ -31,9 +31,11 @@ import ml_dtypes
 import numpy as np
 
 import commlib
-from commlib.tools.world import world
-from commlib import hybrid, ring as ring_lib, ulysses as ulysses_lib
+from commlib import hybrid
+from commlib import ring as ring_lib
+from commlib import ulysses as ulysses_lib
 from commlib.ring.attention import _visible
+from commlib.tools.world import world
 from commlib.ulysses.relayout import FUSE_LIMIT_BYTES, divisors
 
 DTYPES = ("float32", "float16", "bfloat16")

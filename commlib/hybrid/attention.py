@@ -14,9 +14,10 @@ from __future__ import annotations
 import weakref
 from typing import Any, Optional, Tuple
 
-from ..arrays import unwrap
+from ..attention_inputs import agree_on_inputs, backward_extras, problem_of, scale_of
+from ..kernels import Kernel
+from ..namespace import detached
 from ..ring.attention import ring_attention, ring_attention_backward
-from ..attention_inputs import backward_extras, problem_of, scale_of, settings
 from ..ulysses.attention import check_inputs, lse_to_heads, lse_to_seq
 from ..ulysses.relayout import divisors, head_to_seq, seq_to_head_many
 
@@ -47,43 +48,41 @@ def _check(q, k, v, size, ulysses_size, extra=()):
 
 
 def hybrid_attention(q: Any, k: Any, v: Any, comm, ulysses_size: int, causal: bool = False,
-                     softmax_scale: Optional[float] = None, return_lse: bool = False):
+                     softmax_scale: Optional[float] = None, return_lse: bool = False,
+                     kernel: Optional[Kernel] = None):
     """Attention over the whole sequence for contiguous shards
     q [b, s/P, h, d], k/v [b, s/P, hk, d]: Ulysses of degree ``ulysses_size``
-    inside groups, a ring of P / ulysses_size across them."""
-    nq, nk, nv = unwrap(q), unwrap(k), unwrap(v)
-    scale = scale_of(nq, softmax_scale)
-    comm.agree("hybrid_attention", tuple(nq.data.shape), tuple(nk.data.shape), nq.dtype.name,
-               *settings(("ulysses_size", ulysses_size), ("causal", causal), ("scale", scale)),
-               problem=problem_of(_check, nq, nk, nv, comm.size, ulysses_size))
+    inside groups, a ring of P / ulysses_size across them. In q's framework,
+    device and dtype."""
+    q, k, v = detached(q, k, v)
+    scale = scale_of(q, softmax_scale)
+    agree_on_inputs(comm, "hybrid_attention", q, k,
+                    problem_of(_check, q, k, v, comm.size, ulysses_size),
+                    ulysses_size=ulysses_size, causal=causal, scale=scale)
     group, ring = groups(comm, ulysses_size)
-    qh, kh, vh = seq_to_head_many([nq.data, nk.data, nv.data], group)
+    qh, kh, vh = seq_to_head_many([q, k, v], group)
     out, lse = ring_attention(qh, kh, vh, ring, causal=causal, layout="contiguous",
-                              softmax_scale=scale, return_lse=True)
-    result = nq.wrap(unwrap(head_to_seq(out, group)).data)
-    if not return_lse:
-        return result
-    return result, nq.wrap(unwrap(lse_to_seq(lse, group)).data)
+                              softmax_scale=scale, return_lse=True, kernel=kernel)
+    result = head_to_seq(out, group)
+    return (result, lse_to_seq(lse, group)) if return_lse else result
 
 
 def hybrid_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, comm,
                               ulysses_size: int, causal: bool = False,
-                              softmax_scale: Optional[float] = None):
+                              softmax_scale: Optional[float] = None,
+                              kernel: Optional[Kernel] = None):
     """(dq, dk, dv) of ``hybrid_attention`` for this rank's shards."""
-    nq, nk, nv = unwrap(q), unwrap(k), unwrap(v)
-    nd, no, nl = unwrap(dout), unwrap(out), unwrap(lse)
-    scale = scale_of(nq, softmax_scale)
-    comm.agree("hybrid_attention_backward", tuple(nq.data.shape), tuple(nk.data.shape),
-               nq.dtype.name,
-               *settings(("ulysses_size", ulysses_size), ("causal", causal), ("scale", scale)),
-               problem=problem_of(_check, nq, nk, nv, comm.size, ulysses_size,
-                                  backward_extras(nq, nd, no, nl)))
+    dout, q, k, v, out, lse = detached(dout, q, k, v, out, lse)
+    scale = scale_of(q, softmax_scale)
+    agree_on_inputs(comm, "hybrid_attention_backward", q, k,
+                    problem_of(_check, q, k, v, comm.size, ulysses_size,
+                               backward_extras(q, dout, out, lse)),
+                    ulysses_size=ulysses_size, causal=causal, scale=scale)
     group, ring = groups(comm, ulysses_size)
-    qh, kh, vh, dh, oh = seq_to_head_many([nq.data, nk.data, nv.data, nd.data, no.data], group)
-    dq, dk, dv = ring_attention_backward(dh, qh, kh, vh, oh, lse_to_heads(nl.data, group), ring,
+    qh, kh, vh, dh, oh = seq_to_head_many([q, k, v, dout, out], group)
+    dq, dk, dv = ring_attention_backward(dh, qh, kh, vh, oh, lse_to_heads(lse, group), ring,
                                          causal=causal, layout="contiguous",
-                                         softmax_scale=scale)
-    kv_heads = nk.data.shape[2]
-    return (nq.wrap(unwrap(head_to_seq(dq, group)).data),
-            nk.wrap(unwrap(head_to_seq(dk, group, kv_heads)).data),
-            nv.wrap(unwrap(head_to_seq(dv, group, kv_heads)).data))
+                                         softmax_scale=scale, kernel=kernel)
+    kv_heads = k.shape[2]
+    return (head_to_seq(dq, group), head_to_seq(dk, group, kv_heads),
+            head_to_seq(dv, group, kv_heads))

@@ -24,7 +24,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from ..ring.kernel import attention_forward
+from ..kernels.tiled import attention_forward
 from ..ulysses.relayout import divisors
 
 _fabrics: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -19,6 +19,12 @@ way back the forwarder sums inside the node before the one crossing back.
 Capacity: each expert takes at most ``ceil(T * k / E * capacity_factor)``
 assignments from each source rank; the rest are dropped (by lowest weight or
 latest position), contribute nothing, and are counted.
+
+Everything runs in the caller's framework, on its device (torch ops for torch
+tensors, ``jax.numpy`` for JAX arrays, NumPy for NumPy): permutations,
+metadata, expansion and sums. Only the rows cross into the transport, in
+their own dtype (bfloat16 stays bfloat16 on the wire); weights and sums are
+float32; counts go to the host, where the transport needs them.
 """
 
 from __future__ import annotations
@@ -29,17 +35,30 @@ from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
-from ..arrays import Native, unwrap
+from ..namespace import (
+    counts,
+    device,
+    dtype_name,
+    float32,
+    framework,
+    index_dtype,
+    namespace,
+    scatter_add,
+    to_host,
+)
 from .stats import DispatchStats
 
 DROP_POLICIES = ("probs", "position")
+# expert ids travel as float32 beside the weights (one metadata message);
+# float32 holds every integer below 2**24 exactly
+MAX_EXPERTS = 2 ** 24
 
 
 @dataclass
 class _Hop:
     """One all-to-all hop: the source rows sent (rank-major) and the counts."""
 
-    send_rows: Any          # xp int64: source row of each sent row, in send order
+    send_rows: Any           # caller's framework: source row of each sent row, in send order
     send_counts: np.ndarray  # host int64 [P]
     recv_counts: np.ndarray  # host int64 [P]
     sources: int             # rows on the sending side
@@ -49,41 +68,38 @@ class _Hop:
 class DispatchHandle:
     """What combine needs to undo a dispatch, and what the dispatch saw.
 
-    ``tokens_per_expert[e]``: rows of ``expert_x`` for this rank's local
-    expert e. ``stats``: the global picture of this dispatch."""
+    ``tokens_per_expert[e]`` (host int64): rows of ``expert_x`` for this
+    rank's local expert e. ``stats``: the global picture of this dispatch.
+    The index arrays are in the caller's framework, on its device."""
 
     tokens_per_expert: np.ndarray
     stats: DispatchStats
     hops: List[_Hop] = field(repr=False)
     arrival_rows: Any = field(repr=False)     # received row of each expert_x row
     arrival_slots: Any = field(repr=False)    # which of the token's k slots it is
-    arrival_weights: Any = field(repr=False)  # its routing weight
+    arrival_weights: Any = field(repr=False)  # its routing weight (float32)
     received_rows: int = field(repr=False)
 
 
-def _scatter_add(xp, out, rows, values, weights=None) -> None:
-    """out[rows[i]] += weights[i] * values[i], where rows repeat.
+def _require_one_place(named: List[Tuple[str, Any]]) -> None:
+    """Raise ValueError unless the arrays are of one framework, on one
+    device: commlib computes where the data lives and never moves it."""
+    places = [(framework(a), str(device(a))) for _, a in named]
+    if len(set(places)) > 1:
+        found = ", ".join(f"{name} {kind} on {where}" for (name, _), (kind, where)
+                          in zip(named, places))
+        raise ValueError(f"{found}: pass arrays of one framework on one device "
+                         f"(convert the odd one out first)")
 
-    On the host, in rounds: round d adds every row's d-th contribution, and
-    within a round no row repeats, so plain fancy-index += is correct. With
-    a handful of contributions per row that is 6x faster than np.add.at."""
-    if xp is not np:
-        import cupyx
-        part = values.astype(xp.float32)
-        if weights is not None:
-            part = part * weights.reshape((-1,) + (1,) * (values.ndim - 1))
-        cupyx.scatter_add(out, rows, part)
-        return
-    order = np.argsort(rows, kind="stable")
-    ordered = rows[order]
-    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
-    depth = np.arange(rows.size) - np.repeat(starts, np.diff(np.r_[starts, rows.size]))
-    for round_ in range(int(depth.max()) + 1 if rows.size else 0):
-        pick = order[depth == round_]
-        part = values[pick]
-        if weights is not None:
-            part = part * weights[pick].reshape((-1,) + (1,) * (values.ndim - 1))
-        out[rows[pick]] += part
+
+def _require_arrays(named: List[Tuple[str, Any]]) -> None:
+    """Raise ValueError (not TypeError: it must reach every rank) for
+    anything that is not a NumPy, CuPy, PyTorch or JAX array."""
+    for name, a in named:
+        try:
+            framework(a)
+        except TypeError as error:
+            raise ValueError(f"{name}: {error}") from None
 
 
 class Dispatcher:
@@ -99,6 +115,9 @@ class Dispatcher:
                 raise ValueError(f"num_experts={num_experts!r} must be a positive multiple of "
                                  f"the world size {comm.size} (expert e lives on rank "
                                  f"e // (num_experts // size))")
+            if num_experts > MAX_EXPERTS:
+                raise ValueError(f"num_experts={num_experts} exceeds {MAX_EXPERTS}, the most "
+                                 f"whose ids travel exactly in the float32 routing metadata")
             if drop_policy not in DROP_POLICIES:
                 raise ValueError(f"unknown drop_policy {drop_policy!r}; use one of "
                                  f"{', '.join(DROP_POLICIES)}")
@@ -119,57 +138,66 @@ class Dispatcher:
         self.drop_policy = drop_policy
         self.hierarchical = hierarchical
         self.stats = DispatchStats.zeros(num_experts, comm.size)
+        self._hop_maps = self._destination_maps()
 
     # -- dispatch ---------------------------------------------------------------
     def dispatch(self, x: Any, experts: Any, weights: Any) -> Tuple[Any, DispatchHandle]:
         """Send each token's row to the ranks of its experts. ``x`` [T, H];
-        ``experts`` [T, k] int (-1: no expert); ``weights`` [T, k]. Returns
-        ``expert_x`` [rows, H] grouped by local expert, in x's framework, and
-        the handle for ``combine``."""
-        nx, ne, nw = unwrap(x), unwrap(experts), unwrap(weights)
-        self.comm.agree("moe.dispatch", *self._facts(nx, ne),
-                        problem=self._problem(nx, ne, nw))
-        xp = nx.xp
-        ids = ne.data.astype(xp.int64)
-        gate = nw.data.astype(xp.float32)
-        ids, dropped = self._apply_capacity(xp, ids, gate)
-        requested = np.bincount(_host(ids[ids >= 0]), minlength=self.num_experts)
-        rows, hops, traffic = nx.data, [], np.zeros((self.comm.size, self.comm.size), np.int64)
-        row_bytes = nx.data.itemsize * math.prod(nx.data.shape[1:])
-        for destination in self._hop_destinations():
-            hop, rows, ids, gate = self._hop(xp, rows, ids, gate, destination(xp))
+        ``experts`` [T, k] int (-1: no expert); ``weights`` [T, k]; all three
+        of one framework, on one device. Returns ``expert_x`` [rows, H]
+        grouped by local expert, in x's framework and dtype, and the handle
+        for ``combine``."""
+        problem = self._problem(x, experts, weights)
+        facts = self._facts(x, experts) if problem is None else ()
+        self.comm.agree("moe.dispatch", *facts, problem=problem)
+        xp = namespace(x)
+        ids = xp.astype(experts, index_dtype(x), copy=False)
+        gate = float32(weights)
+        ids, dropped = self._apply_capacity(ids, gate)
+        requested = counts(ids, self.num_experts)
+        rows, hops = x, []
+        traffic = np.zeros((self.comm.size, self.comm.size), np.int64)
+        row_bytes = x.itemsize * math.prod(x.shape[1:])
+        for expert_to_rank in self._hop_maps:
+            destination = xp.asarray(expert_to_rank, dtype=ids.dtype, device=device(x))
+            hop, rows, ids, gate = self._hop(rows, ids, gate, destination)
             traffic[self.comm.rank] += hop.send_counts * row_bytes
             hops.append(hop)
         expert_x, arrival_rows, arrival_slots, arrival_weights, per_expert = \
-            self._expand(xp, rows, ids, gate)
+            self._expand(rows, ids, gate)
         stats = DispatchStats.gather(self.comm, requested, dropped, traffic)
         self.stats = self.stats + stats
         handle = DispatchHandle(per_expert, stats, hops, arrival_rows, arrival_slots,
-                                arrival_weights, rows.shape[0])
-        return nx.wrap(expert_x), handle
+                                arrival_weights, int(rows.shape[0]))
+        return expert_x, handle
 
-    def _facts(self, nx: Native, ne: Native):
-        return (f"k={ne.data.shape[-1] if ne.data.ndim == 2 else None}",
-                f"row shape {tuple(nx.data.shape[1:])}", f"dtype {nx.dtype.name}")
+    @staticmethod
+    def _facts(x: Any, experts: Any) -> Tuple[str, ...]:
+        """What every rank's dispatch must share."""
+        return (f"k={experts.shape[-1] if experts.ndim == 2 else None}",
+                f"row shape {tuple(x.shape[1:])}", f"dtype {dtype_name(x)}")
 
-    def _problem(self, nx: Native, ne: Native, nw: Native) -> Optional[Exception]:
+    def _problem(self, x: Any, experts: Any, weights: Any) -> Optional[Exception]:
+        """What is wrong with this rank's input (None: nothing). Raised on
+        every rank by ``agree``, so no rank is left waiting in a collective."""
+        named = [("x", x), ("experts", experts), ("weights", weights)]
         try:
-            if nx.data.ndim < 1:
+            _require_arrays(named)
+            _require_one_place(named)
+            if x.ndim < 1:
                 raise ValueError("x must have one row per token, got a scalar")
-            tokens = nx.data.shape[0]
-            if ne.data.ndim != 2 or ne.data.shape[0] != tokens:
+            tokens = x.shape[0]
+            if experts.ndim != 2 or experts.shape[0] != tokens:
                 raise ValueError(f"experts must be [tokens, k] with {tokens} rows like x, got "
-                                 f"shape {tuple(ne.data.shape)}")
-            if tuple(nw.data.shape) != tuple(ne.data.shape):
+                                 f"shape {tuple(experts.shape)}")
+            if tuple(weights.shape) != tuple(experts.shape):
                 raise ValueError(f"weights must have the shape of experts "
-                                 f"{tuple(ne.data.shape)}, got {tuple(nw.data.shape)}")
-            if ne.dtype.kind not in "iu":
-                raise ValueError(f"experts must be integers, got {ne.dtype.name}")
-            if {nx.on_device, ne.on_device, nw.on_device} != {nx.on_device}:
-                raise ValueError("x, experts and weights must all be host arrays or all "
-                                 "CUDA arrays")
-            if ne.data.size:
-                low, high = int(ne.data.min()), int(ne.data.max())
+                                 f"{tuple(experts.shape)}, got {tuple(weights.shape)}")
+            if not dtype_name(experts).startswith(("int", "uint")):
+                raise ValueError(f"experts must be integers, got {dtype_name(experts)}")
+            if math.prod(experts.shape):
+                xp = namespace(experts)
+                low, high = int(xp.min(experts)), int(xp.max(experts))
                 if low < -1 or high >= self.num_experts:
                     raise ValueError(f"expert indices must lie in [-1, {self.num_experts}) "
                                      f"(-1: no expert), got values from {low} to {high}")
@@ -182,151 +210,170 @@ class Dispatcher:
             return None
         return math.ceil(tokens * k / self.num_experts * self.capacity_factor)
 
-    def _apply_capacity(self, xp, ids, gate):
+    def _apply_capacity(self, ids: Any, gate: Any) -> Tuple[Any, np.ndarray]:
         """Drop the assignments beyond each expert's capacity from this rank:
         returns (ids with dropped ones set to -1, dropped per expert)."""
-        dropped = np.zeros(self.num_experts, np.int64)
+        nothing = np.zeros(self.num_experts, np.int64)
         cap = self._capacity(*ids.shape)
         if cap is None:
-            return ids, dropped
-        flat_ids = ids.reshape(-1)
-        valid = xp.nonzero(flat_ids >= 0)[0]
-        experts = flat_ids[valid]
-        # within an expert, keep the heaviest (probs) or the earliest (position)
-        key = -gate.reshape(-1)[valid] if self.drop_policy == "probs" else \
-            valid.astype(xp.float64)
-        order = xp.lexsort(xp.stack([key, experts.astype(xp.float64)]))
-        sorted_experts = experts[order]
-        first = xp.searchsorted(sorted_experts, sorted_experts, side="left")
-        rank_in_expert = xp.arange(sorted_experts.size) - first
-        losers = valid[order[rank_in_expert >= cap]]
-        if losers.size:
-            dropped = np.bincount(_host(flat_ids[losers]), minlength=self.num_experts)
-            flat_ids = flat_ids.copy()
-            flat_ids[losers] = -1
-        return flat_ids.reshape(ids.shape), dropped
+            return ids, nothing
+        xp = namespace(ids)
+        flat = xp.reshape(ids, (-1,))
+        # group by expert; within an expert the heaviest (probs) or the
+        # earliest (position) first, ties to the earlier: two stable sorts
+        if self.drop_policy == "probs":
+            by_weight = xp.argsort(-xp.reshape(gate, (-1,)), stable=True)
+            order = xp.take(by_weight, xp.argsort(xp.take(flat, by_weight), stable=True))
+        else:
+            order = xp.argsort(flat, stable=True)
+        grouped = xp.take(flat, order)
+        rank_in_expert = xp.arange(grouped.shape[0], dtype=grouped.dtype,
+                                   device=device(ids)) - xp.searchsorted(grouped, grouped)
+        losers = xp.take(order, xp.nonzero((rank_in_expert >= cap) & (grouped >= 0))[0])
+        if losers.shape[0] == 0:
+            return ids, nothing
+        lost = xp.take(flat, losers)
+        marks = scatter_add(xp.zeros(flat.shape, dtype=flat.dtype, device=device(ids)),
+                            losers, xp.ones(lost.shape, dtype=flat.dtype, device=device(ids)))
+        kept = xp.where(marks > 0, -1, flat)
+        return xp.reshape(kept, ids.shape), counts(lost, self.num_experts)
 
-    def _hop_destinations(self):
-        """Per hop, expert -> destination rank (built in the right namespace)."""
-        owner = lambda xp: xp.arange(self.num_experts) // self.local_experts  # noqa: E731
+    def _destination_maps(self) -> List[np.ndarray]:
+        """Per hop, expert -> destination rank (host int64 [E]): the owner;
+        for two hops first the owner's node's rank with this local rank."""
+        owner = np.arange(self.num_experts) // self.local_experts
         if not self.hierarchical:
             return [owner]
         topology = self.comm.topology
         local = topology.local_rank
+        forwarder = np.array([topology.ranks_of(topology.node_of(r))[local]
+                              for r in range(self.comm.size)])
+        return [forwarder[owner], owner]
 
-        def forwarder(xp):
-            nodes = [topology.node_of(r) for r in range(self.comm.size)]
-            to_forwarder = np.array([topology.ranks_of(nodes[r])[local]
-                                     for r in range(self.comm.size)])
-            return xp.asarray(to_forwarder[np.arange(self.num_experts) // self.local_experts])
-        return [forwarder, owner]
-
-    def _hop(self, xp, rows, ids, gate, destination):
+    def _hop(self, rows: Any, ids: Any, gate: Any, destination: Any):
         """Send each row once to every rank its experts map to under
-        ``destination``; each copy carries the ids/weights that rank serves."""
-        size = self.comm.size
+        ``destination``; each copy carries the ids and weights that rank
+        serves (-1 and 0 for the others). Returns (hop, rows, ids, gate)
+        as received."""
+        xp = namespace(ids)
+        tokens, k = ids.shape
         valid = ids >= 0
-        dest = xp.where(valid, destination[xp.where(valid, ids, 0)], -1)
-        wanted = xp.zeros((rows.shape[0], size), dtype=bool)
-        row_index, slot = xp.nonzero(valid)
-        wanted[row_index, dest[row_index, slot]] = True
-        rank_of_copy, send_rows = xp.nonzero(wanted.T)  # rank-major: one block per peer
-        send_counts = np.bincount(_host(rank_of_copy), minlength=size).astype(np.int64)
-        serves = dest[send_rows] == rank_of_copy[:, None]
-        meta = xp.empty((send_rows.size, 2 * ids.shape[1]), dtype=xp.int32)
-        meta[:, :ids.shape[1]] = xp.where(serves, ids[send_rows], -1)
-        meta[:, ids.shape[1]:] = xp.where(serves, gate[send_rows], 0).view(xp.int32)
-        out, recv_counts = self.comm.alltoallv(rows[send_rows], send_counts)
-        meta_in, _ = self.comm.alltoallv(meta, send_counts, recv_counts)
-        out, meta_in = unwrap(out).data, unwrap(meta_in).data
-        k = ids.shape[1]
-        return (_Hop(send_rows, send_counts, recv_counts, rows.shape[0]), out,
-                meta_in[:, :k].astype(xp.int64),
-                xp.ascontiguousarray(meta_in[:, k:]).view(xp.float32))
+        dest = xp.take(destination, xp.reshape(xp.where(valid, ids, 0), (-1,)))
+        dest = xp.where(valid, xp.reshape(dest, (tokens, k)), -1)
+        # one copy per distinct (rank, row), rank-major: sorted keys rank * T + row
+        row = xp.arange(tokens, dtype=ids.dtype, device=device(ids))
+        keys = xp.sort(xp.reshape(dest * tokens + row[:, None], (-1,)))
+        first = xp.concat([xp.ones(min(1, keys.shape[0]), dtype=xp.bool, device=device(ids)),
+                           keys[1:] != keys[:-1]])
+        keys = keys[first & (keys >= 0)]  # invalid slots have negative keys
+        rank_of_copy, send_rows = keys // max(tokens, 1), keys % max(tokens, 1)
+        starts = xp.arange(self.comm.size + 1, dtype=keys.dtype, device=device(ids)) * tokens
+        send_counts = np.diff(to_host(xp.searchsorted(keys, starts))).astype(np.int64)
 
-    def _expand(self, xp, rows, ids, gate):
-        """One row per (arrival, local expert), grouped by local expert."""
-        arrival, slot = xp.nonzero(ids >= 0)
-        local = ids[arrival, slot] - self.comm.rank * self.local_experts
-        order = xp.argsort(local, kind="stable") if xp is np else xp.argsort(local)
-        arrival, slot, local = arrival[order], slot[order], local[order]
-        per_expert = np.bincount(_host(local), minlength=self.local_experts)
-        return rows[arrival], arrival, slot, gate[arrival, slot], per_expert
+        serves = xp.take(dest, send_rows, axis=0) == rank_of_copy[:, None]
+        meta = xp.concat([xp.where(serves, xp.astype(xp.take(ids, send_rows, axis=0),
+                                                     xp.float32), -1.0),
+                          xp.where(serves, xp.take(gate, send_rows, axis=0), 0.0)], axis=1)
+        out, recv_counts = self.comm.alltoallv(xp.take(rows, send_rows, axis=0), send_counts)
+        meta_in, _ = self.comm.alltoallv(meta, send_counts, recv_counts)
+        hop = _Hop(send_rows, send_counts, recv_counts, int(rows.shape[0]))
+        return hop, out, xp.astype(meta_in[:, :k], ids.dtype), meta_in[:, k:]
+
+    def _expand(self, rows: Any, ids: Any, gate: Any):
+        """One row per (arrival, local expert), grouped by local expert,
+        arrivals in order within an expert. Returns (expert_x, arrival rows,
+        slots, weights, rows per local expert)."""
+        xp = namespace(ids)
+        k = ids.shape[1]
+        flat = xp.reshape(ids, (-1,))
+        per_expert = counts(flat - self.comm.rank * self.local_experts, self.local_experts)
+        # -1 (not served here) sorts first, then this rank's experts in order
+        order = xp.argsort(flat, stable=True)
+        pairs = order[flat.shape[0] - int(per_expert.sum()):]
+        arrival, slot = pairs // k, pairs % k
+        return (xp.take(rows, arrival, axis=0), arrival, slot,
+                xp.take(xp.reshape(gate, (-1,)), pairs), per_expert)
 
     # -- combine --------------------------------------------------------------
     @staticmethod
-    def _combine_problem(ny: Native, handle: DispatchHandle) -> Optional[Exception]:
+    def _combine_problem(expert_y: Any, handle: DispatchHandle) -> Optional[Exception]:
+        try:
+            _require_arrays([("expert_y", expert_y)])
+            _require_one_place([("expert_y", expert_y),
+                                ("the dispatch's arrays", handle.arrival_rows)])
+        except ValueError as error:
+            return error
         expected = int(handle.arrival_rows.shape[0])
-        if ny.data.ndim < 1 or ny.data.shape[0] != expected:
+        if expert_y.ndim < 1 or expert_y.shape[0] != expected:
             return ValueError(f"expert_y must have one row per expert_x row ({expected}), "
-                              f"got shape {tuple(ny.data.shape)}")
-        if ny.dtype != ny.data.dtype:
-            return ValueError(f"{ny.dtype.name} CUDA expert outputs cannot be summed here (CuPy "
-                              f"has no {ny.dtype.name}); pass float16 or float32")
+                              f"got shape {tuple(expert_y.shape)}")
         return None
 
     def combine(self, expert_y: Any, handle: DispatchHandle) -> Any:
         """y[t] = sum_j weights[t, j] * expert_y of (t, experts[t, j]),
         summed where the experts are and sent back once per rank visited;
-        zero for a token with no (kept) expert. In expert_y's framework."""
-        ny = unwrap(expert_y)
-        self.comm.agree("moe.combine", f"dtype {ny.dtype.name}",
-                        f"row shape {tuple(ny.data.shape[1:])}",
-                        problem=self._combine_problem(ny, handle))
-        return ny.wrap(self._to_tokens(ny.xp, ny.data, handle, handle.arrival_weights))
+        zero for a token with no (kept) expert. In expert_y's framework and
+        dtype; the sums are float32, the rows travel in expert_y's dtype."""
+        problem = self._combine_problem(expert_y, handle)
+        facts = (f"dtype {dtype_name(expert_y)}", f"row shape {tuple(expert_y.shape[1:])}") \
+            if problem is None else ()
+        self.comm.agree("moe.combine", *facts, problem=problem)
+        return self._to_tokens(expert_y, handle, handle.arrival_weights)
 
     # -- gradients (commlib.bindings): the same paths, mirrored ------------------
     def dispatch_backward(self, d_expert_x: Any, handle: DispatchHandle) -> Any:
-        """d x from d expert_x (NumPy/CuPy): each expert row's gradient summed
-        back to its token along the combine path."""
-        xp = unwrap(d_expert_x).xp
-        return self._to_tokens(xp, d_expert_x, handle)
+        """d x from d expert_x (the dispatch's framework): each expert row's
+        gradient summed back to its token along the combine path."""
+        return self._to_tokens(d_expert_x, handle)
 
     def combine_backward(self, expert_y: Any, d_y: Any, handle: DispatchHandle,
                          k: int) -> Tuple[Any, Any]:
-        """(d expert_y, d weights [T, k]) from d y (NumPy/CuPy): d y travels
-        the dispatch path to the expert rows, where d expert_y = w * d y and
-        each slot's d w = <d y, expert_y> travels back to its token."""
-        xp = unwrap(expert_y).xp
-        arrived = self.send_rows(d_y, handle)[handle.arrival_rows].astype(xp.float32)
-        weights = handle.arrival_weights.reshape((-1,) + (1,) * (arrived.ndim - 1))
-        d_expert_y = (arrived * weights).astype(expert_y.dtype)
-        dots = (arrived * expert_y.astype(xp.float32)).reshape(len(arrived), -1).sum(axis=1)
-        per_slot = xp.zeros((handle.received_rows, k), dtype=xp.float32)
-        per_slot[handle.arrival_rows, handle.arrival_slots] = dots
-        return d_expert_y, self.return_rows(per_slot, handle)
+        """(d expert_y, d weights [T, k] float32) from d y (the dispatch's
+        framework): d y travels the dispatch path to the expert rows, where
+        d expert_y = w * d y and each slot's d w = <d y, expert_y> travels
+        back to its token."""
+        xp = namespace(expert_y)
+        arrived = float32(xp.take(self.send_rows(d_y, handle), handle.arrival_rows, axis=0))
+        weights = xp.reshape(handle.arrival_weights, (-1,) + (1,) * (arrived.ndim - 1))
+        d_expert_y = xp.astype(arrived * weights, expert_y.dtype)
+        dots = xp.sum(arrived * float32(expert_y), axis=tuple(range(1, arrived.ndim)))
+        slots = handle.arrival_rows * k + handle.arrival_slots
+        per_slot = scatter_add(xp.zeros(handle.received_rows * k, dtype=xp.float32,
+                                        device=device(expert_y)), slots, dots)
+        return d_expert_y, self.return_rows(xp.reshape(per_slot, (handle.received_rows, k)),
+                                            handle)
 
-    def _to_tokens(self, xp, expert_rows, handle: DispatchHandle, weights=None):
-        """Expert rows (optionally weighted) summed per arrival, then back to
-        their tokens: combine's path, and dispatch's adjoint."""
-        rows = xp.zeros((handle.received_rows,) + expert_rows.shape[1:], dtype=xp.float32)
-        _scatter_add(xp, rows, handle.arrival_rows, expert_rows, weights)
+    def _to_tokens(self, expert_rows: Any, handle: DispatchHandle, weights: Any = None) -> Any:
+        """Expert rows (optionally weighted) summed in float32 per arrival,
+        then back to their tokens: combine's path, and dispatch's adjoint."""
+        xp = namespace(expert_rows)
+        rows = xp.zeros((handle.received_rows,) + tuple(expert_rows.shape[1:]),
+                        dtype=xp.float32, device=device(expert_rows))
+        rows = scatter_add(rows, handle.arrival_rows, expert_rows, scale=weights)
         return self.return_rows(rows, handle, expert_rows.dtype)
 
     # -- the two directions of the dispatch path ---------------------------------
-    def return_rows(self, rows: Any, handle: DispatchHandle, dtype=None) -> Any:
-        """Per-arrival rows [received, ...] (NumPy/CuPy) back along the
-        dispatch path to the tokens [T, ...], summing the copies of a token
-        (the adjoint of ``send_rows``). Travels as ``dtype`` (default: as is)."""
-        xp = unwrap(rows).xp
-        width = rows.shape[1:]
+    def return_rows(self, rows: Any, handle: DispatchHandle, dtype: Any = None) -> Any:
+        """Per-arrival rows [received, ...] back along the dispatch path to
+        the tokens [T, ...], summing the copies of a token in float32 (the
+        adjoint of ``send_rows``). Travels as ``dtype`` (default: as is)."""
+        xp = namespace(rows)
+        wire = rows.dtype if dtype is None else dtype
+        width = tuple(rows.shape[1:])
         for hop in reversed(handle.hops):
-            back, _ = self.comm.alltoallv(rows.astype(dtype or rows.dtype), hop.recv_counts,
+            back, _ = self.comm.alltoallv(xp.astype(rows, wire, copy=False), hop.recv_counts,
                                           hop.send_counts)
-            rows = xp.zeros((hop.sources,) + width, dtype=xp.float32)
-            _scatter_add(xp, rows, hop.send_rows, unwrap(back).data)
-        return rows.astype(dtype or rows.dtype)
+            rows = scatter_add(xp.zeros((hop.sources,) + width, dtype=xp.float32,
+                                        device=device(rows)), hop.send_rows, back)
+        return xp.astype(rows, wire, copy=False)
 
     def send_rows(self, tokens: Any, handle: DispatchHandle) -> Any:
-        """Per-token rows [T, ...] (NumPy/CuPy) along the dispatch path to
-        the arrivals [received, ...], one copy per rank a token visits (the
-        adjoint of ``return_rows``)."""
+        """Per-token rows [T, ...] along the dispatch path to the arrivals
+        [received, ...], one copy per rank a token visits (the adjoint of
+        ``return_rows``)."""
+        xp = namespace(tokens)
         rows = tokens
         for hop in handle.hops:
-            rows, _ = self.comm.alltoallv(rows[hop.send_rows], hop.send_counts,
-                                          hop.recv_counts)
-            rows = unwrap(rows).data
+            rows, _ = self.comm.alltoallv(xp.take(rows, hop.send_rows, axis=0),
+                                          hop.send_counts, hop.recv_counts)
         return rows
-
-def _host(array) -> np.ndarray:
-    return array.get() if hasattr(array, "get") else np.asarray(array)

@@ -17,8 +17,9 @@ The gate follows DeepSeek-V3 (arXiv:2412.19437, section 2.1.2, and the
 
 Every choice breaks ties towards the lower index (expert or group), so the
 routing is a function of its inputs alone, the same on every rank and device.
-Everything is computed in float32, once, against the array namespace ``xp``
-(NumPy on the host, CuPy on the GPU).
+Everything is computed in float32, once, in the logits' own framework and on
+their device (torch ops for a torch tensor, ``jax.numpy`` for a JAX array),
+bfloat16 logits included.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from __future__ import annotations
 import operator
 from typing import Any, Optional, Tuple
 
-from ..arrays import Native, unwrap
+import array_api_extra as xpx
+
+from ..namespace import device, dtype_name, float32, framework, index_dtype, namespace, to_host
 
 SCORES = ("softmax", "sigmoid")
 
@@ -37,30 +40,31 @@ def route(logits: Any, k: int, score: str = "softmax", bias: Any = None,
     """Choose ``k`` experts per token from router ``logits`` [tokens, experts].
 
     Returns ``(experts, weights)``, both [tokens, k], in the caller's
-    framework: experts as int64, sorted by descending biased score within a
-    row; weights as float32. ``bias`` [experts] shifts the selection only.
-    See the module docstring for the algorithm.
+    framework and on its device: experts as int64 (int32 under JAX without
+    x64), sorted by descending biased score within a row; weights as
+    float32. ``bias`` [experts] shifts the selection only; a bias of
+    another framework (the balancer's NumPy bias) is copied beside the
+    logits. See the module docstring for the algorithm.
     """
-    native = unwrap(logits)
-    xp = native.xp
-    num_experts = _check_shape(native.data)
+    num_experts = _check_shape(logits)
     k = _check_k(k, num_experts)
     _check_score(score)
     _check_groups(num_groups, topk_groups, k, num_experts)
-    x = _float32(native, "logits")
-    _check_finite_rows(x, xp)
-    shift = _bias(bias, num_experts, xp)
+    x = _float32(logits, "logits")
+    _check_finite_rows(x)
+    shift = _bias(bias, num_experts, x)
 
-    affinity = _affinities(x, score, xp)
+    xp = namespace(x)
+    affinity = _affinities(x, score)
     biased = affinity if shift is None else affinity + shift
     if num_groups is not None:
-        biased = _mask_groups(biased, num_groups, topk_groups, k, xp)
-    experts = _top(biased, k, xp)
+        biased = _mask_groups(biased, num_groups, topk_groups, k)
+    experts = _top(biased, k)
     if normalize:
-        weights = _normalized_weights(xp.take_along_axis(x, experts, axis=1), score, xp)
+        weights = _normalized_weights(xp.take_along_axis(x, experts, axis=1), score)
     else:
         weights = xp.take_along_axis(affinity, experts, axis=1)
-    return native.wrap(experts), native.wrap(weights)
+    return experts, weights
 
 
 def _as_int(name: str, value: Any) -> int:
@@ -71,12 +75,14 @@ def _as_int(name: str, value: Any) -> int:
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
-def _check_shape(data: Any) -> int:
+def _check_shape(logits: Any) -> int:
     """Logits are [tokens, experts]; returns the number of experts."""
-    if data.ndim != 2:
-        raise ValueError(f"logits must be 2-D [tokens, experts], got shape {tuple(data.shape)}; "
-                         f"flatten the leading dimensions first (logits.reshape(-1, num_experts))")
-    return int(data.shape[1])
+    framework(logits)  # a clear TypeError for lists and other non-arrays
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be 2-D [tokens, experts], got shape "
+                         f"{tuple(logits.shape)}; flatten the leading dimensions first "
+                         f"(logits.reshape(-1, num_experts))")
+    return int(logits.shape[1])
 
 
 def _check_k(k: Any, num_experts: int) -> int:
@@ -119,87 +125,93 @@ def _check_groups(num_groups: Any, topk_groups: Any, k: int, num_experts: int) -
                          f"{-(-k // (num_experts // num_groups))} or lower k")
 
 
-def _float32(native: Native, what: str) -> Any:
-    """``native`` as float32 (a copy). bfloat16 on the GPU arrives as its raw
-    uint16 bits (CuPy has no bfloat16): its float32 value is those bits
-    shifted into the high half of a 32-bit word."""
-    xp, data = native.xp, native.data
-    if native.dtype.kind == "c":
-        raise ValueError(f"{what} must be real, got {native.dtype}")
-    if native.dtype == data.dtype:
-        return data.astype(xp.float32)
-    if native.dtype.name == "bfloat16":
-        return (data.astype(xp.uint32) << 16).view(xp.float32)
-    raise ValueError(f"{what} of type {native.dtype} on the GPU cannot be read; "
-                     f"convert them to float32 or bfloat16 first")
+def _float32(a: Any, what: str) -> Any:
+    """``a`` as float32, in its own framework (bfloat16 widens exactly)."""
+    if dtype_name(a).startswith("complex"):
+        raise ValueError(f"{what} must be real, got {dtype_name(a)}")
+    return float32(a)
 
 
-def _check_finite_rows(x: Any, xp: Any) -> None:
+def _check_finite_rows(x: Any) -> None:
     """A NaN or inf logit makes every affinity of its row meaningless."""
-    bad_rows = int(xp.count_nonzero(~xp.isfinite(x).all(axis=1)))
+    xp = namespace(x)
+    bad_rows = int(xp.count_nonzero(~xp.all(xp.isfinite(x), axis=1)))
     if bad_rows:
         raise ValueError(f"logits have NaN or inf values in {bad_rows} of {x.shape[0]} rows "
                          f"(tokens); check the router's input and weights for overflow")
 
 
-def _bias(bias: Any, num_experts: int, xp: Any) -> Optional[Any]:
-    """The selection bias as float32 [E] in ``xp`` (a host bias is copied to
-    the GPU when the logits live there), or None."""
+def _bias(bias: Any, num_experts: int, like: Any) -> Optional[Any]:
+    """The selection bias as float32 [E] beside ``like`` (the logits), or
+    None. A bias of another framework (the balancer's NumPy bias for torch
+    CUDA logits, say) is copied over: E numbers."""
     if bias is None:
         return None
-    native = unwrap(bias)
-    if tuple(native.data.shape) != (num_experts,):
+    framework(bias)  # a clear TypeError for lists and other non-arrays
+    if tuple(bias.shape) != (num_experts,):
         raise ValueError(f"bias must have shape ({num_experts},), one value per expert, "
-                         f"got {tuple(native.data.shape)}")
-    shift = xp.asarray(_float32(native, "bias"))
-    if not bool(xp.isfinite(shift).all()):
+                         f"got {tuple(bias.shape)}")
+    shift = _float32(bias, "bias")
+    if framework(shift) != framework(like):
+        shift = to_host(shift)
+    xp = namespace(like)
+    shift = xp.asarray(shift, device=device(like))
+    if not bool(xp.all(xp.isfinite(shift))):
         raise ValueError("bias has NaN or inf values; reset the balancer's bias to zeros")
     return shift
 
 
-def _affinities(x: Any, score: str, xp: Any) -> Any:
+def _affinities(x: Any, score: str) -> Any:
     """Softmax or sigmoid of the logits, without overflow for any finite
     logit (the sigmoid through ``exp(-|x|)``, which is at most 1)."""
+    xp = namespace(x)
     if score == "softmax":
-        exp = xp.exp(x - x.max(axis=1, keepdims=True))
-        return exp / exp.sum(axis=1, keepdims=True)
+        exp = xp.exp(x - xp.max(x, axis=1, keepdims=True))
+        return exp / xp.sum(exp, axis=1, keepdims=True)
     small = xp.exp(-xp.abs(x))
-    return xp.where(x >= 0, xp.float32(1), small) / (1 + small)
+    return xp.where(x >= 0, 1.0, small) / (1 + small)
 
 
-def _top(scores: Any, k: int, xp: Any) -> Any:
+def _top(scores: Any, k: int) -> Any:
     """Indices of the ``k`` largest entries of each row, largest first, ties
-    to the lower index. Repeated argmax rather than a sort: argmax returns
-    the first maximum in NumPy and CuPy alike, while sort stability differs."""
-    work = scores.copy()
-    rows = xp.arange(work.shape[0])
-    picks = []
-    for _ in range(k):
+    to the lower index. Repeated argmax (the first maximum, in every
+    framework), each pick knocked out for the next: in place on a copy where
+    the framework allows, functionally under JAX (array-api-extra's ``at``)."""
+    xp = namespace(scores)
+    rows = xp.arange(scores.shape[0], device=device(scores))
+    work, picks = xp.asarray(scores, copy=True), []
+    for pick in range(k):
         best = xp.argmax(work, axis=1)
         picks.append(best)
-        work[rows, best] = -xp.inf
-    return xp.stack(picks, axis=1).astype(xp.int64, copy=False)
+        if pick + 1 < k:
+            work = xpx.at(work)[rows, best].set(-xp.inf)
+    return xp.astype(xp.stack(picks, axis=1), index_dtype(scores), copy=False)
 
 
-def _mask_groups(biased: Any, num_groups: int, topk_groups: int, k: int, xp: Any) -> Any:
+def _mask_groups(biased: Any, num_groups: int, topk_groups: int, k: int) -> Any:
     """``biased`` with the experts outside each row's ``topk_groups`` best
     groups set to -inf, so the top-k cannot pick them."""
+    xp = namespace(biased)
     tokens, num_experts = biased.shape
     group_size = num_experts // num_groups
-    per_group = biased.reshape(tokens * num_groups, group_size)
-    best = xp.take_along_axis(per_group, _top(per_group, max(1, k // topk_groups), xp), axis=1)
-    group_scores = best.sum(axis=1).reshape(tokens, num_groups)
-    eligible = xp.zeros((tokens, num_groups), dtype=bool)
-    eligible[xp.arange(tokens)[:, None], _top(group_scores, topk_groups, xp)] = True
-    return xp.where(xp.repeat(eligible, group_size, axis=1), biased, xp.float32(-xp.inf))
+    per_group = xp.reshape(biased, (tokens * num_groups, group_size))
+    best = xp.take_along_axis(per_group, _top(per_group, max(1, k // topk_groups)), axis=1)
+    group_scores = xp.reshape(xp.sum(best, axis=1), (tokens, num_groups))
+    kept = _top(group_scores, topk_groups)
+    groups = xp.arange(num_groups, device=device(biased))
+    eligible = xp.any(kept[:, :, None] == groups, axis=1)  # [tokens, groups]
+    masked = xp.where(eligible[:, :, None],
+                      xp.reshape(biased, (tokens, num_groups, group_size)), -xp.inf)
+    return xp.reshape(masked, (tokens, num_experts))
 
 
-def _normalized_weights(chosen: Any, score: str, xp: Any) -> Any:
+def _normalized_weights(chosen: Any, score: str) -> Any:
     """Weights summing to one from the chosen experts' logits: a softmax over
     their log affinities, which equals dividing the affinities by their sum
     but cannot divide 0 by 0 when they all underflow. Under a softmax score
     the log affinity is the logit up to a per-row constant, which cancels."""
-    if score == "sigmoid":
-        chosen = -(xp.maximum(-chosen, 0) + xp.log1p(xp.exp(-xp.abs(chosen))))  # log sigmoid
-    exp = xp.exp(chosen - chosen.max(axis=1, keepdims=True))
-    return exp / exp.sum(axis=1, keepdims=True)
+    xp = namespace(chosen)
+    if score == "sigmoid":  # log sigmoid
+        chosen = -(xp.clip(-chosen, min=0) + xp.log1p(xp.exp(-xp.abs(chosen))))
+    exp = xp.exp(chosen - xp.max(chosen, axis=1, keepdims=True))
+    return exp / xp.sum(exp, axis=1, keepdims=True)

@@ -2,9 +2,9 @@
 ring, partial results merged with the online softmax. Tensors are
 [batch, seq, heads, head_dim]."""
 
+from ..kernels.tiled import attention_backward, attention_forward
 from .attention import ring_attention, ring_attention_backward
 from .exchange import RingExchange
-from .kernel import attention_backward, attention_forward
 from .layout import LAYOUTS, shard_sequence, unshard_sequence
 from .merge import merge
 

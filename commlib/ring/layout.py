@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, List, Tuple
 
-from ..arrays import unwrap
+from ..namespace import contiguous, namespace
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -31,34 +31,39 @@ def _chunk_count(size: int, layout: str) -> int:
     return size if layout == "contiguous" else 2 * size
 
 
+def _pieces(x: Any, count: int, axis: int) -> List[Any]:
+    """``x`` cut into ``count`` equal views along ``axis``."""
+    length = x.shape[axis] // count
+    before = (slice(None),) * (axis % len(x.shape))
+    return [x[before + (slice(i * length, (i + 1) * length),)] for i in range(count)]
+
+
 def shard_sequence(x: Any, comm, layout: str = "zigzag", axis: int = 1) -> Any:
     """This rank's shard of the global ``x`` (the same on every rank), in the
     caller's framework. The length along ``axis`` must divide into
     ``size`` (contiguous) or ``2 * size`` (zigzag) equal chunks."""
     check_layout(layout)
-    native = unwrap(x)
-    data, xp = native.data, native.xp
+    xp = namespace(x)
     n = _chunk_count(comm.size, layout)
-    length = data.shape[axis]
+    length = x.shape[axis]
     if length % n:
         raise ValueError(f"a sequence of length {length} cannot be cut into {n} equal chunks "
                          f"({layout} layout over {comm.size} ranks); pad it to a multiple of {n}")
-    pieces = xp.split(data, n, axis=axis)
+    pieces = _pieces(x, n, axis)
     mine = [pieces[c] for c in chunks_of(comm.rank, comm.size, layout)]
-    return native.wrap(xp.ascontiguousarray(xp.concatenate(mine, axis=axis)))
+    return contiguous(xp.concat(mine, axis=axis) if len(mine) > 1 else mine[0])
 
 
 def unshard_sequence(x: Any, comm, layout: str = "zigzag", axis: int = 1) -> Any:
     """The global sequence from every rank's shard (collective: an allgather),
     in the caller's framework."""
-    native = unwrap(x)
-    xp = native.xp
     check_layout(layout)
-    gathered = unwrap(comm.allgather(native.data, axis=axis)).data
+    xp = namespace(x)
+    gathered = comm.allgather(x, axis=axis)
     per_rank = len(chunks_of(0, comm.size, layout))
-    pieces = xp.split(gathered, comm.size * per_rank, axis=axis)
+    pieces = _pieces(gathered, comm.size * per_rank, axis)
     order: List[Any] = [None] * len(pieces)
     for rank in range(comm.size):
         for slot, chunk in enumerate(chunks_of(rank, comm.size, layout)):
             order[chunk] = pieces[rank * per_rank + slot]
-    return native.wrap(xp.ascontiguousarray(xp.concatenate(order, axis=axis)))
+    return xp.concat(order, axis=axis)

@@ -16,11 +16,12 @@ per peer, instead of one all-to-all per tensor.
 
 from __future__ import annotations
 
+import math
 from typing import Any, List, Sequence
 
 import numpy as np
 
-from ..arrays import unwrap
+from ..namespace import contiguous, device, namespace
 
 
 def divisors(n: int) -> List[int]:
@@ -47,20 +48,23 @@ def kv_heads_for(rank: int, kv_heads: int, size: int) -> np.ndarray:
                      f"multiples of {kv_heads}")
 
 
-def _head_order(kv_heads: int, size: int) -> np.ndarray:
-    """Heads to send, destination by destination (each destination's block
-    contiguous), for a tensor with ``kv_heads`` heads."""
-    return np.concatenate([kv_heads_for(r, kv_heads, size) for r in range(size)])
+def _replicated(kv_heads: int, size: int) -> bool:
+    """Whether kv heads are fewer than the ranks (each rank gets a copy of
+    one kv head) rather than split among them."""
+    return kv_heads % size != 0
 
 
-def _send_layout(data, heads_total: int, size: int, xp):
-    """[b, sl, H, d] -> [P, b, sl, H/P', d] contiguous, destination first."""
-    order = _head_order(heads_total, size)
-    if len(order) != heads_total or (order != np.arange(heads_total)).any():
-        data = data[:, :, xp.asarray(order)]  # replicate kv heads that several ranks read
-    b, sl, h, d = data.shape
+def _send_layout(x, size: int):
+    """[b, sl, H, d] -> [P, b, sl, H', d] contiguous, destination first, in
+    x's framework (H' = H / P, or 1 replicated kv head per destination)."""
+    xp = namespace(x)
+    heads = x.shape[2]
+    if _replicated(heads, size):  # send each rank the one kv head it reads
+        owner = np.concatenate([kv_heads_for(r, heads, size) for r in range(size)])
+        x = xp.take(x, xp.asarray(owner, device=device(x)), axis=2)
+    b, sl, h, d = x.shape
     per = h // size
-    return xp.ascontiguousarray(data.reshape(b, sl, size, per, d).transpose(2, 0, 1, 3, 4))
+    return contiguous(xp.permute_dims(xp.reshape(x, (b, sl, size, per, d)), (2, 0, 1, 3, 4)))
 
 
 # above this many bytes per peer, one packed message is no faster than one
@@ -74,31 +78,20 @@ def seq_to_head_many(tensors: Sequence[Any], comm) -> List[Any]:
     all-to-all when the messages are small (latency-bound), one each when
     they are large; returns [b, s, h_i/P, d_i] each (kv-style heads as in
     the module docstring), in each input's framework."""
-    natives = [unwrap(t) for t in tensors]
-    xp = natives[0].xp
     size = comm.size
-    per_peer = sum(n.data.nbytes for n in natives) // size
-    if len(natives) > 1 and per_peer > FUSE_LIMIT_BYTES:
-        return [seq_to_head_many([t], comm)[0] for t in tensors]
-    parts = []
-    for native in natives:
-        heads = native.data.shape[2]
-        send = _send_layout(native.data, heads, size, xp)
-        parts.append(send.reshape(size, -1).view(np.uint8))
-    # [P, bytes of every tensor]: one message per peer
-    packed = parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=1)
-    received = unwrap(comm.alltoall(packed)).data  # [P, ...]: row p from rank p
-    results, offset = [], 0
-    for native, part in zip(natives, parts):
-        width = part.shape[1]
-        b, sl, _, d = native.data.shape
-        block = xp.ascontiguousarray(received[:, offset:offset + width]).view(native.data.dtype)
-        per = block.size // (size * b * sl * d)
+    sends = [_send_layout(t, size) for t in tensors]
+    per_peer = sum(math.prod(s.shape) * s.dtype.itemsize for s in sends) // size
+    if len(sends) == 1 or per_peer > FUSE_LIMIT_BYTES:
+        received = [comm.alltoall(s) for s in sends]
+    else:
+        received = comm.alltoall_many(sends)
+    results = []
+    for block in received:
+        xp = namespace(block)
+        _, b, sl, per, d = block.shape
         # [P (source = sequence chunk), b, sl, per, d] -> [b, P * sl, per, d]
-        full = block.reshape(size, b, sl, per, d).transpose(1, 0, 2, 3, 4).reshape(
-            b, size * sl, per, d)
-        results.append(native.wrap(xp.ascontiguousarray(full)))
-        offset += width
+        results.append(xp.reshape(xp.permute_dims(block, (1, 0, 2, 3, 4)),
+                                  (b, size * sl, per, d)))
     return results
 
 
@@ -112,20 +105,17 @@ def head_to_seq(x: Any, comm, heads: int = None) -> Any:
     when it differs from h/P * P, i.e. kv heads fewer than the ranks: then
     the copies each rank holds are summed into the single original (the
     gradient of seq_to_head's replication)."""
-    native = unwrap(x)
-    xp = native.xp
+    xp = namespace(x)
     size = comm.size
-    b, s, per, d = native.data.shape
+    b, s, per, d = x.shape
     heads = per * size if heads is None else heads
     # send: sequence chunk p to rank p: [P, b, s/P, per, d]
-    send = xp.ascontiguousarray(native.data.reshape(b, size, s // size, per, d)
-                                .transpose(1, 0, 2, 3, 4))
-    received = unwrap(comm.alltoall(send)).data  # [P (source = head owner), b, s/P, per, d]
-    owned = received.transpose(1, 2, 0, 3, 4).reshape(b, s // size, size * per, d)
-    order = _head_order(heads, size)
-    if len(order) == heads:
-        return native.wrap(xp.ascontiguousarray(owned[:, :, np.argsort(order)]))
-    summed = xp.zeros((b, s // size, heads, d), dtype=owned.dtype)
-    for position, head in enumerate(order):
-        summed[:, :, head] += owned[:, :, position]
-    return native.wrap(summed)
+    send = contiguous(xp.permute_dims(xp.reshape(x, (b, size, s // size, per, d)),
+                                      (1, 0, 2, 3, 4)))
+    received = comm.alltoall(send)  # [P (source = head owner), b, s/P, per, d]
+    owned = xp.reshape(xp.permute_dims(received, (1, 2, 0, 3, 4)),
+                       (b, s // size, size * per, d))
+    if not _replicated(heads, size):
+        return owned
+    # rank r held kv head r // (P / heads): copies of a head are adjacent
+    return xp.sum(xp.reshape(owned, (b, s // size, heads, size // heads, d)), axis=3)

@@ -1,6 +1,8 @@
 """MoE dispatch and combine against a per-token loop, flat and two-hop, with
 capacity dropping, conservation and inter-node byte counts checked against
-an independent count."""
+an independent count. The full case matrix runs on NumPy; one demanding
+case (two hops, capacity, empty slots) runs in every framework, in float32,
+bfloat16 and float16."""
 
 import math
 
@@ -10,9 +12,15 @@ from mpi4py import MPI
 
 import commlib
 from commlib.moe.dispatch import Dispatcher
+
+import arrayimpl
 from conftest import all_ranks, raises_everywhere
 
 HIDDEN = 6
+NUMPY = arrayimpl.IMPLS["numpy"]
+# largest |error| allowed, relative to the largest |y|: the payload is
+# rounded to the dtype on each crossing, the sums are float32
+TOLERANCE = {"float32": 1e-5, "float16": 4e-3, "bfloat16": 3e-2}
 
 
 def expert_maps(num_experts):
@@ -21,10 +29,13 @@ def expert_maps(num_experts):
                      for e in range(num_experts)]).astype(np.float64)
 
 
-def run_experts(comm, expert_x, handle, maps):
+def run_experts(comm, expert_x, handle, maps, impl=NUMPY, dtype="float32"):
+    """The local experts applied to their rows (in float64), as ``impl``'s
+    ``dtype`` array."""
     local = len(handle.tokens_per_expert)
     owner = np.repeat(np.arange(local), handle.tokens_per_expert) + comm.rank * local
-    return np.einsum("th,thg->tg", np.asarray(expert_x, np.float64), maps[owner])
+    rows = impl.to_numpy(expert_x).astype(np.float64)
+    return impl.asarray(np.einsum("th,thg->tg", rows, maps[owner]), dtype)
 
 
 def kept_by_capacity(experts, weights, num_experts, factor, policy):
@@ -85,7 +96,7 @@ def test_combine_of_dispatch_is_the_per_token_loop(comm, case, capacity, hierarc
         d = Dispatcher(world, num_experts, capacity_factor=capacity, drop_policy=policy,
                        hierarchical=hierarchical)
         expert_x, handle = d.dispatch(x, experts, weights)
-        y = d.combine(run_experts(world, expert_x, handle, maps).astype(np.float32), handle)
+        y = d.combine(run_experts(world, expert_x, handle, maps), handle)
         kept = kept_by_capacity(experts, weights, num_experts, capacity, policy)
         expected = per_token_reference(x, kept, weights, maps)
         sent = world.allreduce(np.array([(experts >= 0).sum()]))[0]
@@ -149,15 +160,71 @@ def test_running_stats_accumulate(comm):
     assert all_ranks(d.stats.tokens_per_expert.sum() == 3 * total and d.stats.imbalance >= 1)
 
 
-def test_torch_in_torch_out(comm):
+def frameworks_and_dtypes():
+    """Every framework in float32, and in bfloat16 and float16 but for JAX,
+    whose eager mode compiles every operation anew for each new shape."""
+    cases = []
+    for param in arrayimpl.params():
+        impl = param.values[0]
+        for dtype in ("float32",) if impl.framework == "jax" else tuple(TOLERANCE):
+            cases.append(pytest.param(impl, dtype, marks=param.marks, id=f"{param.id}-{dtype}"))
+    return cases
+
+
+@pytest.mark.parametrize("impl, dtype", frameworks_and_dtypes())
+def test_combine_of_dispatch_in_every_framework(comm, impl, dtype):
+    """Computed and returned in the caller's framework and dtype, within the
+    dtype's rounding of the float32 per-token loop."""
+    world = commlib.init(ranks_per_node=2 if comm.size % 2 == 0 else 1)
+    try:
+        num_experts = 4 * comm.size
+        maps = expert_maps(num_experts)
+        x, experts, weights = make_routing(comm, "minus_one", num_experts, seed=8)
+        # JAX compiles each operation for each new shape: one hop halves that
+        d = Dispatcher(world, num_experts, capacity_factor=0.6,
+                       hierarchical=impl.framework != "jax")
+        expert_x, handle = d.dispatch(impl.asarray(x, dtype), impl.asarray(experts),
+                                      impl.asarray(weights))
+        y = d.combine(run_experts(world, expert_x, handle, maps, impl, dtype), handle)
+        expected = per_token_reference(
+            x, kept_by_capacity(experts, weights, num_experts, 0.6, "probs"), weights, maps)
+        error = np.abs(impl.to_numpy(y) - expected).max(initial=0)
+        scale = max(1.0, np.abs(expected).max(initial=0))
+        assert all_ranks(impl.is_native(expert_x) and impl.is_native(y)
+                         and impl.dtype_name(expert_x) == impl.dtype_name(y) == dtype
+                         and y.shape == (x.shape[0], HIDDEN)
+                         and error <= TOLERANCE[dtype] * scale), (error, scale)
+    finally:
+        world.free()
+
+
+def test_torch_tensors_are_computed_on_by_torch(comm):
+    """Dispatch and combine of torch tensors run torch's sort, gather and
+    index_add (the old path converted to NumPy and ran none of them)."""
     torch = pytest.importorskip("torch")
+    from torch.overrides import TorchFunctionMode
+
+    class TorchCalls(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.names.add(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
     num_experts = 4 * comm.size
     x, experts, weights = make_routing(comm, "plain", num_experts, seed=5)
-    experts = experts % num_experts
-    d = Dispatcher(comm, num_experts)
-    expert_x, handle = d.dispatch(torch.tensor(x), torch.tensor(experts), torch.tensor(weights))
-    y = d.combine(expert_x, handle)
-    assert isinstance(expert_x, torch.Tensor) and isinstance(y, torch.Tensor)
+    d = Dispatcher(comm, num_experts, capacity_factor=1.0)
+    with TorchCalls() as dispatched:
+        expert_x, handle = d.dispatch(torch.from_numpy(x).bfloat16(), torch.from_numpy(experts),
+                                      torch.from_numpy(weights))
+    with TorchCalls() as combined:
+        y = d.combine(expert_x * 2, handle)
+    assert all_ranks({"argsort", "index_select", "searchsorted"} <= dispatched.names
+                     and "index_add_" in combined.names
+                     and isinstance(handle.arrival_rows, torch.Tensor)
+                     and y.dtype == torch.bfloat16), (dispatched.names, combined.names)
 
 
 # -- bad input ---------------------------------------------------------------
@@ -178,6 +245,7 @@ def test_unknown_drop_policy(comm):
     ("out_of_range", "expert indices must lie in [-1, "),
     ("weights_shape", "weights must have the shape of experts"),
     ("experts_rows", "experts must be [tokens, k]"),
+    ("mixed_frameworks", "pass arrays of one framework on one device"),
 ])
 def test_bad_routing_on_one_rank_raises_everywhere(comm, case, message):
     num_experts = 4 * comm.size
@@ -189,6 +257,8 @@ def test_bad_routing_on_one_rank_raises_everywhere(comm, case, message):
             experts[0, 0] = num_experts
         elif case == "weights_shape":
             weights = weights[:, :1]
+        elif case == "mixed_frameworks":
+            experts = pytest.importorskip("torch").from_numpy(experts)
         else:
             experts = experts[:-1]
     error = raises_everywhere(commlib.CollectiveMismatchError,
@@ -210,6 +280,10 @@ def test_combine_checks_expert_outputs_on_every_rank(comm):
         other = expert_x.astype(np.float16) if comm.rank == 0 else expert_x
         raises_everywhere(commlib.CollectiveMismatchError, lambda: d.combine(other, handle),
                           match="different arguments")
+    torch = pytest.importorskip("torch")
+    elsewhere = torch.from_numpy(expert_x) if comm.rank == 0 else expert_x
+    raises_everywhere(commlib.CollectiveMismatchError, lambda: d.combine(elsewhere, handle),
+                      match="expert_y torch on cpu, the dispatch's arrays numpy on cpu")
 
 
 def test_balancer_bad_load_on_one_rank_raises_everywhere(comm):

@@ -8,7 +8,9 @@ import pytest
 
 import commlib
 from commlib import ring
-from attention_reference import reference_attention
+from commlib.kernels import Kernel
+
+from attention_reference import reference_attention, torch_reference
 from conftest import all_ranks, raises_everywhere
 
 torch = pytest.importorskip("torch")
@@ -24,16 +26,6 @@ def global_inputs(kv_heads, dtype, seed=0, scale=1.0):
     v = rng.standard_normal((2, SEQ, kv_heads, DIM))
     dout = rng.standard_normal((2, SEQ, HEADS, DIM))
     return [x.astype(dtype) for x in (q, k, v, dout)]
-
-
-def torch_reference(q, k, v, dout, causal):
-    """Output and input gradients from torch autograd, float64."""
-    tq, tk, tv = (torch.tensor(np.asarray(x, np.float64)).transpose(1, 2).requires_grad_()
-                  for x in (q, k, v))
-    out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal,
-                                                           enable_gqa=True)
-    out.backward(torch.tensor(np.asarray(dout, np.float64)).transpose(1, 2))
-    return [t.detach().transpose(1, 2).numpy() for t in (out, tq.grad, tk.grad, tv.grad)]
 
 
 def close(a, b, tol):
@@ -100,14 +92,14 @@ def test_extreme_scores_stay_finite(comm, magnitude):
 def test_custom_block_kernel_is_used(comm):
     calls = []
 
-    def counting_kernel(q, k, v, causal, softmax_scale):
+    def counting_forward(q, k, v, causal, softmax_scale):
         calls.append(causal)
         return ring.attention_forward(q, k, v, causal, softmax_scale)
 
     q, k, v, _ = global_inputs(1, np.float32, seed=3)
     shard = [ring.shard_sequence(x, comm, "zigzag") for x in (q, k, v)]
-    out = ring.ring_attention(*shard, comm, causal=True, layout="zigzag",
-                              attn_fn=counting_kernel)
+    counting = Kernel(counting_forward, ring.attention_backward)
+    out = ring.ring_attention(*shard, comm, causal=True, layout="zigzag", kernel=counting)
     ref, _ = reference_attention(q, k, v, True)
     full = ring.unshard_sequence(out, comm, "zigzag")
     assert all_ranks(len(calls) == comm.size and calls[0] is True and close(full, ref, 2e-5))

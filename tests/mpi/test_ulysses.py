@@ -8,7 +8,8 @@ import pytest
 import commlib
 from commlib import hybrid, ring, ulysses
 from commlib.ulysses.relayout import kv_heads_for
-from attention_reference import reference_attention
+
+from attention_reference import reference_attention, torch_reference
 from conftest import all_ranks, raises_everywhere
 
 torch = pytest.importorskip("torch")
@@ -25,15 +26,6 @@ def global_tensors(kv_heads, seed=0):
     shapes = [(2, SEQ, HEADS, DIM), (2, SEQ, kv_heads, DIM), (2, SEQ, kv_heads, DIM),
               (2, SEQ, HEADS, DIM)]
     return [rng.standard_normal(s).astype(np.float32) for s in shapes]
-
-
-def torch_reference(q, k, v, dout, causal):
-    tq, tk, tv = (torch.tensor(x, dtype=torch.float64).transpose(1, 2).requires_grad_()
-                  for x in (q, k, v))
-    out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal,
-                                                           enable_gqa=True)
-    out.backward(torch.tensor(dout, dtype=torch.float64).transpose(1, 2))
-    return [t.detach().transpose(1, 2).numpy() for t in (out, tq.grad, tk.grad, tv.grad)]
 
 
 def contiguous(x, comm):
@@ -99,7 +91,7 @@ def test_hybrid_attention_at_every_degree(comm, kv_heads, causal):
         if not kv_fits(kv_heads, degree):
             continue
 
-        def run(q, k, v, dout):
+        def run(q, k, v, dout, degree=degree):
             out, lse = hybrid.hybrid_attention(q, k, v, comm, degree, causal=causal,
                                                return_lse=True)
             grads = hybrid.hybrid_attention_backward(dout, q, k, v, out, lse, comm, degree,

@@ -1,0 +1,139 @@
+"""Array backends for tests: one test body, every framework (mpi4py's
+``test/arrayimpl.py`` idea).
+
+    @pytest.mark.parametrize("impl", arrayimpl.params())
+    def test_something(impl):
+        x = impl.asarray(np.ones((2, 3)), "bfloat16")  # a torch/JAX/... array
+        ...
+        assert impl.is_native(y) and np.allclose(impl.to_numpy(y), expected)
+
+NumPy, torch (CPU), JAX (CPU) run everywhere; CuPy and torch CUDA carry the
+``gpu`` mark and skip, with the reason, where no CUDA device is visible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+DTYPES = {"float64": np.float64, "float32": np.float32, "float16": np.float16,
+          "bfloat16": ml_dtypes.bfloat16, "int64": np.int64, "int32": np.int32,
+          "bool": np.bool_}
+
+
+def cuda_skip_reason(framework: str) -> Optional[str]:
+    """None when ``framework`` ("cupy" or "torch") can use a CUDA device
+    here, else why not."""
+    try:
+        if framework == "torch":
+            import torch
+            return None if torch.cuda.is_available() else "torch sees no CUDA device"
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            return "CuPy sees no CUDA device"
+    except Exception as error:  # ImportError, CUDARuntimeError
+        return f"no usable CUDA device for {framework} ({type(error).__name__}: {error})"
+    return None
+
+
+@dataclass(frozen=True)
+class ArrayImpl:
+    """How one framework makes, recognises and reads back arrays."""
+
+    name: str
+    framework: str
+    make: Callable[[np.ndarray, str], Any]
+    read: Callable[[Any], np.ndarray]
+    gpu: bool = False
+
+    def asarray(self, a: Any, dtype: Optional[str] = None) -> Any:
+        """``a`` (NumPy or nested lists) in this framework, as ``dtype`` (a
+        name: "float32", "bfloat16", ...; default: a's own)."""
+        a = np.asarray(a)
+        name = dtype or a.dtype.name
+        return self.make(a.astype(DTYPES[name]) if name in DTYPES else a, name)
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        """A NumPy copy of ``x``; bfloat16 comes back as float32."""
+        return self.read(x)
+
+    def is_native(self, x: Any) -> bool:
+        """Whether ``x`` belongs to this framework (and device)."""
+        from commlib.namespace import framework, on_cuda
+        try:
+            return framework(x) == self.framework and on_cuda(x) == self.gpu
+        except TypeError:
+            return False
+
+    def dtype_name(self, x: Any) -> str:
+        return str(x.dtype).removeprefix("torch.")
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _torch(device: str) -> ArrayImpl:
+    def make(a, name):
+        import torch
+        if name == "bfloat16":
+            return torch.from_numpy(a.astype(np.float32)).to(device, torch.bfloat16)
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    def read(x):
+        import torch
+        x = x.detach()
+        if x.dtype == torch.bfloat16:
+            x = x.float()
+        return x.cpu().numpy()
+    return ArrayImpl("torch-cuda" if device == "cuda" else "torch", "torch", make, read,
+                     gpu=device == "cuda")
+
+
+def _jax() -> ArrayImpl:
+    def make(a, name):
+        import jax.numpy as jnp
+        return jnp.asarray(a)
+
+    def read(x):
+        a = np.asarray(x)
+        return a.astype(np.float32) if a.dtype == ml_dtypes.bfloat16 else a
+    return ArrayImpl("jax", "jax", make, read)
+
+
+def _numpy() -> ArrayImpl:
+    def read(x):
+        a = np.asarray(x)
+        return a.astype(np.float32) if a.dtype == ml_dtypes.bfloat16 else a
+    return ArrayImpl("numpy", "numpy", lambda a, name: a, read)
+
+
+def _cupy() -> ArrayImpl:
+    def make(a, name):
+        import cupy
+        return cupy.asarray(a)
+    return ArrayImpl("cupy", "cupy", make, lambda x: x.get(), gpu=True)
+
+
+IMPLS = {impl.name: impl for impl in (_numpy(), _torch("cpu"), _jax(), _cupy(),
+                                      _torch("cuda"))}
+HOST = ("numpy", "torch", "jax")
+
+
+def params(names=tuple(IMPLS), exclude=()) -> List[Any]:
+    """``pytest.param`` per backend, GPU ones marked ``gpu`` and skipped
+    (with the reason) where no CUDA device is visible."""
+    out = []
+    for name in names:
+        if name in exclude:
+            continue
+        impl = IMPLS[name]
+        marks = []
+        if impl.gpu:
+            reason = cuda_skip_reason(impl.framework)
+            marks = [pytest.mark.gpu] + ([pytest.mark.skip(reason=reason)] if reason else [])
+        out.append(pytest.param(impl, id=name, marks=marks))
+    return out
