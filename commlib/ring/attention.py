@@ -83,6 +83,9 @@ def ring_attention(q: Any, k: Any, v: Any, comm, causal: bool = False,
             out = xp.astype(block_out, xp.float32, copy=False)
             lse = xp.astype(block_lse, xp.float32, copy=False)
             continue
+        if rows == EVERYTHING:
+            out, lse = merge(out, lse, block_out, block_lse)
+            continue
         merged_out, merged_lse = merge(out[:, rows], lse[:, :, rows], block_out, block_lse)
         out = xpx.at(out)[:, rows].set(merged_out)
         lse = xpx.at(lse)[:, :, rows].set(merged_lse)

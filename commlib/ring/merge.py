@@ -35,6 +35,6 @@ def merge(out: Any, lse: Any, block_out: Any, block_lse: Any) -> Tuple[Any, Any]
     as_rows = (0, 2, 1)  # [b, h, s] -> [b, s, h], to scale rows of [b, s, h, d]
     weight_old = xp.permute_dims(keep / denominator, as_rows)[..., None]
     weight_new = xp.permute_dims(take / denominator, as_rows)[..., None]
-    merged = xp.astype(out, xp.float32) * weight_old
+    merged = xp.astype(out, xp.float32, copy=False) * weight_old
     merged += xp.astype(block_out, xp.float32, copy=False) * weight_new
     return merged, merged_lse
