@@ -18,13 +18,16 @@ BACKENDS = ("auto", "mpi", "nccl")
 
 def init(backend: str = "auto", *, mpi_comm=None, ranks_per_node: Optional[int] = None,
          timeout: Optional[float] = None, check: Optional[bool] = None,
-         abort_on_error: bool = False) -> Communicator:
+         abort_on_error: bool = False, device: Optional[int] = None) -> Communicator:
     """Create a Communicator over a duplicate of ``mpi_comm`` (default
     ``MPI.COMM_WORLD``; a plain ``python`` run is a world of one).
 
     ``backend``: "mpi" moves host arrays only; "nccl" also moves CUDA arrays
     over NCCL and fails with the reason where it cannot run; "auto" is "nccl"
-    when every rank has CuPy, NCCL and a GPU, else "mpi".
+    when every rank has CuPy, NCCL and a GPU of its own, else "mpi" (ranks
+    sharing a GPU cannot form an NCCL communicator unless NCCL allows it).
+    ``device``: the CUDA device this rank drives (default: its index among
+    the ranks of its node, modulo the visible devices).
     ``ranks_per_node`` (or ``COMMLIB_RANKS_PER_NODE``) emulates nodes of that
     many consecutive ranks; by default nodes are the shared-memory domains.
     ``timeout`` (default ``COMMLIB_TIMEOUT``, else 600 s; 0 waits forever)
@@ -53,11 +56,11 @@ def init(backend: str = "auto", *, mpi_comm=None, ranks_per_node: Optional[int] 
         raise
     host = MpiBackend(comm, math.inf if timeout == 0 else timeout)
     try:
-        device = _device_backend(host, backend, shared_rank) if backend != "mpi" else None
+        gpu = _device_backend(host, backend, shared_rank, device) if backend != "mpi" else None
     except BaseException:
         host.free()
         raise
-    return Communicator(host, topology, device, check)
+    return Communicator(host, topology, gpu, check)
 
 
 def _shared_memory_domain(comm):
@@ -80,19 +83,32 @@ def _discover_topology(comm, leader: int, ranks_per_node: Optional[int]) -> _top
     return _topology.from_node_leaders(rank, comm.allgather(leader))
 
 
-def _device_backend(host: MpiBackend, backend: str, shared_rank: int):
-    """The NCCL backend when every rank can run it; the decision is taken
-    together so that no rank builds NCCL while another does not."""
+def _device_backend(host: MpiBackend, backend: str, shared_rank: int, device: Optional[int]):
+    """The NCCL backend when every rank can run it on a GPU of its own; the
+    decision is taken together so that no rank builds NCCL while another
+    does not. Under "auto" any obstacle means MPI; under "nccl" it raises
+    ``BackendUnavailableError`` naming the ranks and what stops them."""
     from .backends import nccl
 
-    reasons = host.allgather_object(nccl.unavailable_reason())
-    missing = {r: why for r, why in enumerate(reasons) if why is not None}
-    if missing:
+    reason = nccl.unavailable_reason()
+    index = identity = None
+    if reason is None:
+        index, reason = nccl.local_device(shared_rank, device)
+    if reason is None:
+        identity = nccl.device_identity(index)
+    reports = host.allgather_object((reason, identity))
+    problems = {r: why for r, (why, _) in enumerate(reports) if why is not None}
+    if not problems and not nccl.shares_gpus_allowed():
+        for gpu, ranks in nccl.shared_gpus([gpu for _, gpu in reports]).items():
+            for r in ranks:
+                problems[r] = (f"shares GPU {gpu} with rank(s) "
+                               f"{', '.join(str(o) for o in ranks if o != r)}; NCCL needs one "
+                               f"GPU per rank (or NCCL 2.30+ with NCCL_MULTI_RANK_GPU_ENABLE=1)")
+    if problems:
         if backend == "auto":
             return None
-        detail = "; ".join(f"rank {r}: {why}" for r, why in sorted(missing.items()))
+        detail = "; ".join(f"rank {r}: {why}" for r, why in sorted(problems.items()))
         raise BackendUnavailableError(
             f"backend='nccl' cannot run here ({detail}); use backend='mpi' for host "
             f"arrays, or 'auto' to use NCCL only where it is available")
-    import cupy
-    return nccl.NcclBackend(host, shared_rank % cupy.cuda.runtime.getDeviceCount())
+    return nccl.NcclBackend(host, index)

@@ -346,10 +346,10 @@ class Communicator:
         shift = int(shift) % self.size
         if shift == 0:
             out[...] = data
-            return PendingShift(lambda: None, native, out)
+            return PendingShift(lambda: None, native, out, data)
         wait = backend.start_sendrecv(data, (self.rank + shift) % self.size, out,
                                       (self.rank - shift) % self.size)
-        return PendingShift(wait, native, out)
+        return PendingShift(wait, native, out, data)
 
     def allgather(self, x: Any, axis: int = 0) -> Any:
         """Every rank's ``x`` (same shape everywhere), concatenated along
@@ -424,11 +424,14 @@ class Communicator:
 
 
 class PendingShift:
-    """A ring shift in flight; ``wait()`` returns its result (once)."""
+    """A ring shift in flight; ``wait()`` returns its result (once). It holds
+    the buffer being sent (a contiguous copy of a strided input, say) until
+    the transfer is done, so that no transport reads freed memory."""
 
-    def __init__(self, wait, native: Native, out):
-        self._wait, self._native, self._out = wait, native, out
+    def __init__(self, wait, native: Native, out, sending):
+        self._wait, self._native, self._out, self._sending = wait, native, out, sending
 
     def wait(self) -> Any:
         self._wait()
+        self._sending = None
         return self._native.wrap(self._out)

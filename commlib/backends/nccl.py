@@ -10,7 +10,7 @@ a call returns, so results are ready in any stream the caller uses next.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -26,18 +26,36 @@ _NCCL_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3}
 _UINT8 = _NCCL_TYPES["uint8"]
 
 
+def _cuda_major() -> Optional[int]:
+    """The CUDA runtime's major version CuPy was built for, or None."""
+    try:
+        import cupy
+        return cupy.cuda.runtime.runtimeGetVersion() // 1000
+    except Exception:  # no CUDA runtime library, no driver
+        return None
+
+
+def install_hint() -> str:
+    """What to pip install for NCCL, for the CUDA this CuPy runs on."""
+    major = _cuda_major()
+    if major in (12, 13):
+        return f"pip install nvidia-nccl-cu{major}, or commlib[gpu-cu{major}]"
+    return "pip install the nvidia-nccl-cuXX wheel matching your CUDA (commlib[gpu-cu12] " \
+           "or commlib[gpu-cu13])"
+
+
 def unavailable_reason() -> Optional[str]:
     """None when NCCL can run here, else what is missing, in words."""
     try:
         import cupy
     except ImportError:
-        return "CuPy is not installed (pip install 'commlib[gpu]')"
+        return "CuPy is not installed (pip install 'commlib[gpu-cu12]' or 'commlib[gpu-cu13]')"
     try:
         from cupy.cuda import nccl
     except ImportError as error:
         return f"CuPy's NCCL module does not import ({error})"
     if not getattr(nccl, "available", False):
-        return "the NCCL library was not found (pip install nvidia-nccl-cu12)"
+        return f"the NCCL library was not found ({install_hint()})"
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as error:  # CUDARuntimeError: no driver, no device
@@ -45,6 +63,49 @@ def unavailable_reason() -> Optional[str]:
     if count == 0:
         return "no CUDA device is visible"
     return None
+
+
+def visible_devices() -> int:
+    """How many CUDA devices this process sees."""
+    import cupy
+    return cupy.cuda.runtime.getDeviceCount()
+
+
+def local_device(shared_rank: int, device: Optional[int]) -> Tuple[Optional[int], Optional[str]]:
+    """(the CUDA device this rank drives, None), or (None, why it has none):
+    ``device`` when given, else its index among its node's ranks modulo the
+    visible devices."""
+    count = visible_devices()
+    index = shared_rank % count if device is None else device
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
+        return None, f"device={device!r} is not one of the {count} visible CUDA devices"
+    return index, None
+
+
+def device_identity(device_index: int) -> str:
+    """Which physical GPU ``device_index`` is: host name and PCI bus id, the
+    same string on every rank that drives that GPU."""
+    import cupy
+    from mpi4py import MPI
+
+    return f"{MPI.Get_processor_name()} {cupy.cuda.Device(device_index).pci_bus_id}"
+
+
+def shares_gpus_allowed() -> bool:
+    """Whether NCCL accepts several ranks of one communicator on one GPU:
+    from NCCL 2.30, with NCCL_MULTI_RANK_GPU_ENABLE=1."""
+    import os
+
+    from cupy.cuda import nccl
+    return nccl.get_version() >= 23000 and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1"
+
+
+def shared_gpus(identities: List[str]) -> Dict[str, List[int]]:
+    """GPU identity -> the ranks driving it, for GPUs driven by more than one."""
+    ranks: Dict[str, List[int]] = {}
+    for rank, identity in enumerate(identities):
+        ranks.setdefault(identity, []).append(rank)
+    return {identity: users for identity, users in ranks.items() if len(users) > 1}
 
 
 def reduction_type(dtype: np.dtype) -> int:

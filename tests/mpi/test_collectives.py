@@ -106,3 +106,33 @@ def test_split_keeps_topology_and_works(comm):
     finally:
         sub.free()
         world.free()
+
+
+def test_ring_shift_async_keeps_its_send_buffer_until_wait(comm, monkeypatch):
+    """A transport may read the send buffer long after the call returns
+    (NCCL reads it on its stream). Stand in for one: the transfer starts
+    only at wait(), from a weak reference to the buffer it was handed. A
+    non-contiguous input makes commlib send a copy, which must live until
+    then."""
+    import gc
+    import weakref
+
+    start = comm._host.start_sendrecv
+
+    def deferred(send, dest, out, source):
+        handed = weakref.ref(send)
+
+        def wait():
+            gc.collect()
+            alive = handed()
+            assert alive is not None, "the send buffer was freed before the transfer"
+            start(alive, dest, out, source)()
+        return wait
+
+    monkeypatch.setattr(comm._host, "start_sendrecv", deferred)
+    x = (np.arange(24.0).reshape(4, 6) + comm.rank)[:, ::2]  # strided: sent as a copy
+    pending = comm.ring_shift_async(x)
+    gc.collect()
+    got = pending.wait()
+    expected = np.arange(24.0).reshape(4, 6)[:, ::2] + (comm.rank - 1) % comm.size
+    assert all_ranks(np.array_equal(got, expected))

@@ -1,0 +1,89 @@
+"""How ranks choose GPUs and when NCCL is used, on every rank together, with
+the GPU queries stood in for (so it runs on any machine): ranks that share a
+GPU fall back to MPI under "auto" and are named under "nccl"; one rank's bad
+``device=`` stops every rank."""
+
+import pytest
+
+import commlib
+from commlib.backends import nccl
+
+from conftest import all_ranks, raises_everywhere
+
+
+class _FakeNccl:
+    """Stands in for NcclBackend: records which device it was given."""
+
+    name = "nccl"
+
+    def __init__(self, host, device_index):
+        self.device_index = device_index
+
+    def free(self):
+        pass
+
+
+@pytest.fixture
+def gpus(monkeypatch, comm):
+    """Make every rank see ``count`` GPUs, ``identity_of(index)`` telling
+    which physical GPU a device index is on that rank."""
+    def install(identity_of, count=8, allowed=False):
+        monkeypatch.setattr(nccl, "unavailable_reason", lambda: None)
+        monkeypatch.setattr(nccl, "visible_devices", lambda: count)
+        monkeypatch.setattr(nccl, "device_identity", identity_of)
+        monkeypatch.setattr(nccl, "shares_gpus_allowed", lambda: allowed)
+        monkeypatch.setattr(nccl, "NcclBackend", _FakeNccl)
+    return install
+
+
+def test_a_gpu_per_rank_builds_nccl_on_the_chosen_device(comm, gpus):
+    gpus(lambda index: f"host {index}")
+    world = commlib.init(backend="nccl")
+    try:
+        assert all_ranks(world.backend == "nccl"
+                         and world._device.device_index == comm.rank % 8)
+    finally:
+        world.free()
+
+
+def test_ranks_sharing_a_gpu_fall_back_under_auto_and_are_named_under_nccl(comm, gpus):
+    if comm.size == 1:
+        pytest.skip("one rank cannot share a GPU")
+    gpus(lambda index: "host 0000:01:00.0")  # every rank lands on one GPU
+    world = commlib.init(backend="auto")
+    try:
+        assert all_ranks(world.backend == "mpi")
+    finally:
+        world.free()
+    error = raises_everywhere(commlib.BackendUnavailableError,
+                              lambda: commlib.init(backend="nccl"))
+    others = ", ".join(str(r) for r in range(comm.size) if r != comm.rank)
+    assert f"rank {comm.rank}: shares GPU host 0000:01:00.0 with rank(s) {others}" in str(error)
+
+
+def test_sharing_is_allowed_where_nccl_allows_it(comm, gpus):
+    gpus(lambda index: "host 0000:01:00.0", allowed=True)
+    world = commlib.init(backend="nccl")
+    try:
+        assert all_ranks(world.backend == "nccl")
+    finally:
+        world.free()
+
+
+def test_a_bad_device_on_one_rank_stops_every_rank(comm, gpus):
+    gpus(lambda index: f"host {index}", count=2)
+    bad = comm.size - 1
+    error = raises_everywhere(
+        commlib.BackendUnavailableError,
+        lambda: commlib.init(backend="nccl", device=5 if comm.rank == bad else comm.rank % 2))
+    assert f"rank {bad}: device=5 is not one of the 2 visible CUDA devices" in str(error)
+    world = commlib.init(backend="auto", device=5 if comm.rank == bad else comm.rank % 2)
+    try:
+        assert all_ranks(world.backend == "mpi")
+    finally:
+        world.free()
+
+
+def test_shared_gpus_lists_only_gpus_with_several_ranks():
+    assert nccl.shared_gpus(["a", "b", "a", "c", "a"]) == {"a": [0, 2, 4]}
+    assert nccl.shared_gpus(["a", "b"]) == {}
