@@ -2,7 +2,8 @@
 
 It validates arguments, allocates results, and hands C-contiguous arrays to
 a backend: the MPI backend for host arrays, the device backend (NCCL) for
-CUDA arrays. Inputs arrive through DLPack (``commlib.arrays``) and results go
+CUDA arrays, or MPI staged through host memory for CUDA arrays where there is
+no NCCL (``backends.staged``). Inputs arrive through DLPack (``commlib.arrays``) and results go
 back in the caller's framework. Inputs are never written to.
 """
 
@@ -20,6 +21,7 @@ from . import counts as _counts
 from .arrays import Native, byte_view, contiguous, unwrap
 from .backends import REDUCE_OPS, Backend
 from .backends.mpi import MpiBackend
+from .backends.staged import StagedBackend
 from .errors import AllocationRefusedError, CollectiveMismatchError
 from .memory import shortfall
 from .namespace import contiguous as framework_contiguous
@@ -74,8 +76,9 @@ class Communicator:
     """A group of ranks and the collectives they run together.
 
     Create one with ``commlib.init()``; ``split`` makes sub-communicators.
-    ``backend`` names the transport for CUDA arrays ("nccl"), or "mpi" when
-    there is none; host arrays always travel over MPI. Every call has a
+    ``backend`` names the transport for CUDA arrays: "nccl", or "mpi" when
+    they are staged through host memory over MPI; host arrays always travel
+    over MPI. Every call has a
     deadline (``COMMLIB_TIMEOUT``); with ``COMMLIB_CHECK=1`` every call first
     checks that all ranks agree on its arguments.
     """
@@ -153,12 +156,15 @@ class Communicator:
         if any(n.on_device != on_device for n in natives[1:]):
             raise ValueError("host and CUDA arrays were mixed in one call; commlib does not "
                              "copy between them silently: move them to one device first")
+        return self._transport(on_device)
+
+    def _transport(self, on_device: bool) -> Backend:
+        """MPI for host arrays; for CUDA arrays NCCL, or, on a communicator
+        without it, MPI staged through host memory."""
         if not on_device:
             return self._host
         if self._device is None:
-            raise ValueError("a CUDA array was passed to a communicator without a GPU backend "
-                             "(backend='mpi'); create it with commlib.init(backend='nccl') or "
-                             "'auto' on a machine with GPUs, or pass host arrays")
+            return StagedBackend(self._host)
         return self._device
 
     def split(self, color: int, key: int = 0) -> "Communicator":
@@ -400,7 +406,7 @@ class Communicator:
             return native.wrap(data.copy())
         xp = self._xp(on_device)
         out = xp.empty(shape, dtype=storage)
-        (self._device if on_device else self._host).bcast(out, root)
+        self._transport(on_device).bcast(out, root)
         if native is None:
             return out
         if (native.dtype, tuple(native.data.shape), native.on_device) != (dtype, shape, on_device):
@@ -410,10 +416,9 @@ class Communicator:
                 f"({'CUDA' if on_device else 'host'}); pass None or a matching array")
         return native.wrap(out)
 
-    def _xp(self, on_device: bool):
+    @staticmethod
+    def _xp(on_device: bool):
         if on_device:
-            if self._device is None:
-                raise ValueError("root broadcast a CUDA array but this rank has no GPU backend")
             import cupy
             return cupy
         return np
