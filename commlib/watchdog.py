@@ -109,11 +109,10 @@ class Watchdog:
             raise
 
     def wait_until(self, done: Callable[[], bool],
-                   pending: Callable[[], Optional[List[int]]] = lambda: None,
-                   on_timeout: Callable[[], None] = lambda: None) -> None:
-        """Poll ``done()`` until true. After the deadline: ``on_timeout()``
-        (to abort device work), then ``CommTimeoutError``. A peer's notice
-        meanwhile raises ``PeerFailedError``."""
+                   pending: Callable[[], Optional[List[int]]] = lambda: None) -> None:
+        """Poll ``done()`` until true. After the deadline: ``CommTimeoutError``;
+        a peer's notice meanwhile: ``PeerFailedError``. (Device backends
+        abort their work on any exception leaving this wait.)"""
         deadline = time.monotonic() + self.timeout
         polls = 0
         while not done():
@@ -121,7 +120,6 @@ class Watchdog:
             if self.size > 1 and self._notice.Test():
                 self._fail_from_notice()
             if polls % _POLLS_PER_CLOCK == 0 and time.monotonic() > deadline:
-                on_timeout()
                 self._time_out(pending())
             os.sched_yield()
 

@@ -147,26 +147,47 @@ class NcclBackend:
         self.rank, self.size = host.rank, host.size
         self.watchdog = host.watchdog
         self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._aborted = False
 
     def split(self, host) -> "NcclBackend":
         return NcclBackend(host, self.device_index)
 
     def free(self) -> None:
-        self.comm.destroy()
+        if not self._aborted:  # an aborted communicator is already released
+            self.comm.destroy()
+
+    def _abort(self) -> None:
+        """Abort the NCCL communicator, once: kernels waiting on peers return
+        and NCCL lets go of the buffers; nothing more runs on it."""
+        if not self._aborted:
+            self._aborted = True
+            self.comm.abort()
 
     def _run(self, launch) -> None:
         self._launch(launch)
         self._wait()
 
     def _launch(self, launch) -> None:
-        """Order the call after the caller's current stream, on ours."""
+        """Order the call after the caller's current stream, on ours. A launch
+        that fails leaves the peers waiting in theirs: tell them, abort."""
         self.stream.wait_event(self._cupy.cuda.get_current_stream().record())
-        launch(self.stream.ptr)
+        try:
+            launch(self.stream.ptr)
+        except BaseException as error:
+            self.watchdog.give_up(f"NCCL launch failed: {error}")
+            self._abort()
+            raise
 
     def _wait(self) -> None:
-        """Until our stream is done, under the deadline; past it, abort the
-        NCCL communicator so that the kernels stuck on it return."""
-        self.watchdog.wait_until(lambda: self.stream.done, on_timeout=self.comm.abort)
+        """Until our stream is done, under the deadline. Whatever ends the
+        wait early (the deadline, a peer's failure notice, an interrupt)
+        aborts the NCCL communicator, so that no kernel spins on a peer that
+        will never come and no buffer is reused while NCCL still owns it."""
+        try:
+            self.watchdog.wait_until(lambda: self.stream.done)
+        except BaseException:
+            self._abort()
+            raise
 
     def _grouped(self, sends, recvs) -> None:
         self._launch_grouped(sends, recvs)
@@ -176,13 +197,15 @@ class NcclBackend:
         """One NCCL group of point-to-point transfers: (buffer, nbytes, peer)."""
         def launch(stream):
             self._nccl.groupStart()
-            for buf, nbytes, peer in sends:
-                if nbytes:
-                    self.comm.send(buf, nbytes, _UINT8, peer, stream)
-            for buf, nbytes, peer in recvs:
-                if nbytes:
-                    self.comm.recv(buf, nbytes, _UINT8, peer, stream)
-            self._nccl.groupEnd()
+            try:
+                for buf, nbytes, peer in sends:
+                    if nbytes:
+                        self.comm.send(buf, nbytes, _UINT8, peer, stream)
+                for buf, nbytes, peer in recvs:
+                    if nbytes:
+                        self.comm.recv(buf, nbytes, _UINT8, peer, stream)
+            finally:  # NCCL's group depth is per thread: always close it
+                self._nccl.groupEnd()
         self._launch(launch)
 
     def alltoallv(self, send, send_bytes, out, recv_bytes) -> None:
