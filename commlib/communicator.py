@@ -156,7 +156,21 @@ class Communicator:
         if any(n.on_device != on_device for n in natives[1:]):
             raise ValueError("host and CUDA arrays were mixed in one call; commlib does not "
                              "copy between them silently: move them to one device first")
+        if on_device and self._device is not None:
+            self._check_devices(natives)
         return self._transport(on_device)
+
+    def _check_devices(self, natives: Sequence[Native]) -> None:
+        """NCCL reads only the GPU it was built on: every CUDA array of a
+        call must live there."""
+        mine = self._device.device_index
+        for position, native in enumerate(natives):
+            theirs = native.data.device.id
+            if theirs != mine:
+                which = f"array {position} of this call" if len(natives) > 1 else "the array"
+                raise ValueError(f"{which} is on CUDA device {theirs}, but this communicator "
+                                 f"drives device {mine}; move it there (.to('cuda:{mine}')) "
+                                 f"or create the communicator with commlib.init(device=...)")
 
     def _transport(self, on_device: bool) -> Backend:
         """MPI for host arrays; for CUDA arrays NCCL, or, on a communicator

@@ -54,3 +54,31 @@ def test_nccl_type_tables():
     assert nccl.reduction_op(np.dtype("bool"), "sum") == nccl.reduction_op(np.dtype("int8"), "max")
     with pytest.raises(ValueError, match="NCCL cannot reduce complex64"):
         nccl.reduction_type(np.dtype("complex64"))
+
+
+def test_cuda_arrays_must_be_on_the_communicators_gpu():
+    class Device:
+        def __init__(self, index):
+            self.id = index
+
+    class DeviceArray:  # what a CuPy array shows of its device
+        def __init__(self, index):
+            self.device = Device(index)
+
+    class FakeNccl:
+        name, device_index = "nccl", 1
+
+        def free(self):
+            pass
+
+    comm = commlib.init(backend="mpi")
+    comm._device = FakeNccl()
+    on = [Native(DeviceArray(i), np.dtype(np.float32), True, "cupy", lambda y: y)
+          for i in (1, 0)]
+    try:
+        assert comm._backend_for(on[0]) is comm._device
+        with pytest.raises(ValueError, match=r"array 1 of this call is on CUDA device 0, but "
+                                             r"this communicator drives device 1"):
+            comm._backend_for(*on)
+    finally:
+        comm.free()
