@@ -3,7 +3,7 @@
     mpiexec -n 2 python -m commlib.tools.bench_alltoallv [--json rows.json]
 
 Speed in commlib is a ratio against baselines measured in the same process
-at the same moment (DESIGN.md, "Testing and measuring"), so the contenders
+at the same moment (docs/benchmarks.md), so the contenders
 are interleaved (commlib, mpi4py, gloo, commlib, ...) and share whatever
 noise the machine has. Every timed call starts right after a Barrier, and
 an iteration's time is the slowest rank's (a collective is done when its
@@ -287,7 +287,7 @@ def describe_skew(world: MPI.Comm, seed: int) -> str:
 
 def _abort(message: str) -> None:
     """Print and end every rank: a lone exception would leave the peers hung
-    in the next collective (DESIGN.md, measured on these machines)."""
+    in the next collective (measured under plain mpi4py: docs/reliability.md)."""
     print(f"bench_alltoallv: ERROR: {message}", file=sys.stderr, flush=True)
     MPI.COMM_WORLD.Abort(1)
 
