@@ -9,26 +9,18 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Optional, Tuple
 
-from .namespace import dtype_name, framework, on_cuda
+from .namespace import dtype_name, framework_of, on_cuda
 
 Extra = Tuple[Tuple[str, Any, tuple], ...]
 
 ATTENTION_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
-def _framework_of(name: str, x: Any) -> str:
-    try:
-        return framework(x)
-    except TypeError:
-        raise ValueError(f"{name} must be a NumPy, CuPy, PyTorch or JAX array, got "
-                         f"{type(x).__module__}.{type(x).__qualname__}") from None
-
-
 def check_qkv(q: Any, k: Any, v: Any, extra: Extra = ()) -> None:
     """q [b, s, h, d], k and v [b, s, hk, d] with h % hk == 0, one framework,
     one dtype, one side (host or CUDA), and the ``extra`` (name, array,
     shape) triples."""
-    kinds = {name: _framework_of(name, x) for name, x in (("q", q), ("k", k), ("v", v))}
+    kinds = {name: framework_of(name, x) for name, x in (("q", q), ("k", k), ("v", v))}
     if len(set(kinds.values())) != 1:
         raise ValueError(f"q, k and v must come from one framework, got "
                          f"{', '.join(f'{n}: {f}' for n, f in kinds.items())}")

@@ -3,8 +3,9 @@
 It validates arguments, allocates results, and hands C-contiguous arrays to
 a backend: the MPI backend for host arrays, the device backend (NCCL) for
 CUDA arrays, or MPI staged through host memory for CUDA arrays where there is
-no NCCL (``backends.staged``). Inputs arrive through DLPack (``commlib.arrays``) and results go
-back in the caller's framework. Inputs are never written to.
+no NCCL (``backends.staged``). Inputs arrive through DLPack
+(``commlib.arrays``) and results go back in the caller's framework. Inputs
+are never written to.
 """
 
 from __future__ import annotations
@@ -78,9 +79,9 @@ class Communicator:
     Create one with ``commlib.init()``; ``split`` makes sub-communicators.
     ``backend`` names the transport for CUDA arrays: "nccl", or "mpi" when
     they are staged through host memory over MPI; host arrays always travel
-    over MPI. Every call has a
-    deadline (``COMMLIB_TIMEOUT``); with ``COMMLIB_CHECK=1`` every call first
-    checks that all ranks agree on its arguments.
+    over MPI. Every call has a deadline (``COMMLIB_TIMEOUT``); with
+    ``COMMLIB_CHECK=1`` every call first checks that all ranks agree on its
+    arguments.
     """
 
     def __init__(self, host: MpiBackend, topology: Topology,

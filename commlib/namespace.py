@@ -39,6 +39,16 @@ def framework(x: Any) -> str:
                     f"{type(x).__module__}.{type(x).__qualname__}")
 
 
+def framework_of(name: str, x: Any) -> str:
+    """``framework(x)`` for the argument called ``name``, or a ValueError
+    (not a TypeError: a problem the algorithms report to every rank)."""
+    try:
+        return framework(x)
+    except TypeError:
+        raise ValueError(f"{name} must be a NumPy, CuPy, PyTorch or JAX array, got "
+                         f"{type(x).__module__}.{type(x).__qualname__}") from None
+
+
 def on_cuda(x: Any) -> bool:
     """Whether ``x`` lives in CUDA memory."""
     kind = framework(x)

@@ -31,10 +31,10 @@ import ml_dtypes
 import numpy as np
 
 import commlib
+from commlib.namespace import FRAMEWORKS
 from commlib.tools.world import world
 from commlib.topology import RANKS_PER_NODE_ENV, Topology
 
-FRAMEWORKS = ("numpy", "cupy", "torch", "jax")
 PATTERNS = ("uniform", "random", "zipf", "hotspot", "router")
 MPI_ENV_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
 LINK_BYTES = 1024 ** 2

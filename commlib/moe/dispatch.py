@@ -41,6 +41,7 @@ from ..namespace import (
     dtype_name,
     float32,
     framework,
+    framework_of,
     index_dtype,
     namespace,
     scatter_add,
@@ -90,16 +91,6 @@ def _require_one_place(named: List[Tuple[str, Any]]) -> None:
                           in zip(named, places))
         raise ValueError(f"{found}: pass arrays of one framework on one device "
                          f"(convert the odd one out first)")
-
-
-def _require_arrays(named: List[Tuple[str, Any]]) -> None:
-    """Raise ValueError (not TypeError: it must reach every rank) for
-    anything that is not a NumPy, CuPy, PyTorch or JAX array."""
-    for name, a in named:
-        try:
-            framework(a)
-        except TypeError as error:
-            raise ValueError(f"{name}: {error}") from None
 
 
 class Dispatcher:
@@ -182,7 +173,8 @@ class Dispatcher:
         every rank by ``agree``, so no rank is left waiting in a collective."""
         named = [("x", x), ("experts", experts), ("weights", weights)]
         try:
-            _require_arrays(named)
+            for name, a in named:
+                framework_of(name, a)
             _require_one_place(named)
             if x.ndim < 1:
                 raise ValueError("x must have one row per token, got a scalar")
@@ -298,7 +290,7 @@ class Dispatcher:
     @staticmethod
     def _combine_problem(expert_y: Any, handle: DispatchHandle) -> Optional[Exception]:
         try:
-            _require_arrays([("expert_y", expert_y)])
+            framework_of("expert_y", expert_y)
             _require_one_place([("expert_y", expert_y),
                                 ("the dispatch's arrays", handle.arrival_rows)])
         except ValueError as error:
