@@ -22,6 +22,7 @@ from . import counts as _counts
 from .arrays import Native, byte_view, contiguous, unwrap
 from .backends import REDUCE_OPS, Backend
 from .backends.mpi import MpiBackend
+from .backends.nccl import NcclBackend
 from .backends.staged import StagedBackend
 from .errors import AllocationRefusedError, CollectiveMismatchError
 from .memory import shortfall
@@ -355,13 +356,19 @@ class Communicator:
         ``x`` of rank ``(rank - shift) % size``. All ranks pass the same shape."""
         return self.ring_shift_async(x, shift).wait()
 
-    def ring_shift_async(self, x: Any, shift: int = 1) -> "PendingShift":
+    def ring_shift_async(self, x: Any, shift: int = 1, lane: int = 0) -> "PendingShift":
         """Start ``ring_shift(x, shift)`` and return at once; ``.wait()`` gives
         the result. For overlapping a transfer with computation (RingExchange);
-        ``x`` must not change until then."""
+        ``x`` must not change until then. Shifts on different ``lane``s
+        overlap each other: under NCCL, lane n > 0 has its own communicator
+        and stream, made (by every rank together) on its first use."""
         native = unwrap(x)
-        self._begin("ring_shift", native.dtype.name, tuple(native.data.shape), shift)
+        self._begin("ring_shift", native.dtype.name, tuple(native.data.shape), shift, lane)
+        if isinstance(lane, bool) or not isinstance(lane, int) or lane < 0:
+            raise ValueError(f"lane must be a non-negative integer, got {lane!r}")
         backend = self._backend_for(native)
+        if lane and isinstance(backend, NcclBackend):
+            backend = backend.lane(lane)
         data = contiguous(native)
         out = native.xp.empty_like(data)
         shift = int(shift) % self.size

@@ -75,11 +75,23 @@ class Watchdog:
         self.calls = 0
         self.op = "init"
         self.failure: Optional[str] = None
+        self._on_failure: List[Callable[[], None]] = []
         self._sent: List = []  # outgoing notices, kept alive until freed
         self._abandoned: List = []  # requests of calls given up on
         self._notice_buffer = bytearray(NOTICE_BYTES)
         self._notice = self._post_notice_receive()
         _listening.add(self)
+
+    def on_failure(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` when this communicator fails (this rank gives
+        up, or a peer's notice arrives): a device transport aborts its
+        in-flight GPU work there."""
+        self._on_failure.append(callback)
+
+    def _fail(self, failure: str) -> None:
+        self.failure = failure
+        for callback in self._on_failure:
+            callback()
 
     # -- a call's life ---------------------------------------------------------
     def begin(self, op: str) -> None:
@@ -111,8 +123,7 @@ class Watchdog:
     def wait_until(self, done: Callable[[], bool],
                    pending: Callable[[], Optional[List[int]]] = lambda: None) -> None:
         """Poll ``done()`` until true. After the deadline: ``CommTimeoutError``;
-        a peer's notice meanwhile: ``PeerFailedError``. (Device backends
-        abort their work on any exception leaving this wait.)"""
+        a peer's notice meanwhile: ``PeerFailedError``."""
         deadline = time.monotonic() + self.timeout
         polls = 0
         while not done():
@@ -128,8 +139,8 @@ class Watchdog:
         """This rank abandons the current call: tell every peer, and refuse
         further calls on this communicator."""
         if self.failure is None:
-            self.failure = f"rank {self.rank} gave up on {self._call()}: {reason}"
             self._broadcast_notice(reason)
+            self._fail(f"rank {self.rank} gave up on {self._call()}: {reason}")
 
     def _call(self) -> str:
         return f"{self.op} (call #{self.calls})"
@@ -166,9 +177,10 @@ class Watchdog:
 
     def _fail_from_notice(self) -> None:
         notice = self._take_notice()
-        self.failure = (f"rank {notice['rank']} gave up on {notice['op']} "
-                        f"(call #{notice['calls']}): {notice['reason']}")
-        self._broadcast_notice(f"left because {self.failure}")
+        failure = (f"rank {notice['rank']} gave up on {notice['op']} "
+                   f"(call #{notice['calls']}): {notice['reason']}")
+        self._broadcast_notice(f"left because {failure}")
+        self._fail(failure)
         raise PeerFailedError(f"{self._call()} on rank {self.rank} was abandoned: "
                               f"{self.failure}")
 

@@ -4,18 +4,23 @@ The unique id is made on rank 0 and broadcast over MPI; every rank drives the
 GPU ``local rank % visible devices``. Payloads travel as ncclUint8, and
 all-to-all(v) is grouped point-to-point send/recv, as NCCL's own
 alltoall is built. Counts travel over MPI (the Communicator's control plane).
-Everything runs on one stream per communicator, which is synchronized before
-a call returns, so results are ready in any stream the caller uses next.
+Calls are stream-ordered (see ``NcclBackend``): the host does not wait for
+the GPU, only for the counts an alltoallv must know, which travel over MPI.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+import sys
+import threading
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ..arrays import byte_view
+from ..errors import CommTimeoutError
+from ..watchdog import TIMEOUT_ENV
 from . import displacements
+from .inflight import IN_FLIGHT, InFlight
 
 # ncclDataType_t / ncclRedOp_t values (nccl.h); stable since NCCL 2.10
 _NCCL_TYPES = {
@@ -127,113 +132,176 @@ def reduction_op(dtype: np.dtype, op: str) -> int:
 
 
 class NcclBackend:
-    """Collectives on CUDA buffers over one NCCL communicator."""
+    """Collectives on CUDA buffers over one NCCL communicator, stream-ordered:
+    each call is enqueued on this backend's stream after the work already
+    queued on the caller's stream (CuPy's current stream, which DLPack has
+    ordered after the torch or JAX stream the arrays came from), and the
+    caller's stream waits on an event recorded after it. The host never
+    waits for the GPU; ``IN_FLIGHT`` holds the buffers until the event fires
+    and aborts the communicator past the deadline."""
 
     name = "nccl"
 
-    def __init__(self, host, device_index: int):
+    def __init__(self, host, device_index: int, in_flight: InFlight = IN_FLIGHT):
         """Collective over ``host`` (the MPI backend), whose watchdog bounds
-        every wait on the GPU too."""
+        every transfer on the GPU too."""
         import cupy
         from cupy.cuda import nccl
 
         self._cupy = cupy
         self._nccl = nccl
+        self._host = host
         self.device_index = device_index
         cupy.cuda.Device(device_index).use()
         uid = nccl.get_unique_id() if host.rank == 0 else None
         uid = host.bcast_object(uid, 0)
         self.comm = nccl.NcclCommunicator(host.size, uid, host.rank)
         self.rank, self.size = host.rank, host.size
-        self.watchdog = host.watchdog
         self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._attach(host.watchdog, in_flight, root=self)
+
+    def _attach(self, watchdog, in_flight: InFlight, root: "NcclBackend") -> None:
+        """The state every backend has besides its NCCL objects. ``root`` is
+        the communicator's first lane, which keeps the lanes' shared fate."""
+        self.watchdog = watchdog
+        self._in_flight = in_flight
+        self._root = root
+        self._lanes: Dict[int, "NcclBackend"] = {0: self}
+        self._abort_lock = threading.Lock()
         self._aborted = False
+        self._late: Optional[str] = None
+        watchdog.on_failure(self._abort)
 
     def split(self, host) -> "NcclBackend":
-        return NcclBackend(host, self.device_index)
+        return NcclBackend(host, self.device_index, self._in_flight)
+
+    def lane(self, index: int) -> "NcclBackend":
+        """A sibling on its own NCCL communicator and stream, so that its
+        transfers overlap this one's (NCCL runs one communicator's operations
+        in order): the ring backward's gradient hop beside the K/V rotation.
+        Made on first use; every rank gets there in the same call."""
+        if index not in self._lanes:
+            lane = NcclBackend(self._host, self.device_index, self._in_flight)
+            lane._root = self
+            self._lanes[index] = lane
+        return self._lanes[index]
 
     def free(self) -> None:
-        if not self._aborted:  # an aborted communicator is already released
+        """Destroy the NCCL communicators once their transfers are done (an
+        aborted one is already released)."""
+        for lane in self._lanes.values():
+            if lane is not self:
+                lane.free()
+        if not self._aborted:
+            self.watchdog.wait_until(lambda: self._in_flight.pending(self) == 0)
+        if not self._aborted:
             self.comm.destroy()
 
     def _abort(self) -> None:
-        """Abort the NCCL communicator, once: kernels waiting on peers return
-        and NCCL lets go of the buffers; nothing more runs on it."""
-        if not self._aborted:
+        """Abort the NCCL communicators, once: kernels waiting on peers return
+        and NCCL lets go of the buffers; nothing more runs on them. Called by
+        the watchdog on any failure, or by the in-flight thread."""
+        for lane in self._lanes.values():
+            if lane is not self:
+                lane._abort()
+        with self._abort_lock:
+            if self._aborted:
+                return
             self._aborted = True
-            self.comm.abort()
+        self.comm.abort()
+        self._in_flight.forget(self)
 
-    def _run(self, launch) -> None:
-        self._launch(launch)
-        self._wait()
+    def _expire(self, what: str) -> None:
+        """In-flight thread: a transfer missed its deadline. Abort every lane
+        now; the next call on this communicator raises and tells the peers."""
+        root = self._root
+        root._late = (f"{what} on rank {self.rank} did not finish on the GPU within "
+                      f"{self.watchdog.timeout:g}s")
+        sys.stderr.write(f"commlib: {root._late}; aborting its NCCL communicator\n")
+        root._abort()
 
-    def _launch(self, launch) -> None:
-        """Order the call after the caller's current stream, on ours. A launch
-        that fails leaves the peers waiting in theirs: tell them, abort."""
-        self.stream.wait_event(self._cupy.cuda.get_current_stream().record())
+    def _raise_if_late(self) -> None:
+        late = self._root._late
+        if late is not None:
+            self.watchdog.give_up(late)
+            raise CommTimeoutError(f"{late}, so its NCCL communicator was aborted (a "
+                                   f"peer died or is in another call). Raise {TIMEOUT_ENV} "
+                                   f"if the GPU is only busy; create a new communicator")
+
+    def _enqueue(self, launch, keep: tuple) -> Callable[[], None]:
+        """Run ``launch(stream)`` on our stream after the caller's queued work;
+        return what makes the caller's stream wait for it. ``keep`` (the
+        buffers) lives until it is done. A launch that fails leaves the peers
+        waiting in theirs: give up (which tells them and aborts)."""
+        self._raise_if_late()
+        self.stream.wait_event(_event(self._cupy, self._cupy.cuda.get_current_stream()))
         try:
             launch(self.stream.ptr)
         except BaseException as error:
             self.watchdog.give_up(f"NCCL launch failed: {error}")
-            self._abort()
             raise
+        done = _event(self._cupy, self.stream)
+        self._in_flight.add(self, done, keep, self.watchdog.timeout,
+                            f"{self.watchdog.op} (call #{self.watchdog.calls})", self._expire)
 
-    def _wait(self) -> None:
-        """Until our stream is done, under the deadline. Whatever ends the
-        wait early (the deadline, a peer's failure notice, an interrupt)
-        aborts the NCCL communicator, so that no kernel spins on a peer that
-        will never come and no buffer is reused while NCCL still owns it."""
-        try:
-            self.watchdog.wait_until(lambda: self.stream.done)
-        except BaseException:
-            self._abort()
-            raise
+        def finish() -> None:
+            self._raise_if_late()
+            self._cupy.cuda.get_current_stream().wait_event(done)
+        return finish
 
-    def _grouped(self, sends, recvs) -> None:
-        self._launch_grouped(sends, recvs)
-        self._wait()
+    def _run(self, launch, *keep) -> None:
+        self._enqueue(launch, keep)()
 
-    def _launch_grouped(self, sends, recvs) -> None:
-        """One NCCL group of point-to-point transfers: (buffer, nbytes, peer)."""
+    def _grouped(self, sends, recvs, keep: tuple) -> Callable[[], None]:
+        """One NCCL group of point-to-point transfers: (pointer, nbytes, peer)."""
         def launch(stream):
             self._nccl.groupStart()
             try:
-                for buf, nbytes, peer in sends:
+                for ptr, nbytes, peer in sends:
                     if nbytes:
-                        self.comm.send(buf, nbytes, _UINT8, peer, stream)
-                for buf, nbytes, peer in recvs:
+                        self.comm.send(ptr, nbytes, _UINT8, peer, stream)
+                for ptr, nbytes, peer in recvs:
                     if nbytes:
-                        self.comm.recv(buf, nbytes, _UINT8, peer, stream)
+                        self.comm.recv(ptr, nbytes, _UINT8, peer, stream)
             finally:  # NCCL's group depth is per thread: always close it
                 self._nccl.groupEnd()
-        self._launch(launch)
+        return self._enqueue(launch, keep)
 
     def alltoallv(self, send, send_bytes, out, recv_bytes) -> None:
         sbase, rbase = byte_view(send).data.ptr, byte_view(out).data.ptr
         sdispl, rdispl = displacements(send_bytes), displacements(recv_bytes)
         self._grouped(
             [(sbase + int(sdispl[p]), int(send_bytes[p]), p) for p in range(self.size)],
-            [(rbase + int(rdispl[p]), int(recv_bytes[p]), p) for p in range(self.size)])
+            [(rbase + int(rdispl[p]), int(recv_bytes[p]), p) for p in range(self.size)],
+            (send, out))()
 
     def alltoall(self, send, out) -> None:
         chunk = send.nbytes // self.size
         counts = np.full(self.size, chunk, dtype=np.int64)
         self.alltoallv(send, counts, out, counts)
 
-    def start_sendrecv(self, send, dest, out, source):
-        """Launched on this communicator's stream; the returned callable waits."""
-        self._launch_grouped([(send.data.ptr, send.nbytes, dest)],
-                             [(out.data.ptr, out.nbytes, source)])
-        return self._wait
+    def start_sendrecv(self, send, dest, out, source) -> Callable[[], None]:
+        """Enqueued at once; the returned callable makes the caller's stream
+        wait for it (the host does not)."""
+        return self._grouped([(send.data.ptr, send.nbytes, dest)],
+                             [(out.data.ptr, out.nbytes, source)], (send, out))
 
     def allgather(self, send, out) -> None:
         self._run(lambda s: self.comm.allGather(send.data.ptr, out.data.ptr, send.nbytes,
-                                                _UINT8, s))
+                                                _UINT8, s), send, out)
 
     def allreduce(self, send, out, dtype, op) -> None:
         nccl_type = reduction_type(dtype)
         self._run(lambda s: self.comm.allReduce(send.data.ptr, out.data.ptr, send.size,
-                                                nccl_type, reduction_op(dtype, op), s))
+                                                nccl_type, reduction_op(dtype, op), s),
+                  send, out)
 
     def bcast(self, buf, root) -> None:
-        self._run(lambda s: self.comm.bcast(buf.data.ptr, buf.nbytes, _UINT8, root, s))
+        self._run(lambda s: self.comm.bcast(buf.data.ptr, buf.nbytes, _UINT8, root, s), buf)
+
+
+def _event(cupy, stream):
+    """An event recorded on ``stream`` now (no timing: cheaper)."""
+    event = cupy.cuda.Event(disable_timing=True)
+    event.record(stream)
+    return event

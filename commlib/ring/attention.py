@@ -122,6 +122,6 @@ def ring_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: An
                 xp.astype(xp.stack([dk_part, dv_part]), xp.float32, copy=False))
         if carried is not None:
             grads += carried.wait()
-        carried = comm.ring_shift_async(grads)
+        carried = comm.ring_shift_async(grads, lane=1)  # overlaps the next K/V hop
     own = carried.wait()  # this rank's own block, every rank's part added
     return xp.astype(dq, q.dtype), xp.astype(own[0], k.dtype), xp.astype(own[1], v.dtype)
