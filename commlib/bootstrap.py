@@ -26,7 +26,9 @@ def init(backend: str = "auto", *, mpi_comm=None, ranks_per_node: Optional[int] 
     over NCCL and fails with the reason where it cannot run; "auto" is "nccl"
     when every rank has CuPy, NCCL and a GPU of its own, else "mpi" (ranks
     sharing a GPU cannot form an NCCL communicator unless NCCL allows it).
-    ``device``: the CUDA device this rank drives (default: its index among
+    ``device``: the CUDA device this rank drives (default: the device the
+    user already made current, e.g. with ``torch.cuda.set_device``, where the
+    ranks of a node made distinct ones current; else the rank's index among
     the ranks of its node, modulo the visible devices).
     ``ranks_per_node`` (or ``COMMLIB_RANKS_PER_NODE``) emulates nodes of that
     many consecutive ranks; by default nodes are the shared-memory domains.
@@ -56,7 +58,8 @@ def init(backend: str = "auto", *, mpi_comm=None, ranks_per_node: Optional[int] 
         raise
     host = MpiBackend(comm, math.inf if timeout == 0 else timeout)
     try:
-        gpu = _device_backend(host, backend, shared_rank, device) if backend != "mpi" else None
+        gpu = _device_backend(host, backend, shared_rank, leader, device) \
+            if backend != "mpi" else None
     except BaseException:
         host.free()
         raise
@@ -83,13 +86,31 @@ def _discover_topology(comm, leader: int, ranks_per_node: Optional[int]) -> _top
     return _topology.from_node_leaders(rank, comm.allgather(leader))
 
 
-def _device_backend(host: MpiBackend, backend: str, shared_rank: int, device: Optional[int]):
+def _adopted_device(host: MpiBackend, leader: int) -> Optional[int]:
+    """The device the user already made current on this rank (say
+    ``torch.cuda.set_device(local_rank)`` before ``init``), when the ranks of
+    its node made distinct ones current: a choice, not CUDA's default of 0
+    everywhere. Otherwise None. Collective."""
+    from .backends import nccl
+
+    mine = nccl.current_device()
+    reports = host.allgather_object((leader, mine))
+    node = [current for node_leader, current in reports if node_leader == leader]
+    if None in node or len(set(node)) < len(node):
+        return None
+    return mine
+
+
+def _device_backend(host: MpiBackend, backend: str, shared_rank: int, leader: int,
+                    device: Optional[int]):
     """The NCCL backend when every rank can run it on a GPU of its own; the
     decision is taken together so that no rank builds NCCL while another
     does not. Under "auto" any obstacle means MPI; under "nccl" it raises
     ``BackendUnavailableError`` naming the ranks and what stops them."""
     from .backends import nccl
 
+    if device is None:
+        device = _adopted_device(host, leader)
     reason = nccl.unavailable_reason()
     index = identity = None
     if reason is None:

@@ -76,6 +76,17 @@ def visible_devices() -> int:
     return cupy.cuda.runtime.getDeviceCount()
 
 
+def current_device() -> Optional[int]:
+    """The CUDA runtime's current device on this thread (what
+    ``torch.cuda.set_device`` or ``cupy.cuda.Device(i).use()`` set; 0 when
+    nothing did), or None when CUDA cannot say."""
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDevice()
+    except Exception:  # no CuPy, no driver
+        return None
+
+
 def local_device(shared_rank: int, device: Optional[int]) -> Tuple[Optional[int], Optional[str]]:
     """(the CUDA device this rank drives, None), or (None, why it has none):
     ``device`` when given, else its index among its node's ranks modulo the

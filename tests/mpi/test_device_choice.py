@@ -27,8 +27,9 @@ class _FakeNccl:
 def gpus(monkeypatch, comm):
     """Make every rank see ``count`` GPUs, ``identity_of(index)`` telling
     which physical GPU a device index is on that rank."""
-    def install(identity_of, count=8, allowed=False):
+    def install(identity_of, count=8, allowed=False, current=lambda: 0):
         monkeypatch.setattr(nccl, "unavailable_reason", lambda: None)
+        monkeypatch.setattr(nccl, "current_device", current)
         monkeypatch.setattr(nccl, "visible_devices", lambda: count)
         monkeypatch.setattr(nccl, "device_identity", identity_of)
         monkeypatch.setattr(nccl, "shares_gpus_allowed", lambda: allowed)
@@ -42,6 +43,35 @@ def test_a_gpu_per_rank_builds_nccl_on_the_chosen_device(comm, gpus):
     try:
         assert all_ranks(world.backend == "nccl"
                          and world._device.device_index == comm.rank % 8)
+    finally:
+        world.free()
+
+
+def test_devices_the_ranks_made_current_are_adopted(comm, gpus):
+    gpus(lambda index: f"host {index}", current=lambda: comm.size - 1 - comm.rank)
+    world = commlib.init(backend="nccl")
+    try:
+        assert all_ranks(world._device.device_index == comm.size - 1 - comm.rank)
+    finally:
+        world.free()
+
+
+def test_cudas_default_device_everywhere_is_not_a_choice(comm, gpus):
+    if comm.size == 1:
+        pytest.skip("one rank's current device is a choice (or the same as its local rank's)")
+    gpus(lambda index: f"host {index}", current=lambda: 0)
+    world = commlib.init(backend="nccl")
+    try:
+        assert all_ranks(world._device.device_index == comm.rank % 8)
+    finally:
+        world.free()
+
+
+def test_device_argument_wins_over_the_current_device(comm, gpus):
+    gpus(lambda index: f"host {index}", current=lambda: comm.size - 1 - comm.rank)
+    world = commlib.init(backend="nccl", device=comm.rank)
+    try:
+        assert all_ranks(world._device.device_index == comm.rank)
     finally:
         world.free()
 
