@@ -13,9 +13,10 @@ has no bfloat16 (transfers move bytes; reductions read ``Native.dtype``).
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Protocol, Tuple, runtime_checkable
+from typing import Any, Callable, Dict, Optional, Protocol, Tuple, runtime_checkable
 
 import numpy as np
 
@@ -48,6 +49,7 @@ class Native:
     on_device: bool
     framework: str
     wrap: Callable[[Any], Any]
+    allocate: Optional[Callable[[Tuple[int, ...], np.dtype], Any]] = None
 
     @property
     def xp(self):
@@ -55,6 +57,16 @@ class Native:
             import cupy
             return cupy
         return np
+
+    def empty(self, shape: Tuple[int, ...], dtype: Any = None):
+        """An uninitialised result of ``shape`` and storage ``dtype`` (default:
+        ``data``'s), seen in ``xp`` and allocated by the caller's framework:
+        a torch CUDA result comes from torch's caching allocator, not from a
+        second pool competing with it for the GPU."""
+        dtype = self.data.dtype if dtype is None else np.dtype(dtype)
+        if self.allocate is None:
+            return self.xp.empty(shape, dtype=dtype)
+        return self.allocate(tuple(shape), dtype)
 
 
 def _ml_dtypes_twins() -> Dict[str, Tuple[np.dtype, np.dtype]]:
@@ -98,10 +110,16 @@ def _from_torch(x) -> Native:
         t = t.view(getattr(torch, str(storage)))
     else:
         logical = storage = None
+    allocate = None
     if on_device:
         import cupy
         data = cupy.from_dlpack(t)
         dtype = logical if logical is not None else data.dtype
+
+        def allocate(shape, storage_dtype):
+            raw = torch.empty(math.prod(shape) * storage_dtype.itemsize, dtype=torch.uint8,
+                              device=t.device)
+            return cupy.from_dlpack(raw).view(storage_dtype).reshape(shape)
     else:
         data = t.numpy()
         if logical is not None:
@@ -118,7 +136,7 @@ def _from_torch(x) -> Native:
             out = torch.from_numpy(y.view(storage) if same_type else y)
         return out.view(torch_dtype) if same_type else out
 
-    return Native(data, np.dtype(dtype), on_device, "torch", wrap)
+    return Native(data, np.dtype(dtype), on_device, "torch", wrap, allocate)
 
 
 def _from_jax(x) -> Native:

@@ -238,8 +238,8 @@ class Communicator:
         data = contiguous(native)
         row_shape = data.shape[1:]
         row_bytes = data.itemsize * math.prod(row_shape)
-        self._refuse_unless_it_fits(int(recv.sum()) * row_bytes, native.on_device, recv)
-        out = native.xp.empty((int(recv.sum()),) + row_shape, dtype=data.dtype)
+        self._refuse_unless_it_fits(int(recv.sum()) * row_bytes, native, recv)
+        out = native.empty((int(recv.sum()),) + row_shape)
         backend.alltoallv(data, send * row_bytes, out, recv * row_bytes)
         return native.wrap(out), recv
 
@@ -288,10 +288,10 @@ class Communicator:
             raise CollectiveMismatchError(f"alltoallv: recv_counts do not match what the "
                                           f"peers send (COMMLIB_CHECK=1):\n  {lines}")
 
-    def _refuse_unless_it_fits(self, nbytes: int, on_device: bool, recv: np.ndarray) -> None:
+    def _refuse_unless_it_fits(self, nbytes: int, native: Native, recv: np.ndarray) -> None:
         """Refuse, before allocating, a receive the memory cannot hold; the
         peers hear of it through the watchdog."""
-        why = shortfall(nbytes, on_device)
+        why = shortfall(nbytes, native.on_device, native.framework)
         if why is None:
             return
         message = (f"alltoallv on rank {self.rank}: {why} (rows from each rank: "
@@ -317,7 +317,7 @@ class Communicator:
         array = _in_framework(x, native)
         xp = namespace(array)
         send = unwrap(framework_contiguous(xp.moveaxis(array, split_axis, 0)))
-        out = send.xp.empty_like(send.data)
+        out = send.empty(send.data.shape)
         backend.alltoall(send.data, out)
         received = send.wrap(out)
         chunk_first = xp.reshape(received, (size, length // size) + tuple(received.shape[1:]))
@@ -341,13 +341,14 @@ class Communicator:
         xp = natives[0].xp
         parts = [byte_view(contiguous(n)).reshape(size, -1) for n in natives]
         packed = parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=1)
-        out = xp.empty_like(packed)
+        out = natives[0].empty(packed.shape)
         backend.alltoall(packed, out)
         results, offset = [], 0
         for n, part in zip(natives, parts):
             width = part.shape[1]
-            block = xp.ascontiguousarray(out[:, offset:offset + width])
-            results.append(n.wrap(block.view(n.data.dtype).reshape(n.data.shape)))
+            result = n.empty(n.data.shape)
+            byte_view(result).reshape(size, width)[...] = out[:, offset:offset + width]
+            results.append(n.wrap(result))
             offset += width
         return results
 
@@ -370,7 +371,7 @@ class Communicator:
         if lane and isinstance(backend, NcclBackend):
             backend = backend.lane(lane)
         data = contiguous(native)
-        out = native.xp.empty_like(data)
+        out = native.empty(data.shape)
         shift = int(shift) % self.size
         if shift == 0:
             out[...] = data
@@ -389,7 +390,7 @@ class Communicator:
         axis = _normalize_axis(axis, max(data.ndim, 1), "axis")
         if data.ndim == 0:
             data = data.reshape(1)
-        out = native.xp.empty((self.size,) + data.shape, dtype=data.dtype)
+        out = native.empty((self.size,) + data.shape)
         backend.allgather(data, out)
         return _concat_blocks(native.wrap(out), axis)
 
@@ -402,7 +403,7 @@ class Communicator:
             raise ValueError(f"unknown reduction op {op!r}; use one of {', '.join(REDUCE_OPS)}")
         backend = self._backend_for(native)
         data = contiguous(native)
-        out = native.xp.empty_like(data)
+        out = native.empty(data.shape)
         backend.allreduce(data, out, native.dtype, op)
         return native.wrap(out)
 
@@ -425,9 +426,11 @@ class Communicator:
         if self.rank == root:
             data = contiguous(native)
             self._backend_for(native).bcast(data, root)
-            return native.wrap(data.copy())
-        xp = self._xp(on_device)
-        out = xp.empty(shape, dtype=storage)
+            result = native.empty(data.shape)
+            result[...] = data
+            return native.wrap(result)
+        mine = native is not None and native.on_device == on_device
+        out = native.empty(shape, storage) if mine else self._xp(on_device).empty(shape, storage)
         self._transport(on_device).bcast(out, root)
         if native is None:
             return out

@@ -87,3 +87,27 @@ def test_contiguous_copies_only_when_needed():
 def test_byte_view_has_no_copy():
     x = np.arange(4, dtype=np.float32)
     assert np.shares_memory(byte_view(x), x) and byte_view(x).size == 16
+
+
+def test_results_are_allocated_where_the_input_lives():
+    native = unwrap(torch.ones(3, dtype=torch.bfloat16))
+    out = native.empty((2, 5))
+    assert isinstance(out, np.ndarray) and out.shape == (2, 5) and out.dtype == native.data.dtype
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_torch_cuda_results_come_from_torchs_caching_allocator(dtype):
+    """Not from CuPy's pool, which would hold GPU memory torch cannot reuse."""
+    import cupy
+    native = unwrap(torch.ones(4, dtype=dtype, device="cuda"))
+    pool_before = cupy.get_default_memory_pool().used_bytes()
+    torch_before = torch.cuda.memory_allocated()
+    out = native.empty((1024, 256))
+    assert cupy.get_default_memory_pool().used_bytes() == pool_before
+    assert torch.cuda.memory_allocated() - torch_before >= out.nbytes
+    out[...] = 0
+    result = native.wrap(out)
+    assert result.dtype == dtype and result.device.type == "cuda" and result.shape == (1024, 256)
+    assert float(result.float().abs().sum()) == 0.0

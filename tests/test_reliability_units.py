@@ -56,11 +56,24 @@ def test_wait_until_times_out_and_breaks_the_communicator():
 
 
 def test_shortfall(monkeypatch):
-    monkeypatch.setattr(memory, "available_bytes", lambda on_device: 10 * 2**30)
+    monkeypatch.setattr(memory, "available_bytes", lambda on_device, framework: 10 * 2**30)
     assert memory.shortfall(2**20, on_device=False) is None  # small: not even looked at
     assert memory.shortfall(9 * 2**30, on_device=False) is None
     message = memory.shortfall(11 * 2**30, on_device=False)
     assert "11,811,160,064 bytes" in message and "host memory" in message
+
+
+def test_the_gpu_counts_the_owners_allocator_cache(monkeypatch):
+    """torch's caching allocator holds memory the driver calls used: free to
+    torch, not to CuPy; JAX's preallocation is not free to commlib's CuPy
+    buffers, and the refusal says how to leave room."""
+    monkeypatch.setattr(memory, "_device_free", lambda: 1 * 2**30)
+    monkeypatch.setattr(memory, "_cache_free",
+                        lambda framework: 6 * 2**30 if framework == "torch" else 0)
+    assert memory.shortfall(4 * 2**30, on_device=True, framework="torch") is None
+    assert "GPU memory" in memory.shortfall(4 * 2**30, on_device=True, framework="cupy")
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE=false" in \
+        memory.shortfall(4 * 2**30, on_device=True, framework="jax")
 
 
 def test_host_memory_is_known_here():
@@ -70,7 +83,7 @@ def test_host_memory_is_known_here():
 
 def test_one_rank_refusal(monkeypatch):
     monkeypatch.setattr(memory, "CHECK_FROM_BYTES", 0)
-    monkeypatch.setattr(memory, "available_bytes", lambda on_device: 8)
+    monkeypatch.setattr(memory, "available_bytes", lambda on_device, framework: 8)
     comm = commlib.init()
     try:
         with pytest.raises(commlib.AllocationRefusedError, match="rows from each rank: \\[2\\]"):

@@ -71,7 +71,7 @@ def test_refused_allocation_reaches_every_rank(monkeypatch):
     try:
         if c.rank == 0:
             monkeypatch.setattr(memory, "CHECK_FROM_BYTES", 0)
-            monkeypatch.setattr(memory, "available_bytes", lambda on_device: 100)
+            monkeypatch.setattr(memory, "available_bytes", lambda on_device, framework: 100)
         x = np.ones((c.size * 4, 64), np.float32)  # 1 KiB to each rank
         try:
             c.alltoallv(x, [4] * c.size)
