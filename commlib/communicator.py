@@ -153,13 +153,21 @@ class Communicator:
         consistency.agree(self._host, op, facts, self._context, problem)
 
     def _backend_for(self, *natives: Native) -> Backend:
-        """The transport for these arrays; they must all live on one side."""
-        on_device = natives[0].on_device
-        if any(n.on_device != on_device for n in natives[1:]):
-            raise ValueError("host and CUDA arrays were mixed in one call; commlib does not "
-                             "copy between them silently: move them to one device first")
-        if on_device and self._device is not None:
-            self._check_devices(natives)
+        """The transport for these arrays; they must all live on one side
+        (and, under NCCL, on its GPU). Found wrong on this rank only, so the
+        peers, which may already be transferring, are told: they raise at
+        their next wait instead of at their deadline."""
+        try:
+            on_device = natives[0].on_device
+            if any(n.on_device != on_device for n in natives[1:]):
+                raise ValueError("host and CUDA arrays were mixed in one call; commlib does "
+                                 "not copy between them silently: move them to one device "
+                                 "first")
+            if on_device and self._device is not None:
+                self._check_devices(natives)
+        except ValueError as error:
+            self._watchdog.give_up(str(error))
+            raise
         return self._transport(on_device)
 
     def _check_devices(self, natives: Sequence[Native]) -> None:

@@ -80,5 +80,6 @@ def test_cuda_arrays_must_be_on_the_communicators_gpu():
         with pytest.raises(ValueError, match=r"array 1 of this call is on CUDA device 0, but "
                                              r"this communicator drives device 1"):
             comm._backend_for(*on)
+        assert "is on CUDA device 0" in comm._watchdog.failure  # the peers were told
     finally:
         comm.free()

@@ -93,3 +93,28 @@ def test_refused_allocation_reaches_every_rank(monkeypatch):
 
 def test_timeout_from_init_is_validated(comm):
     raises_everywhere(ValueError, lambda: commlib.init(timeout=-1), match="non-negative")
+
+
+def test_arrays_refused_on_one_rank_stop_the_peers_at_once():
+    """Host and CUDA arrays mixed (or a CUDA array on the wrong GPU) are
+    found on the rank that has them, before any exchange; its peers, already
+    waiting in the call, hear of it instead of waiting out their deadline."""
+    import time
+
+    from commlib.arrays import Native, unwrap
+
+    c = commlib.init(timeout=60)
+    try:
+        if c.size == 1:
+            pytest.skip("needs peers to tell")
+        started = time.monotonic()
+        if c.rank == 0:
+            on_gpu = Native(object(), np.dtype(np.float32), True, "cupy", lambda y: y)
+            with pytest.raises(ValueError, match="host and CUDA arrays were mixed"):
+                c._backend_for(unwrap(np.ones(2, np.float32)), on_gpu)
+        else:
+            with pytest.raises(commlib.PeerFailedError, match="host and CUDA arrays were mixed"):
+                c.allreduce(np.ones(2, np.float32))
+        assert time.monotonic() - started < 30
+    finally:
+        c.free()
