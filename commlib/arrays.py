@@ -160,8 +160,9 @@ def _from_jax(x) -> Native:
             out = jnp.from_dlpack(y)
             same_type = bitcast and y.dtype == twins[logical.name][1]
             return jax.lax.bitcast_convert_type(out, logical) if same_type else out
-        return jnp.asarray(y)
+        return jax.device_put(y, home)  # the input's CPU device, not JAX's default (a GPU)
 
+    home = None if on_device else next(iter(x.devices()))
     return Native(data, logical, on_device, "jax", wrap)
 
 

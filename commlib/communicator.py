@@ -349,7 +349,7 @@ class Communicator:
         xp = natives[0].xp
         parts = [byte_view(contiguous(n)).reshape(size, -1) for n in natives]
         packed = parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=1)
-        out = natives[0].empty(packed.shape)
+        out = natives[0].empty(packed.shape, np.uint8)
         backend.alltoall(packed, out)
         results, offset = [], 0
         for n, part in zip(natives, parts):
@@ -383,10 +383,19 @@ class Communicator:
         shift = int(shift) % self.size
         if shift == 0:
             out[...] = data
-            return PendingShift(lambda: None, native, out, data)
+            return PendingShift(lambda: None, native, out, data, abandon=None)
         wait = backend.start_sendrecv(data, (self.rank + shift) % self.size, out,
                                       (self.rank - shift) % self.size)
-        return PendingShift(wait, native, out, data)
+        return PendingShift(wait, native, out, data, abandon=self._abandon)
+
+    def _abandon(self, *in_flight: Any) -> None:
+        """A shift was dropped before its ``wait()`` (an exception between the
+        two): its receive may still match a peer's message, now or in a
+        later call. Keep its buffers for as long as the communicator, and
+        give up on it, telling the peers."""
+        self._watchdog.hold(*in_flight)
+        self._watchdog.give_up("a ring_shift_async was dropped before its wait() (an "
+                               "exception in between?); its transfer may still be in flight")
 
     def allgather(self, x: Any, axis: int = 0) -> Any:
         """Every rank's ``x`` (same shape everywhere), concatenated along
@@ -464,12 +473,18 @@ class Communicator:
 class PendingShift:
     """A ring shift in flight; ``wait()`` returns its result (once). It holds
     the buffer being sent (a contiguous copy of a strided input, say) until
-    the transfer is done, so that no transport reads freed memory."""
+    the transfer is done, so that no transport reads freed memory. Dropped
+    without ``wait()``, it hands its transfer to ``abandon``."""
 
-    def __init__(self, wait, native: Native, out, sending):
+    def __init__(self, wait, native: Native, out, sending, abandon):
         self._wait, self._native, self._out, self._sending = wait, native, out, sending
+        self._abandon = abandon
 
     def wait(self) -> Any:
         self._wait()
-        self._sending = None
+        self._sending, self._abandon = None, None
         return self._native.wrap(self._out)
+
+    def __del__(self):
+        if self._abandon is not None:
+            self._abandon(self._wait, self._out, self._sending)

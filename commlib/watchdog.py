@@ -20,7 +20,7 @@ import json
 import math
 import os
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .errors import CommlibError, CommTimeoutError, PeerFailedError
 
@@ -77,7 +77,8 @@ class Watchdog:
         self.failure: Optional[str] = None
         self._on_failure: List[Callable[[], None]] = []
         self._sent: List = []  # outgoing notices, kept alive until freed
-        self._abandoned: List = []  # requests of calls given up on
+        self._abandoned: List = []  # requests and buffers of calls given up on
+        self._expired: Optional[str] = None  # set by a thread watching the GPU
         self._notice_buffer = bytearray(NOTICE_BYTES)
         self._notice = self._post_notice_receive()
         _listening.add(self)
@@ -97,9 +98,7 @@ class Watchdog:
     def begin(self, op: str) -> None:
         """A new collective starts: refuse if this communicator already
         failed, and pick up any notice a peer sent in between."""
-        if self.failure is not None:
-            raise CommlibError(f"this communicator can no longer be used: {self.failure}. "
-                               f"Free it and create a new one, or end the job")
+        self.check_usable()
         self.calls += 1
         self.op = op
         if self.size > 1 and self._notice.Test():
@@ -120,6 +119,32 @@ class Watchdog:
             self._abandoned.extend(requests)
             raise
 
+    def check_usable(self) -> None:
+        """Raise if this communicator failed (or its GPU work just expired)."""
+        self.raise_if_expired()
+        if self.failure is not None:
+            raise CommlibError(f"this communicator can no longer be used: {self.failure}. "
+                               f"Free it and create a new one, or end the job")
+
+    def hold(self, *objects: Any) -> None:
+        """Keep ``objects`` (requests, buffers of a transfer that may still
+        be in flight) alive for as long as this communicator."""
+        self._abandoned.extend(objects)
+
+    def expire(self, reason: str) -> None:
+        """From another thread (the GPU in-flight watcher): work of this
+        communicator missed its deadline. This thread raises
+        ``CommTimeoutError`` at its next call or wait, and tells the peers."""
+        self._expired = reason
+
+    def raise_if_expired(self) -> None:
+        reason = self._expired
+        if reason is not None and self.failure is None:
+            self.give_up(reason)
+            raise CommTimeoutError(f"{reason}. Raise {TIMEOUT_ENV} (now {self.timeout:g}s) if "
+                                   f"the GPU is only busy; otherwise a peer died or is in "
+                                   f"another call: create a new communicator")
+
     def wait_until(self, done: Callable[[], bool],
                    pending: Callable[[], Optional[List[int]]] = lambda: None) -> None:
         """Poll ``done()`` until true. After the deadline: ``CommTimeoutError``;
@@ -128,6 +153,7 @@ class Watchdog:
         polls = 0
         while not done():
             polls += 1
+            self.raise_if_expired()
             if self.size > 1 and self._notice.Test():
                 self._fail_from_notice()
             if polls % _POLLS_PER_CLOCK == 0 and time.monotonic() > deadline:

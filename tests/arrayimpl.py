@@ -7,12 +7,16 @@
         ...
         assert impl.is_native(y) and np.allclose(impl.to_numpy(y), expected)
 
-NumPy, torch (CPU), JAX (CPU) run everywhere; CuPy and torch CUDA carry the
-``gpu`` mark and skip, with the reason, where no CUDA device is visible.
+NumPy, torch (CPU), JAX (CPU) run everywhere; CuPy, torch CUDA and JAX on
+the GPU ("jax-cuda") carry the ``gpu`` mark and skip, with the reason, where
+no CUDA device is visible. "jax" means host arrays even where JAX's default
+device is a GPU: they are placed on its CPU device explicitly.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
 
@@ -24,14 +28,23 @@ DTYPES = {"float64": np.float64, "float32": np.float32, "float16": np.float16,
           "bfloat16": ml_dtypes.bfloat16, "int64": np.int64, "int32": np.int32,
           "bool": np.bool_}
 
+# JAX would take 75% of the GPU when its GPU backend starts: the multi-rank
+# tests put 2-4 ranks (and torch and CuPy beside JAX) on one GPU
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+
+@functools.lru_cache(maxsize=None)
 def cuda_skip_reason(framework: str) -> Optional[str]:
-    """None when ``framework`` ("cupy" or "torch") can use a CUDA device
-    here, else why not."""
+    """None when ``framework`` ("cupy", "torch" or "jax") can use a CUDA
+    device here, else why not."""
     try:
         if framework == "torch":
             import torch
             return None if torch.cuda.is_available() else "torch sees no CUDA device"
+        if framework == "jax":
+            import jax
+            jax.devices("gpu")  # RuntimeError where JAX has no GPU backend
+            return None
         import cupy
         if cupy.cuda.runtime.getDeviceCount() == 0:
             return "CuPy sees no CUDA device"
@@ -93,15 +106,18 @@ def _torch(device: str) -> ArrayImpl:
                      gpu=device == "cuda")
 
 
-def _jax() -> ArrayImpl:
+def _jax(platform: str) -> ArrayImpl:
+    """JAX arrays placed on the first ``platform`` ("cpu" or "gpu") device
+    explicitly, not on JAX's default device (the GPU, where there is one)."""
     def make(a, name):
-        import jax.numpy as jnp
-        return jnp.asarray(a)
+        import jax
+        return jax.device_put(a, jax.devices(platform)[0])
 
     def read(x):
         a = np.asarray(x)
         return a.astype(np.float32) if a.dtype == ml_dtypes.bfloat16 else a
-    return ArrayImpl("jax", "jax", make, read)
+    gpu = platform == "gpu"
+    return ArrayImpl("jax-cuda" if gpu else "jax", "jax", make, read, gpu=gpu)
 
 
 def _numpy() -> ArrayImpl:
@@ -118,9 +134,10 @@ def _cupy() -> ArrayImpl:
     return ArrayImpl("cupy", "cupy", make, lambda x: x.get(), gpu=True)
 
 
-IMPLS = {impl.name: impl for impl in (_numpy(), _torch("cpu"), _jax(), _cupy(),
-                                      _torch("cuda"))}
+IMPLS = {impl.name: impl for impl in (_numpy(), _torch("cpu"), _jax("cpu"), _cupy(),
+                                      _torch("cuda"), _jax("gpu"))}
 HOST = ("numpy", "torch", "jax")
+GPU = ("cupy", "torch-cuda", "jax-cuda")
 
 
 def params(names=tuple(IMPLS), exclude=()) -> List[Any]:

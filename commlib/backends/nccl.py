@@ -17,8 +17,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from ..arrays import byte_view
-from ..errors import CommTimeoutError
-from ..watchdog import TIMEOUT_ENV
 from . import displacements
 from .inflight import IN_FLIGHT, InFlight
 
@@ -180,7 +178,6 @@ class NcclBackend:
         self._lanes: Dict[int, "NcclBackend"] = {0: self}
         self._abort_lock = threading.Lock()
         self._aborted = False
-        self._late: Optional[str] = None
         watchdog.on_failure(self._abort)
 
     def split(self, host) -> "NcclBackend":
@@ -224,27 +221,20 @@ class NcclBackend:
 
     def _expire(self, what: str) -> None:
         """In-flight thread: a transfer missed its deadline. Abort every lane
-        now; the next call on this communicator raises and tells the peers."""
-        root = self._root
-        root._late = (f"{what} on rank {self.rank} did not finish on the GPU within "
-                      f"{self.watchdog.timeout:g}s")
-        sys.stderr.write(f"commlib: {root._late}; aborting its NCCL communicator\n")
-        root._abort()
-
-    def _raise_if_late(self) -> None:
-        late = self._root._late
-        if late is not None:
-            self.watchdog.give_up(late)
-            raise CommTimeoutError(f"{late}, so its NCCL communicator was aborted (a "
-                                   f"peer died or is in another call). Raise {TIMEOUT_ENV} "
-                                   f"if the GPU is only busy; create a new communicator")
+        now; the watchdog makes the next call (or wait) on this communicator
+        raise and tell the peers."""
+        late = (f"{what} on rank {self.rank} did not finish on the GPU within "
+                f"{self.watchdog.timeout:g}s, so its NCCL communicator was aborted")
+        sys.stderr.write(f"commlib: {late}\n")
+        self._root._abort()
+        self.watchdog.expire(late)
 
     def _enqueue(self, launch, keep: tuple) -> Callable[[], None]:
         """Run ``launch(stream)`` on our stream after the caller's queued work;
         return what makes the caller's stream wait for it. ``keep`` (the
         buffers) lives until it is done. A launch that fails leaves the peers
         waiting in theirs: give up (which tells them and aborts)."""
-        self._raise_if_late()
+        self.watchdog.check_usable()
         self.stream.wait_event(_event(self._cupy, self._cupy.cuda.get_current_stream()))
         try:
             launch(self.stream.ptr)
@@ -256,7 +246,7 @@ class NcclBackend:
                             f"{self.watchdog.op} (call #{self.watchdog.calls})", self._expire)
 
         def finish() -> None:
-            self._raise_if_late()
+            self.watchdog.check_usable()
             self._cupy.cuda.get_current_stream().wait_event(done)
         return finish
 

@@ -21,7 +21,7 @@ SEQ, HEADS, DIM = 24, 12, 8  # 24 splits into 2P chunks, 12 heads over P ranks, 
 TOLERANCE = {"float32": 3e-5, "float16": 5e-3, "bfloat16": 4e-2}
 DTYPES = {"numpy": ["float32", "bfloat16", "float16"], "torch": ["float32", "bfloat16", "float16"],
           "jax": ["float32", "bfloat16"], "cupy": ["float32", "float16"],
-          "torch-cuda": ["float32", "bfloat16", "float16"]}
+          "torch-cuda": ["float32", "bfloat16", "float16"], "jax-cuda": ["float32", "bfloat16"]}
 CASES = [pytest.param(p.values[0], dtype, id=f"{p.id}-{dtype}", marks=p.marks)
          for p in arrayimpl.params() for dtype in DTYPES[p.id]]
 
@@ -103,9 +103,9 @@ class _CountingComm:
     def __getattr__(self, name):
         return getattr(self._comm, name)
 
-    def ring_shift_async(self, x, shift=1):
+    def ring_shift_async(self, x, shift=1, lane=0):
         self.sent += x.numel() * x.element_size()
-        return self._comm.ring_shift_async(x, shift)
+        return self._comm.ring_shift_async(x, shift, lane)
 
 
 def test_bfloat16_moves_half_the_bytes_of_float32(comm):

@@ -136,3 +136,29 @@ def test_ring_shift_async_keeps_its_send_buffer_until_wait(comm, monkeypatch):
     got = pending.wait()
     expected = np.arange(24.0).reshape(4, 6)[:, ::2] + (comm.rank - 1) % comm.size
     assert all_ranks(np.array_equal(got, expected))
+
+
+def test_a_shift_dropped_before_its_wait_fails_the_communicator_and_keeps_its_buffers(comm):
+    """An exception between ring_shift_async and wait() drops the pending
+    shift while its receive is posted: the buffers must outlive it (the
+    peer's message still lands there) and the communicator must refuse
+    further calls, whose messages that receive could steal."""
+    import gc
+    import weakref
+
+    c = commlib.init(timeout=30)
+    try:
+        if c.size == 1:
+            pytest.skip("a shift on one rank moves nothing")
+        comm.barrier()  # every rank is done with init before any gives up
+        # a peer that dropped its shift first may stop this rank already at
+        # its ring_shift_async: the notice says why either way
+        with pytest.raises(commlib.CommlibError, match="dropped before its wait"):
+            pending = c.ring_shift_async(np.full(1 << 16, float(c.rank)))
+            receive = weakref.ref(pending._out)
+            del pending
+            gc.collect()
+            assert receive() is not None
+            c.barrier()
+    finally:
+        c.free()

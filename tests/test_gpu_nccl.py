@@ -1,0 +1,159 @@
+"""The NCCL transport on one GPU, in one process: a size-1
+``commlib.init(backend="nccl")`` communicator.
+
+- every collective (``collective_checks``) on CuPy, torch CUDA and JAX GPU
+  arrays, float32, float16, bfloat16 (but for CuPy) and int32, bit-exact
+  against NumPy, in the caller's framework, device and dtype;
+- stream order: an input still being produced on a non-default torch stream
+  when the collective is called is read only once it is ready;
+- calls return before the GPU has done their work (the host does not wait),
+  and the results are right once read;
+- a non-contiguous torch input; an array on another GPU is refused, naming
+  both devices (where there are two GPUs);
+- CUDA arrays really travel over NCCL.
+
+At one rank a ring shift is a copy on the device: lane 1 (its own NCCL
+communicator) first moves bytes at two ranks with a GPU each
+(``tests/mpi/test_collectives_frameworks.py``).
+
+Every test carries the ``gpu`` mark and skips, with the reason, where CuPy
+sees no CUDA device or NCCL is missing.
+"""
+
+import time
+
+import pytest
+
+import commlib
+from commlib.backends import nccl
+
+import arrayimpl
+from collective_checks import CHECKS, cases
+
+NCCL_MISSING = nccl.unavailable_reason()
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(NCCL_MISSING is not None, reason=f"no NCCL: {NCCL_MISSING}")]
+
+# GPU clock cycles torch.cuda._sleep spins for: about half a second
+BUSY_CYCLES = 10**9
+
+
+@pytest.fixture(scope="module")
+def comm():
+    c = commlib.init(backend="nccl", timeout=60)
+    yield c
+    c.free()
+
+
+@pytest.fixture
+def torch():
+    reason = arrayimpl.cuda_skip_reason("torch")
+    if reason is not None:
+        pytest.skip(reason)
+    import torch
+    return torch
+
+
+def test_cuda_arrays_travel_over_nccl(comm, torch, monkeypatch):
+    calls = []
+    original = nccl.NcclBackend.allreduce
+
+    def counted(self, *args):
+        calls.append(self)
+        return original(self, *args)
+    monkeypatch.setattr(nccl.NcclBackend, "allreduce", counted)
+    y = comm.allreduce(torch.ones(8, device="cuda"))
+    assert comm.backend == "nccl" and comm.size == 1
+    assert len(calls) == 1 and y.is_cuda and y.tolist() == [1.0] * 8
+
+
+@pytest.mark.parametrize("collective", list(CHECKS))
+@pytest.mark.parametrize("impl, dtype", cases(arrayimpl.GPU))
+def test_collective_is_bit_exact(comm, impl, dtype, collective):
+    failures = CHECKS[collective](comm, impl, dtype)
+    assert not failures, "\n".join(failures)
+
+
+def _busy(torch) -> None:
+    """Keep the current torch stream busy for about half a second."""
+    torch.cuda._sleep(BUSY_CYCLES)
+
+
+STREAM_ORDERED = {
+    "alltoallv": lambda comm, x: comm.alltoallv(x, [x.shape[0]])[0],
+    "alltoall": lambda comm, x: comm.alltoall(x),
+    "ring_shift_async lane 1": lambda comm, x: comm.ring_shift_async(x, lane=1).wait(),
+    "allgather": lambda comm, x: comm.allgather(x),
+    "allreduce": lambda comm, x: comm.allreduce(x),
+    "bcast": lambda comm, x: comm.bcast(x),
+}
+
+
+@pytest.mark.parametrize("collective", list(STREAM_ORDERED))
+def test_an_input_still_being_made_on_a_torch_stream_is_read_when_ready(comm, torch,
+                                                                         collective):
+    """x gets its values on a side stream behind half a second of GPU work,
+    and the collective is called on that stream at once: NCCL must wait for
+    them (an unordered read would see the zeros)."""
+    x = torch.zeros(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        _busy(torch)
+        x.add_(7)
+        y = STREAM_ORDERED[collective](comm, x)
+        right = bool((y == 7).all())  # read on the stream the result belongs to
+    assert right and y.shape == x.shape
+
+
+def test_calls_return_before_the_gpu_is_done_and_results_are_right_once_read(comm, torch):
+    x = torch.zeros((64, 1024), device="cuda")
+    chain = list(STREAM_ORDERED.values())
+    for call in chain:  # the first calls make NCCL communicators: not what is timed
+        call(comm, x)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        _busy(torch)
+        x.add_(7)
+        made = torch.cuda.Event()
+        made.record(side)
+        start = time.monotonic()
+        y = x
+        for call in chain:
+            y = call(comm, y)
+        returned_after = time.monotonic() - start
+        # every call was ordered after x's production: had the host waited
+        # for any of them, x would be made by now
+        host_waited = made.query()
+        right = bool((y == 7).all())
+    assert not host_waited, (f"the host waited for the GPU: {len(chain)} calls took "
+                             f"{returned_after:.3f}s, and the input was made by then")
+    assert right and y.shape == x.shape
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_a_non_contiguous_torch_input(comm, torch, dtype):
+    base = torch.arange(24, device="cuda").reshape(4, 6).to(getattr(torch, dtype))
+    x = base.T  # [6, 4], strided
+    assert not x.is_contiguous()
+    results = {"alltoallv": comm.alltoallv(x, [6])[0], "alltoall": comm.alltoall(x, 1, 0),
+               "ring_shift": comm.ring_shift(x), "allgather": comm.allgather(x, axis=1),
+               "allreduce": comm.allreduce(x, "max"), "bcast": comm.bcast(x)}
+    wrong = [name for name, y in results.items()
+             if not (y.is_cuda and y.dtype == x.dtype and torch.equal(y, x))]
+    assert not wrong
+    assert torch.equal(base, torch.arange(24, device="cuda").reshape(4, 6).to(base.dtype))
+
+
+def test_an_array_on_another_gpu_is_refused_naming_both(torch):
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs two GPUs; {torch.cuda.device_count()} visible")
+    c = commlib.init(backend="nccl", device=0, timeout=60)
+    try:
+        with pytest.raises(ValueError, match=r"the array is on CUDA device 1, but this "
+                                             r"communicator drives device 0; move it there"):
+            c.allreduce(torch.ones(4, device="cuda:1"))
+    finally:
+        c.free()
+
