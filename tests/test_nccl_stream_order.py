@@ -101,6 +101,14 @@ def _cupy(log, caller, finished):
 
 @pytest.fixture
 def world():
+    comm = commlib.init(timeout=60)
+    yield comm
+    comm.free()
+
+
+@pytest.fixture
+def impatient():
+    """A world whose deadline passes while a test looks."""
     comm = commlib.init(timeout=0.2)
     yield comm
     comm.free()
@@ -151,18 +159,18 @@ def test_buffers_live_until_their_transfer_is_done(world):
 
 
 @pytest.mark.parametrize("next_call", ["the transfer's own wait", "a host-only call"])
-def test_a_transfer_past_its_deadline_is_aborted_once_and_the_next_call_raises(world, next_call):
-    backend, log = _backend(world)
+def test_a_transfer_past_its_deadline_is_aborted_once_and_the_next_call_raises(impatient, next_call):
+    backend, log = _backend(impatient)
     finish = backend._grouped([(0, 8, 0)], [(0, 8, 0)], keep=())
     give_up_by = time.monotonic() + 10
     while log.aborts == 0 and time.monotonic() < give_up_by:
         time.sleep(0.01)  # the in-flight thread, not this one, notices
     assert log.aborts == 1
-    first, then = (world.barrier, finish) if next_call == "a host-only call" else \
-        (finish, world.barrier)
+    first, then = (impatient.barrier, finish) if next_call == "a host-only call" else \
+        (finish, impatient.barrier)
     with pytest.raises(commlib.CommTimeoutError, match="did not finish on the GPU within"):
         first()
-    assert "did not finish" in world._watchdog.failure  # the peers were told
+    assert "did not finish" in impatient._watchdog.failure  # the peers were told
     with pytest.raises(commlib.CommlibError, match="can no longer be used"):
         then()
     backend.free()
