@@ -61,17 +61,19 @@ def _in_framework(x: Any, native: Native) -> Any:
         return native.data
 
 
-def _row_facts(native: Native) -> Tuple[str, str]:
-    return (f"dtype {native.dtype.name}", f"row shape {tuple(native.data.shape[1:])}")
+def _row_facts(dtype: np.dtype, row_shape: Tuple[int, ...],
+               on_device: bool) -> Tuple[str, str, str]:
+    return (f"dtype {dtype.name}", f"row shape {row_shape}",
+            "CUDA arrays" if on_device else "host arrays")
 
 
 @functools.lru_cache(maxsize=256)
-def _row_signature(dtype: np.dtype, row_shape: Tuple[int, ...],
+def _row_signature(dtype: np.dtype, row_shape: Tuple[int, ...], on_device: bool,
                    context: consistency.Context) -> int:
-    """alltoallv's fingerprint: element type, the shape of one row, and the
-    registered parameters. Cached: it is computed on every call."""
-    return consistency.signature("alltoallv", (f"dtype {dtype.name}", f"row shape {row_shape}"),
-                                 context)
+    """alltoallv's fingerprint: element type, the shape of one row, host or
+    CUDA (they travel differently), and the registered parameters. Cached:
+    it is computed on every call."""
+    return consistency.signature("alltoallv", _row_facts(dtype, row_shape, on_device), context)
 
 
 class Communicator:
@@ -89,6 +91,7 @@ class Communicator:
                  device: Optional[Backend] = None, check: bool = False):
         self._host = host
         self._device = device
+        self._staged: Optional[StagedBackend] = None  # made at the first CUDA array without NCCL
         self._watchdog = host.watchdog
         self._check = check
         self._context: consistency.Context = ()
@@ -187,9 +190,11 @@ class Communicator:
         without it, MPI staged through host memory."""
         if not on_device:
             return self._host
-        if self._device is None:
-            return StagedBackend(self._host)
-        return self._device
+        if self._device is not None:
+            return self._device
+        if self._staged is None:
+            self._staged = StagedBackend(self._host)
+        return self._staged
 
     def split(self, color: int, key: int = 0) -> "Communicator":
         """Ranks with the same ``color`` form a new communicator, ordered by
@@ -259,7 +264,8 @@ class Communicator:
         header = np.empty((self.size, 2), dtype=np.int64)
         if problem is None:
             header[:, 0] = send
-            header[:, 1] = _row_signature(native.dtype, native.data.shape[1:], self._context)
+            header[:, 1] = _row_signature(native.dtype, native.data.shape[1:], native.on_device,
+                                          self._context)
         else:
             header[:] = _REJECTED
         received = self._host.exchange_int64(header)
@@ -274,9 +280,11 @@ class Communicator:
                 "alltoallv was rejected by rank(s) " + ", ".join(map(str, rejected)), rejected)
         consistency.raise_disagreement(
             self._host, signatures,
-            consistency.describe("alltoallv", _row_facts(native), self._context),
+            consistency.describe("alltoallv", _row_facts(native.dtype, native.data.shape[1:],
+                                                         native.on_device), self._context),
             "alltoallv ranks disagree on what a row is (all must send the same dtype and "
-            "trailing shape, and register the same parameters)")
+            "trailing shape from the same side, host or CUDA, and register the same "
+            "parameters)")
 
     def _verify_recv_counts(self, given: np.ndarray, exchanged: np.ndarray) -> None:
         """COMMLIB_CHECK: the recv_counts a rank passed must be what its peers

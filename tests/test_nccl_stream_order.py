@@ -159,7 +159,7 @@ def test_buffers_live_until_their_transfer_is_done(world):
 
 
 @pytest.mark.parametrize("next_call", ["the transfer's own wait", "a host-only call"])
-def test_a_transfer_past_its_deadline_is_aborted_once_and_the_next_call_raises(impatient, next_call):
+def test_a_transfer_past_its_deadline_is_aborted_and_the_next_call_raises(impatient, next_call):
     backend, log = _backend(impatient)
     finish = backend._grouped([(0, 8, 0)], [(0, 8, 0)], keep=())
     give_up_by = time.monotonic() + 10

@@ -16,7 +16,14 @@ synchronized around it, best of ``--repeats``:
   bfloat16, causal;
 - ring attention forward + backward through ``commlib.bindings.torch``
   against SDPA on those shapes;
-- MoE dispatch + combine: 8192 tokens x 4096 bfloat16, 64 experts, top-8.
+- MoE dispatch + combine: 8192 tokens x 4096 bfloat16, 64 experts, top-8;
+- CUDA arrays over MPI (``backends.staged``, what a communicator without
+  NCCL uses): which path this MPI gets (cuda-aware or staged, and why), and
+  GB/s of a send-receive to this same rank at the alltoallv sizes. In a
+  world of one that is the whole pipeline but the network: chunks copied to
+  pinned memory, handed to MPI, copied back, overlapped (staged), or device
+  buffers handed to MPI (cuda-aware). On ``--device cpu`` NumPy copies
+  stand in for the device.
 """
 
 from __future__ import annotations
@@ -67,6 +74,30 @@ def _alltoallv(comm, device: str, sizes, repeats: int) -> Dict[str, dict]:
                              "device_copy_GBps": 2 * nbytes / t_copy / 1e9,
                              "alltoallv_s": t_comm, "copy_s": t_copy}
     return rows
+
+
+def _staged_mpi(comm, device: str, sizes, repeats: int) -> dict:
+    from commlib.backends.cuda_aware import detect
+    from commlib.backends.staged import HostCopies, StagedBackend
+    if device == "cuda":
+        import cupy
+        backend, view = StagedBackend(comm._host), cupy.from_dlpack
+    else:
+        backend = StagedBackend(comm._host, device=HostCopies(), cuda_aware=False)
+        view = torch.Tensor.numpy
+
+    def shift(x, out):
+        backend.start_sendrecv(x, comm.rank, out, comm.rank)()
+
+    rows = {}
+    for nbytes in sizes:
+        x, out = (view(torch.empty(nbytes, dtype=torch.uint8, device=device)) for _ in range(2))
+        t = _best(functools.partial(shift, x, out), device, repeats)
+        rows[f"{nbytes}"] = {"sendrecv_self_GBps": nbytes / t / 1e9, "sendrecv_self_s": t}
+    aware = detect()
+    return {"path": backend.path, "reason": backend.reason, "chunk_bytes": backend.chunk_bytes,
+            "mpi_cuda_aware": {"aware": aware.aware, "reason": aware.reason},
+            "sendrecv_self": rows}
 
 
 def _attention(comm, device: str, shape: dict, repeats: int) -> dict:
@@ -125,9 +156,10 @@ def main(device: str, quick: bool, repeats: int, out_path) -> None:
     comm = commlib.init()
     shape = QUICK if quick else FULL
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-               "backend": comm.backend, "torch": torch.__version__, "quick": quick,
-               "staged_mpi_alltoallv": "not written yet: CUDA arrays over MPI (issue 12, item 6)"}
+               "backend": comm.backend, "torch": torch.__version__, "quick": quick}
     for name, measure in (("alltoallv", lambda: _alltoallv(comm, device, shape["sizes"], repeats)),
+                          ("staged_mpi", lambda: _staged_mpi(comm, device, shape["sizes"],
+                                                             repeats)),
                           ("attention", lambda: _attention(comm, device, shape, repeats)),
                           ("moe", lambda: _moe(comm, device, shape, repeats))):
         try:  # one failing part must not cost the others' numbers on a lent machine

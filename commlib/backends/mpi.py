@@ -25,6 +25,9 @@ _OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
 # bool reductions run on uint8: "sum" is logical or, "prod" logical and
 _BOOL_OPS = {"sum": MPI.MAX, "prod": MPI.MIN, "max": MPI.MAX, "min": MPI.MIN}
 _PAYLOAD_TAG = 0
+# chunked device payloads (backends.staged): a tag of their own, so that a
+# rank sending host arrays can never match a peer's chunked CUDA transfer
+CHUNK_TAG = 1
 
 
 def _reduction_type(dtype: np.dtype):
@@ -125,6 +128,16 @@ class MpiBackend:
 
     def _wait(self, request) -> None:
         self.watchdog.wait_requests([request])
+
+    # -- single messages, for pipelines built on top (backends.staged) -----
+    def isend(self, buf, peer: int, tag: int = CHUNK_TAG):
+        """Start sending the bytes of ``buf`` to ``peer``; the request is the
+        caller's to wait on (through ``watchdog.wait_until``)."""
+        return self.comm.Isend([byte_view(buf), MPI.BYTE], peer, tag)
+
+    def irecv(self, buf, peer: int, tag: int = CHUNK_TAG):
+        """Start receiving ``buf.nbytes`` bytes from ``peer`` into ``buf``."""
+        return self.comm.Irecv([byte_view(buf), MPI.BYTE], peer, tag)
 
     # -- control plane ---------------------------------------------------
     def exchange_int64(self, rows: np.ndarray) -> np.ndarray:

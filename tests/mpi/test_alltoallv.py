@@ -143,6 +143,26 @@ def test_ranks_disagreeing_on_dtype_raise_everywhere(comm):
     assert "rank 0: alltoallv, dtype float64" in str(error)
 
 
+def test_host_rows_on_one_rank_and_cuda_rows_on_another_raise_everywhere(comm, monkeypatch):
+    """They travel differently (host MPI messages, NCCL or staged chunks),
+    so they would never meet: found at the count exchange instead."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    import commlib.communicator as communicator
+    from commlib.arrays import Native
+
+    if comm.rank == 0:  # rank 0's rows claim to be on a GPU; nothing moves before the check
+        def on_gpu(x):
+            return Native(x, x.dtype, True, "cupy", lambda y: y)
+        monkeypatch.setattr(communicator, "unwrap", on_gpu)
+        monkeypatch.setattr(comm, "_transport", lambda on_device: comm._host)
+    x = np.ones((comm.size, 2), np.float32)
+    error = raises_everywhere(commlib.CollectiveMismatchError,
+                              lambda: comm.alltoallv(x, [1] * comm.size), match="disagree")
+    assert "rank 0: alltoallv, dtype float32, row shape (2,), CUDA arrays" in str(error)
+    assert "host arrays" in str(error)
+
+
 def test_ranks_disagreeing_on_row_shape_raise_everywhere(comm):
     if comm.size == 1:
         pytest.skip("needs two ranks to disagree")
