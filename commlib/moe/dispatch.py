@@ -23,34 +23,51 @@ latest position), contribute nothing, and are counted.
 Everything runs in the caller's framework, on its device (torch ops for torch
 tensors, ``jax.numpy`` for JAX arrays, NumPy for NumPy): permutations,
 metadata, expansion and sums. Only the rows cross into the transport, in
-their own dtype (bfloat16 stays bfloat16 on the wire); weights and sums are
-float32; counts go to the host, where the transport needs them.
+their own dtype (bfloat16 stays bfloat16 on the wire), each with its
+token's expert ids and weights (float32) in the same message; weights and
+sums are float32.
+
+The host waits for the device once per dispatch: one ``to_host`` of a small
+vector holding the counts the transport must know (rows per destination
+rank; for two hops, also the rows each forwarder will pass on), the
+per-expert counts and drops the stats report, and the smallest and largest
+expert id, which are checked on the host. Everything else is counted on the
+device with a fixed-size scatter-add (``namespace.bincount``) and compacted
+to the sizes those counts give (``namespace.compact``); the owners' rows per
+expert come from the stats' allreduce. Combine and both backwards read
+nothing from the device: they reuse the counts kept in the handle.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
+import array_api_extra as xpx
 import numpy as np
 
 from ..namespace import (
-    counts,
+    as_bytes,
+    bincount,
+    compact,
+    contiguous,
     device,
     dtype_name,
     float32,
     framework,
     framework_of,
+    from_bytes,
     index_dtype,
     namespace,
     scatter_add,
+    take_rows,
     to_host,
 )
 from .stats import DispatchStats
 
 DROP_POLICIES = ("probs", "position")
-# expert ids travel as float32 beside the weights (one metadata message);
+# expert ids travel as float32 beside the weights (in each row's message);
 # float32 holds every integer below 2**24 exactly
 MAX_EXPERTS = 2 ** 24
 
@@ -82,6 +99,22 @@ class DispatchHandle:
     received_rows: int = field(repr=False)
 
 
+@dataclass
+class _Plan:
+    """This rank's side of a dispatch, worked out on its device before
+    anything moves; the host parts come from the dispatch's one copy."""
+
+    ids: Any                  # [T, k] expert ids after capacity (-1: none)
+    gate: Any                 # [T, k] float32 weights
+    keys: Any                 # hop 1: sorted destination * T + row, one per slot
+    first: Any                # keys that start a (destination, row) copy
+    send_counts: np.ndarray   # host int64 [P]: rows to each rank on hop 1
+    forward: Optional[np.ndarray]  # two hops: rows each owner will get [P]
+    requested: np.ndarray     # host int64 [E]: assignments after capacity
+    dropped: np.ndarray       # host int64 [E]: assignments over capacity
+    id_range: Tuple[int, int]  # the smallest and largest expert id given
+
+
 def _require_one_place(named: List[Tuple[str, Any]]) -> None:
     """Raise ValueError unless the arrays are of one framework, on one
     device: commlib computes where the data lives and never moves it."""
@@ -91,6 +124,28 @@ def _require_one_place(named: List[Tuple[str, Any]]) -> None:
                           in zip(named, places))
         raise ValueError(f"{found}: pass arrays of one framework on one device "
                          f"(convert the odd one out first)")
+
+
+def _copy_keys(dest: Any) -> Tuple[Any, Any]:
+    """``dest`` [rows, k] (-1: nowhere) as sorted keys ``dest * rows + row``
+    and the mask of the keys that start a distinct (destination, row) copy:
+    one copy per distinct pair, rank-major. Fixed sizes: nothing is read on
+    the host."""
+    xp = namespace(dest)
+    rows = dest.shape[0]
+    row = xp.arange(rows, dtype=dest.dtype, device=device(dest))
+    keys = xp.sort(xp.reshape(dest * rows + row[:, None], (-1,)))
+    first = xp.concat([xp.ones(min(1, keys.shape[0]), dtype=xp.bool, device=device(dest)),
+                       keys[1:] != keys[:-1]])
+    return keys, first & (keys >= 0)  # invalid slots have negative keys
+
+
+def _lookup(table: Any, ids: Any) -> Any:
+    """``table[ids]`` where ``ids >= 0``, -1 elsewhere (same shape as ids)."""
+    xp = namespace(ids)
+    valid = ids >= 0
+    found = xp.take(table, xp.reshape(xp.where(valid, ids, 0), (-1,)))
+    return xp.where(valid, xp.reshape(found, ids.shape), -1)
 
 
 class Dispatcher:
@@ -130,6 +185,7 @@ class Dispatcher:
         self.hierarchical = hierarchical
         self.stats = DispatchStats.zeros(num_experts, comm.size)
         self._hop_maps = self._destination_maps()
+        self._maps_on_device: Dict[Tuple[str, str, str], List[Any]] = {}
 
     # -- dispatch ---------------------------------------------------------------
     def dispatch(self, x: Any, experts: Any, weights: Any) -> Tuple[Any, DispatchHandle]:
@@ -139,25 +195,48 @@ class Dispatcher:
         grouped by local expert, in x's framework and dtype, and the handle
         for ``combine``."""
         problem = self._problem(x, experts, weights)
+        plan = None
+        if problem is None:
+            plan = self._plan(x, experts, weights)
+            problem = self._range_problem(plan)
         facts = self._facts(x, experts) if problem is None else ()
         self.comm.agree("moe.dispatch", *facts, problem=problem)
         xp = namespace(x)
-        ids = xp.astype(experts, index_dtype(x), copy=False)
-        gate = float32(weights)
-        ids, dropped = self._apply_capacity(ids, gate)
-        requested = counts(ids, self.num_experts)
-        rows, hops = x, []
+        maps = self._device_maps(x)
+        k = plan.ids.shape[1]
+        meta_bytes = 8 * k  # k ids and k weights, float32, ahead of the row's bytes
+        meta = xp.concat([xp.astype(plan.ids, xp.float32), plan.gate], axis=1)
+        message = xp.concat([as_bytes(meta), as_bytes(contiguous(x))], axis=1)
+        send_counts = [plan.send_counts]
+        recv_counts: List[Optional[np.ndarray]] = [None]
+        if self.hierarchical:
+            recv_first, forward = self._exchange_forward_counts(plan)
+            send_counts.append(forward)
+            recv_counts = [recv_first, None]
         traffic = np.zeros((self.comm.size, self.comm.size), np.int64)
         row_bytes = x.itemsize * math.prod(x.shape[1:])
-        for expert_to_rank in self._hop_maps:
-            destination = xp.asarray(expert_to_rank, dtype=ids.dtype, device=device(x))
-            hop, rows, ids, gate = self._hop(rows, ids, gate, destination)
-            traffic[self.comm.rank] += hop.send_counts * row_bytes
-            hops.append(hop)
-        expert_x, arrival_rows, arrival_slots, arrival_weights, per_expert = \
-            self._expand(rows, ids, gate)
-        stats = DispatchStats.gather(self.comm, requested, dropped, traffic)
+        hops = []
+        keys, first = plan.keys, plan.first
+        for hop_index, counts in enumerate(send_counts):
+            if hop_index:  # forward what arrived: the experts of this rank's node
+                keys, first = _copy_keys(_lookup(maps[hop_index],
+                                                 self._served(message, k, maps[hop_index - 1])))
+            sources = int(message.shape[0])
+            send_rows = compact(keys % max(sources, 1), first, int(counts.sum()))
+            message, received = self.comm.alltoallv(xp.take(message, send_rows, axis=0),
+                                                    counts, recv_counts[hop_index])
+            hops.append(_Hop(send_rows, counts, received, sources))
+            traffic[self.comm.rank] += counts * row_bytes
+        ids = self._served(message, k, maps[-1])
+        gate = from_bytes(message[:, 4 * k:meta_bytes], xp.float32, (k,))
+        rows = from_bytes(message[:, meta_bytes:], x.dtype, tuple(x.shape[1:]))
+        stats = DispatchStats.gather(self.comm, plan.requested, plan.dropped, traffic)
         self.stats = self.stats + stats
+        first_expert = self.comm.rank * self.local_experts
+        per_expert = stats.tokens_per_expert[first_expert:first_expert
+                                             + self.local_experts].copy()
+        expert_x, arrival_rows, arrival_slots, arrival_weights = \
+            self._expand(rows, ids, gate, int(per_expert.sum()))
         handle = DispatchHandle(per_expert, stats, hops, arrival_rows, arrival_slots,
                                 arrival_weights, int(rows.shape[0]))
         return expert_x, handle
@@ -169,8 +248,10 @@ class Dispatcher:
                 f"row shape {tuple(x.shape[1:])}", f"dtype {dtype_name(x)}")
 
     def _problem(self, x: Any, experts: Any, weights: Any) -> Optional[Exception]:
-        """What is wrong with this rank's input (None: nothing). Raised on
-        every rank by ``agree``, so no rank is left waiting in a collective."""
+        """What is wrong with the shapes and kinds of this rank's input
+        (None: nothing); the values are checked by ``_range_problem``.
+        Raised on every rank by ``agree``, so no rank is left waiting in a
+        collective."""
         named = [("x", x), ("experts", experts), ("weights", weights)]
         try:
             for name, a in named:
@@ -187,28 +268,72 @@ class Dispatcher:
                                  f"{tuple(experts.shape)}, got {tuple(weights.shape)}")
             if not dtype_name(experts).startswith(("int", "uint")):
                 raise ValueError(f"experts must be integers, got {dtype_name(experts)}")
-            if math.prod(experts.shape):
-                xp = namespace(experts)
-                low, high = int(xp.min(experts)), int(xp.max(experts))
-                if low < -1 or high >= self.num_experts:
-                    raise ValueError(f"expert indices must lie in [-1, {self.num_experts}) "
-                                     f"(-1: no expert), got values from {low} to {high}")
         except ValueError as error:
             return error
         return None
+
+    def _range_problem(self, plan: _Plan) -> Optional[Exception]:
+        """Expert ids outside [-1, E), seen in the plan's host copy."""
+        low, high = plan.id_range
+        if low < -1 or high >= self.num_experts:
+            return ValueError(f"expert indices must lie in [-1, {self.num_experts}) "
+                              f"(-1: no expert), got values from {low} to {high}")
+        return None
+
+    def _plan(self, x: Any, experts: Any, weights: Any) -> _Plan:
+        """Capacity, hop 1's copies and every count, on the device; then the
+        dispatch's one copy to the host: [rows per rank on hop 1 | (two
+        hops) rows per owner after forwarding | assignments per expert |
+        (capacity) drops per expert | smallest id, largest id]. Ids outside
+        [-1, E) are treated as -1 here, so that no gather reads out of
+        bounds before ``_range_problem`` refuses them."""
+        xp = namespace(x)
+        kind, where = index_dtype(x), device(x)
+        maps = self._device_maps(x)
+        size, count = self.comm.size, self.num_experts
+        ids = xp.astype(experts, kind, copy=False)
+        if math.prod(ids.shape):
+            extremes = [xp.reshape(xp.astype(xp.stack([xp.min(experts), xp.max(experts)]),
+                                             kind), (2,))]
+        else:
+            extremes = [xp.asarray([-1, -1], dtype=kind, device=where)]
+        ids = xp.where((ids >= -1) & (ids < count), ids, -1)
+        gate = float32(weights)
+        ids, dropped = self._apply_capacity(ids, gate)
+        keys, first = _copy_keys(_lookup(maps[0], ids))
+        tokens = max(ids.shape[0], 1)
+        parts = [bincount(xp.where(first, keys // tokens, -1), size)]
+        if self.hierarchical:  # distinct owners per token: the rows forwarded to each
+            owners = xp.sort(_lookup(maps[-1], ids), axis=1)
+            starts = xp.concat([xp.ones((owners.shape[0], min(1, owners.shape[1])),
+                                        dtype=xp.bool, device=where),
+                                owners[:, 1:] != owners[:, :-1]], axis=1)
+            parts.append(bincount(xp.where(starts, owners, -1), size))
+        parts.append(bincount(ids, count))
+        if dropped is not None:
+            parts.append(dropped)
+        host = to_host(xp.concat(parts + extremes)).astype(np.int64)
+        split = np.cumsum([size] + ([size] if self.hierarchical else []) + [count]
+                          + ([count] if dropped is not None else []))
+        pieces = np.split(host, split)
+        forward = pieces.pop(1) if self.hierarchical else None
+        send_counts, requested = pieces[0], pieces[1]
+        dropped_host = pieces[2] if dropped is not None else np.zeros(count, np.int64)
+        return _Plan(ids, gate, keys, first, send_counts, forward, requested, dropped_host,
+                     (int(pieces[-1][0]), int(pieces[-1][1])))
 
     def _capacity(self, tokens: int, k: int) -> Optional[int]:
         if self.capacity_factor is None:
             return None
         return math.ceil(tokens * k / self.num_experts * self.capacity_factor)
 
-    def _apply_capacity(self, ids: Any, gate: Any) -> Tuple[Any, np.ndarray]:
+    def _apply_capacity(self, ids: Any, gate: Any) -> Tuple[Any, Any]:
         """Drop the assignments beyond each expert's capacity from this rank:
-        returns (ids with dropped ones set to -1, dropped per expert)."""
-        nothing = np.zeros(self.num_experts, np.int64)
+        returns (ids with dropped ones set to -1, dropped per expert on the
+        device, or None without a capacity). Fixed-size masks throughout."""
         cap = self._capacity(*ids.shape)
         if cap is None:
-            return ids, nothing
+            return ids, None
         xp = namespace(ids)
         flat = xp.reshape(ids, (-1,))
         # group by expert; within an expert the heaviest (probs) or the
@@ -221,14 +346,11 @@ class Dispatcher:
         grouped = xp.take(flat, order)
         rank_in_expert = xp.arange(grouped.shape[0], dtype=grouped.dtype,
                                    device=device(ids)) - xp.searchsorted(grouped, grouped)
-        losers = xp.take(order, xp.nonzero((rank_in_expert >= cap) & (grouped >= 0))[0])
-        if losers.shape[0] == 0:
-            return ids, nothing
-        lost = xp.take(flat, losers)
-        marks = scatter_add(xp.zeros(flat.shape, dtype=flat.dtype, device=device(ids)),
-                            losers, xp.ones(lost.shape, dtype=flat.dtype, device=device(ids)))
-        kept = xp.where(marks > 0, -1, flat)
-        return xp.reshape(kept, ids.shape), counts(lost, self.num_experts)
+        loses = (rank_in_expert >= cap) & (grouped >= 0)  # in sorted order
+        lost = xpx.at(xp.zeros(flat.shape, dtype=xp.bool, device=device(ids)))[order].set(loses)
+        kept = xp.where(lost, -1, flat)
+        return (xp.reshape(kept, ids.shape),
+                bincount(xp.where(loses, grouped, -1), self.num_experts))
 
     def _destination_maps(self) -> List[np.ndarray]:
         """Per hop, expert -> destination rank (host int64 [E]): the owner;
@@ -242,49 +364,56 @@ class Dispatcher:
                               for r in range(self.comm.size)])
         return [forwarder[owner], owner]
 
-    def _hop(self, rows: Any, ids: Any, gate: Any, destination: Any):
-        """Send each row once to every rank its experts map to under
-        ``destination``; each copy carries the ids and weights that rank
-        serves (-1 and 0 for the others). Returns (hop, rows, ids, gate)
-        as received."""
-        xp = namespace(ids)
-        tokens, k = ids.shape
-        valid = ids >= 0
-        dest = xp.take(destination, xp.reshape(xp.where(valid, ids, 0), (-1,)))
-        dest = xp.where(valid, xp.reshape(dest, (tokens, k)), -1)
-        # one copy per distinct (rank, row), rank-major: sorted keys rank * T + row
-        row = xp.arange(tokens, dtype=ids.dtype, device=device(ids))
-        keys = xp.sort(xp.reshape(dest * tokens + row[:, None], (-1,)))
-        first = xp.concat([xp.ones(min(1, keys.shape[0]), dtype=xp.bool, device=device(ids)),
-                           keys[1:] != keys[:-1]])
-        keys = keys[first & (keys >= 0)]  # invalid slots have negative keys
-        rank_of_copy, send_rows = keys // max(tokens, 1), keys % max(tokens, 1)
-        starts = xp.arange(self.comm.size + 1, dtype=keys.dtype, device=device(ids)) * tokens
-        send_counts = np.diff(to_host(xp.searchsorted(keys, starts))).astype(np.int64)
+    def _device_maps(self, like: Any) -> List[Any]:
+        """The hop maps beside ``like``, in its index dtype: copied to each
+        device once, not once per dispatch (a copy from host memory can
+        make the host wait)."""
+        key = (framework(like), str(device(like)), str(index_dtype(like)))
+        if key not in self._maps_on_device:
+            xp = namespace(like)
+            self._maps_on_device[key] = [xp.asarray(m, dtype=index_dtype(like),
+                                                    device=device(like))
+                                         for m in self._hop_maps]
+        return self._maps_on_device[key]
 
-        serves = xp.take(dest, send_rows, axis=0) == rank_of_copy[:, None]
-        meta = xp.concat([xp.where(serves, xp.astype(xp.take(ids, send_rows, axis=0),
-                                                     xp.float32), -1.0),
-                          xp.where(serves, xp.take(gate, send_rows, axis=0), 0.0)], axis=1)
-        out, recv_counts = self.comm.alltoallv(xp.take(rows, send_rows, axis=0), send_counts)
-        meta_in, _ = self.comm.alltoallv(meta, send_counts, recv_counts)
-        hop = _Hop(send_rows, send_counts, recv_counts, int(rows.shape[0]))
-        return hop, out, xp.astype(meta_in[:, :k], ids.dtype), meta_in[:, k:]
+    def _exchange_forward_counts(self, plan: _Plan) -> Tuple[np.ndarray, np.ndarray]:
+        """Two hops: every rank tells each forwarder how many rows it sends
+        it and how many of those go on to each owner of the forwarder's node
+        (one host all-to-all, in place of hop 1's own count exchange).
+        Returns hop 1's receive counts and hop 2's send counts, so the
+        forwarder needs no second look at the device."""
+        topology, size = self.comm.topology, self.comm.size
+        nodes = [list(topology.ranks_of(topology.node_of(r))) for r in range(size)]
+        local = topology.local_rank  # this rank's forwarder on each node: the same local rank
+        table = np.array([[plan.send_counts[r]] + [plan.forward[o] if nodes[r][local] == r
+                                                   else 0 for o in nodes[r]]
+                          for r in range(size)], dtype=np.int64)
+        received = np.asarray(self.comm.alltoall(table))
+        forward = np.zeros(size, np.int64)
+        forward[nodes[self.comm.rank]] = received[:, 1:].sum(axis=0)
+        return received[:, 0].copy(), forward
 
-    def _expand(self, rows: Any, ids: Any, gate: Any):
+    def _served(self, message: Any, k: int, destination: Any) -> Any:
+        """The expert ids of arrived rows [rows, k] that ``destination`` (a
+        hop map) sends to this rank, -1 for the others: every copy of a
+        token carries all its ids, and each rank keeps its own."""
+        xp = namespace(message)
+        ids = xp.astype(from_bytes(message[:, :4 * k], xp.float32, (k,)),
+                        destination.dtype)
+        return xp.where(_lookup(destination, ids) == self.comm.rank, ids, -1)
+
+    def _expand(self, rows: Any, ids: Any, gate: Any, total: int):
         """One row per (arrival, local expert), grouped by local expert,
-        arrivals in order within an expert. Returns (expert_x, arrival rows,
-        slots, weights, rows per local expert)."""
+        arrivals in order within an expert; ``total`` such rows (known from
+        the stats). Returns (expert_x, arrival rows, slots, weights)."""
         xp = namespace(ids)
         k = ids.shape[1]
         flat = xp.reshape(ids, (-1,))
-        per_expert = counts(flat - self.comm.rank * self.local_experts, self.local_experts)
         # -1 (not served here) sorts first, then this rank's experts in order
         order = xp.argsort(flat, stable=True)
-        pairs = order[flat.shape[0] - int(per_expert.sum()):]
+        pairs = order[flat.shape[0] - total:]
         arrival, slot = pairs // k, pairs % k
-        return (xp.take(rows, arrival, axis=0), arrival, slot,
-                xp.take(xp.reshape(gate, (-1,)), pairs), per_expert)
+        return (take_rows(rows, arrival), arrival, slot, xp.take(xp.reshape(gate, (-1,)), pairs))
 
     # -- combine --------------------------------------------------------------
     @staticmethod

@@ -28,8 +28,18 @@ import operator
 from typing import Any, Optional, Tuple
 
 import array_api_extra as xpx
+import numpy as np
 
-from ..namespace import device, dtype_name, float32, framework, index_dtype, namespace, to_host
+from ..namespace import (
+    device,
+    dtype_name,
+    float32,
+    framework,
+    host_int,
+    index_dtype,
+    namespace,
+    to_host,
+)
 
 SCORES = ("softmax", "sigmoid")
 
@@ -51,8 +61,11 @@ def route(logits: Any, k: int, score: str = "softmax", bias: Any = None,
     _check_score(score)
     _check_groups(num_groups, topk_groups, k, num_experts)
     x = _float32(logits, "logits")
-    _check_finite_rows(x)
-    shift = _bias(bias, num_experts, x)
+    try:  # raised after the logits' own check, as always; both values read in one copy
+        (shift, bias_finite), late = _bias(bias, num_experts, x), None
+    except (TypeError, ValueError) as error:
+        (shift, bias_finite), late = (None, True), error
+    _check_finite(x, shift if bias_finite is None else None, late, bias_finite)
 
     xp = namespace(x)
     affinity = _affinities(x, score)
@@ -132,33 +145,50 @@ def _float32(a: Any, what: str) -> Any:
     return float32(a)
 
 
-def _check_finite_rows(x: Any) -> None:
-    """A NaN or inf logit makes every affinity of its row meaningless."""
+def _check_finite(x: Any, shift: Optional[Any], late: Optional[Exception],
+                  bias_finite: Optional[bool]) -> None:
+    """A NaN or inf logit makes every affinity of its row meaningless; a
+    NaN or inf bias every choice. One copy to the host says how many rows
+    of logits are bad and whether ``shift`` (a bias beside the logits, not
+    yet checked) is, packed in one integer: 2 * bad rows + bad bias. Then
+    the errors are raised in their usual order: the logits, ``late`` (what
+    was wrong with the bias's type or shape), the bias's values
+    (``bias_finite`` False: seen on the host already)."""
     xp = namespace(x)
-    bad_rows = int(xp.count_nonzero(~xp.all(xp.isfinite(x), axis=1)))
+    kind = index_dtype(x)
+    seen = 2 * xp.astype(xp.count_nonzero(~xp.all(xp.isfinite(x), axis=1)), kind)
+    if shift is not None:
+        seen = seen + xp.astype(xp.any(~xp.isfinite(shift)), kind)
+    bad_rows, bad_bias = divmod(host_int(seen), 2)
     if bad_rows:
         raise ValueError(f"logits have NaN or inf values in {bad_rows} of {x.shape[0]} rows "
                          f"(tokens); check the router's input and weights for overflow")
+    if late is not None:
+        raise late
+    if bias_finite is False or bad_bias:
+        raise ValueError("bias has NaN or inf values; reset the balancer's bias to zeros")
 
 
-def _bias(bias: Any, num_experts: int, like: Any) -> Optional[Any]:
+def _bias(bias: Any, num_experts: int, like: Any) -> Tuple[Optional[Any], Optional[bool]]:
     """The selection bias as float32 [E] beside ``like`` (the logits), or
-    None. A bias of another framework (the balancer's NumPy bias for torch
-    CUDA logits, say) is copied over: E numbers."""
+    None; and whether its values are finite where that was seen on the host
+    (None: not yet seen, ``_check_finite`` looks on the device). A bias of
+    another framework (the balancer's NumPy bias for torch CUDA logits, say)
+    is checked on the host and copied over: E numbers. (A host bias is
+    uploaded on every call; pass one already beside the logits to save
+    that copy.)"""
     if bias is None:
-        return None
+        return None, True
     framework(bias)  # a clear TypeError for lists and other non-arrays
     if tuple(bias.shape) != (num_experts,):
         raise ValueError(f"bias must have shape ({num_experts},), one value per expert, "
                          f"got {tuple(bias.shape)}")
     shift = _float32(bias, "bias")
-    if framework(shift) != framework(like):
-        shift = to_host(shift)
     xp = namespace(like)
-    shift = xp.asarray(shift, device=device(like))
-    if not bool(xp.all(xp.isfinite(shift))):
-        raise ValueError("bias has NaN or inf values; reset the balancer's bias to zeros")
-    return shift
+    if framework(shift) == framework(like):  # moved only if on another device
+        return xp.asarray(shift, device=device(like)), None
+    host = shift if framework(shift) == "numpy" else to_host(shift)
+    return xp.asarray(host, device=device(like)), bool(np.isfinite(host).all())
 
 
 def _affinities(x: Any, score: str) -> Any:

@@ -227,6 +227,38 @@ def test_torch_tensors_are_computed_on_by_torch(comm):
                      and y.dtype == torch.bfloat16), (dispatched.names, combined.names)
 
 
+@pytest.mark.parametrize("hierarchical", [False, True], ids=["flat", "two-hop"])
+def test_a_dispatch_reads_the_device_once_at_every_size(comm, monkeypatch, hierarchical):
+    """One ``to_host`` per dispatch (the counts the transport and the stats
+    need, and the id range) and none in combine, with torch tensors, a
+    capacity and a rank without tokens; for two hops the forwarders learn
+    their counts from the other hosts, not from their device. (World size
+    1 and the torch witness of every other device read:
+    tests/test_moe_host_syncs.py.)"""
+    torch = pytest.importorskip("torch")
+    import commlib.moe.dispatch as module
+
+    reads = []
+    original = module.to_host
+    monkeypatch.setattr(module, "to_host", lambda x: reads.append(1) or original(x))
+    world = commlib.init(ranks_per_node=2 if comm.size % 2 == 0 else 1)
+    try:
+        num_experts = 4 * comm.size
+        maps = expert_maps(num_experts)
+        x, experts, weights = make_routing(comm, "no_tokens", num_experts, seed=9)
+        d = Dispatcher(world, num_experts, capacity_factor=0.8, hierarchical=hierarchical)
+        expert_x, handle = d.dispatch(*(torch.from_numpy(a) for a in (x, experts, weights)))
+        dispatched = len(reads)
+        y = d.combine(run_experts(world, expert_x, handle, maps, arrayimpl.IMPLS["torch"]),
+                      handle)
+        expected = per_token_reference(
+            x, kept_by_capacity(experts, weights, num_experts, 0.8, "probs"), weights, maps)
+        assert all_ranks(dispatched == 1 and len(reads) == 1
+                         and np.allclose(y.numpy(), expected, atol=1e-4)), (dispatched, reads)
+    finally:
+        world.free()
+
+
 # -- bad input ---------------------------------------------------------------
 
 def test_num_experts_must_divide_over_ranks(comm):
