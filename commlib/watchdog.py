@@ -22,6 +22,8 @@ import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+import numpy as np
+
 from .errors import CommlibError, CommTimeoutError, PeerFailedError
 
 TIMEOUT_ENV = "COMMLIB_TIMEOUT"
@@ -30,6 +32,9 @@ NOTICE_TAG = 7301
 NOTICE_BYTES = 1024
 # after a timeout, how long to listen for peers that are stuck as well
 ROLL_CALL_S = 2.0
+# how long free() waits for the peers' notice counts: they free together,
+# unless one died (then it frees without them, as before)
+DRAIN_S = 5.0
 # polls between clock reads: reading the clock costs as much as a poll
 _POLLS_PER_CLOCK = 32
 
@@ -77,6 +82,10 @@ class Watchdog:
         self.failure: Optional[str] = None
         self._on_failure: List[Callable[[], None]] = []
         self._sent: List = []  # outgoing notices, kept alive until freed
+        # notices sent to / heard from each peer: all must be received before
+        # the control communicator is freed (see drain)
+        self._sent_to = [0] * self.size
+        self._heard_from = [0] * self.size
         self._abandoned: List = []  # requests and buffers of calls given up on
         self._expired: Optional[str] = None  # set by a thread watching the GPU
         self._notice_buffer = bytearray(NOTICE_BYTES)
@@ -217,6 +226,7 @@ class Watchdog:
         for peer in range(self.size):
             if peer != self.rank:
                 self._sent.append(self.control.Isend([message, MPI.BYTE], peer, NOTICE_TAG))
+                self._sent_to[peer] += 1
 
     def _post_notice_receive(self):
         MPI = self._mpi
@@ -227,7 +237,9 @@ class Watchdog:
         text = bytes(self._notice_buffer).rstrip(b"\0").decode(errors="replace")
         self._notice_buffer[:] = bytes(NOTICE_BYTES)
         self._notice = self._post_notice_receive()
-        return json.loads(text)
+        notice = json.loads(text)
+        self._heard_from[notice["rank"]] += 1
+        return notice
 
     def stop_listening(self) -> None:
         """Withdraw the posted notice receive (local)."""
@@ -236,7 +248,31 @@ class Watchdog:
             self._notice.Wait()
         _listening.discard(self)
 
+    def drain(self) -> None:
+        """Receive every notice the peers sent on this communicator (they
+        say how many) before it is freed: a notice still on its way would
+        otherwise be matched against a later communicator that reuses the
+        freed one's context, and fail that one. Collective; gives up after
+        DRAIN_S (a dead peer's count never comes)."""
+        if self.size == 1:
+            return
+        MPI = self._mpi
+        sent = np.array(self._sent_to, np.int64)
+        owed = np.zeros(self.size, np.int64)
+        exchange = self.control.Ialltoall([sent, MPI.INT64_T], [owed, MPI.INT64_T])
+        deadline = time.monotonic() + min(self.timeout, DRAIN_S)
+
+        def settled() -> bool:
+            if self._notice.Test():
+                self._take_notice()
+                return False
+            return exchange.Test() and all(
+                heard >= due for heard, due in zip(self._heard_from, owed.tolist()))
+        while not settled() and time.monotonic() < deadline:
+            os.sched_yield()
+
     def free(self) -> None:
+        self.drain()
         self.stop_listening()
         self.control.Free()
 

@@ -118,3 +118,21 @@ def test_arrays_refused_on_one_rank_stop_the_peers_at_once():
         assert time.monotonic() - started < 30
     finally:
         c.free()
+
+
+def test_notices_in_flight_never_reach_a_later_communicator(comm):
+    """A rank gives up and frees at once; so do its peers, before its notice
+    arrives. The freed communicator's context is reused by the next one,
+    which must not receive that notice: free() drains what was sent."""
+    if comm.size == 1:
+        pytest.skip("needs peers to tell")
+    for round in range(30):
+        c = commlib.init(timeout=60)
+        if c.rank == round % c.size:
+            c._watchdog.give_up(f"round {round}")
+        c.free()
+    last = commlib.init(timeout=60)
+    try:
+        assert all_ranks(last.allreduce(np.ones(1))[0] == comm.size)
+    finally:
+        last.free()
