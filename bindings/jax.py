@@ -1,13 +1,14 @@
 """JAX operations over commlib, usable inside ``jax.jit`` and
-differentiable with ``jax.grad`` (``jax.custom_vjp``).
+differentiable with ``jax.grad`` (``jax.custom_vjp``), as one XLA program.
 
-The communication runs in host callbacks (``jax.experimental.io_callback``,
-ordered, so every rank issues its collectives in program order): the
-forward calls commlib's core and keeps out and lse, the backward calls the
-matching core backward. This is the fallback the bindings issue allows;
-an XLA-native path (mpi4jax's jit-able sendrecv/alltoall) is not used yet
-(see docs/bindings.md). Arrays cross to the host as NumPy views of JAX's CPU
-buffers.
+The algorithms are commlib's own (ring, Ulysses, the hybrid), traced by JAX
+on a ``TracedComm`` (``bindings/jax_collectives.py``): the schedule, the
+merge, the relayouts and the block kernel are jnp in the jitted program, on
+the arrays' device; only the transfers leave it, as buffer callbacks that
+hand XLA's buffers to the real Communicator (no copy on the CPU; on a GPU on
+XLA's stream). Forward and backward are both traced; the forward keeps
+``out`` and ``lse`` for the backward. Shapes and arguments are checked on
+every rank when JAX traces.
 """
 
 from __future__ import annotations
@@ -20,10 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from commlib import hybrid as _hybrid
 from commlib import ring as _ring
 from commlib import ulysses as _ulysses
+from commlib.kernels import Kernel
 
-__all__ = ["ring_attention", "ulysses_attention", "Dispatcher"]
+from .jax_collectives import traced
+
+__all__ = ["ring_attention", "ulysses_attention", "hybrid_attention", "Dispatcher"]
 
 
 def _struct(shape, dtype):
@@ -32,49 +37,37 @@ def _struct(shape, dtype):
 
 def _differentiable(forward, backward):
     """A custom_vjp attention from a core forward (returning out, lse) and
-    backward; ``settings`` (communicator, flags) are not differentiated."""
+    backward, both traced on the TracedComm of ``settings``' communicator;
+    ``settings`` (communicator, flags) are not differentiated."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
     def attend(q, k, v, settings):
         return _forward(q, k, v, settings)[0]
 
     def _forward(q, k, v, settings):
-        lse_shape = (q.shape[0], q.shape[2], q.shape[1])
-
-        def host(q, k, v):
-            out, lse = forward(np.asarray(q), np.asarray(k), np.asarray(v), **dict(settings))
-            return np.asarray(out), np.asarray(lse, np.float32)
-        return io_callback(host, (_struct(q.shape, q.dtype), _struct(lse_shape, jnp.float32)),
-                           q, k, v, ordered=True)
+        options = dict(settings)
+        comm = traced(options.pop("comm"))
+        with comm.ordered():
+            return forward(q, k, v, comm=comm, return_lse=True, **options)
 
     def attend_fwd(q, k, v, settings):
         out, lse = _forward(q, k, v, settings)
         return out, (q, k, v, out, lse)
 
     def attend_bwd(settings, saved, dout):
-        q, k, v, out, lse = saved
-
-        def host(dout, q, k, v, out, lse):
-            grads = backward(*(np.asarray(a) for a in (dout, q, k, v, out, lse)),
-                             **dict(settings))
-            return tuple(np.asarray(g) for g in grads)
-        shapes = tuple(_struct(a.shape, a.dtype) for a in (q, k, v))
-        return io_callback(host, shapes, dout, q, k, v, out, lse, ordered=True)
+        options = dict(settings)
+        comm = traced(options.pop("comm"))
+        with comm.ordered():
+            return tuple(backward(dout, *saved, comm=comm, **options))
 
     attend.defvjp(attend_fwd, attend_bwd)
     return attend
 
 
-def _ring_forward(q, k, v, **settings):
-    return _ring.ring_attention(q, k, v, return_lse=True, **settings)
-
-
-def _ulysses_forward(q, k, v, **settings):
-    return _ulysses.ulysses_attention(q, k, v, return_lse=True, **settings)
-
-
-_ring_attention = _differentiable(_ring_forward, _ring.ring_attention_backward)
-_ulysses_attention = _differentiable(_ulysses_forward, _ulysses.ulysses_attention_backward)
+_ring_attention = _differentiable(_ring.ring_attention, _ring.ring_attention_backward)
+_ulysses_attention = _differentiable(_ulysses.ulysses_attention,
+                                     _ulysses.ulysses_attention_backward)
+_hybrid_attention = _differentiable(_hybrid.hybrid_attention, _hybrid.hybrid_attention_backward)
 
 
 def _settings(**values):
@@ -83,17 +76,26 @@ def _settings(**values):
 
 
 def ring_attention(q, k, v, comm, causal: bool = False, layout: str = "contiguous",
-                   softmax_scale: Optional[float] = None):
+                   softmax_scale: Optional[float] = None, kernel: Optional[Kernel] = None):
     """Differentiable, jit-able ``commlib.ring.ring_attention`` for JAX arrays."""
     return _ring_attention(q, k, v, _settings(comm=comm, causal=causal, layout=layout,
-                                              softmax_scale=softmax_scale))
+                                              softmax_scale=softmax_scale, kernel=kernel))
 
 
 def ulysses_attention(q, k, v, comm, causal: bool = False,
-                      softmax_scale: Optional[float] = None):
+                      softmax_scale: Optional[float] = None, kernel: Optional[Kernel] = None):
     """Differentiable, jit-able ``commlib.ulysses.ulysses_attention`` for JAX arrays."""
     return _ulysses_attention(q, k, v, _settings(comm=comm, causal=causal,
-                                                 softmax_scale=softmax_scale))
+                                                 softmax_scale=softmax_scale, kernel=kernel))
+
+
+def hybrid_attention(q, k, v, comm, ulysses_size: int, causal: bool = False,
+                     softmax_scale: Optional[float] = None, kernel: Optional[Kernel] = None):
+    """Differentiable, jit-able ``commlib.hybrid.hybrid_attention`` for JAX
+    arrays (contiguous shards; ``commlib.hybrid.plan`` picks ``ulysses_size``)."""
+    return _hybrid_attention(q, k, v, _settings(comm=comm, ulysses_size=ulysses_size,
+                                                causal=causal, softmax_scale=softmax_scale,
+                                                kernel=kernel))
 
 
 # -- MoE under jit: fixed capacity, drop-and-pad ------------------------------

@@ -316,14 +316,25 @@ class Communicator:
         self._watchdog.give_up(message)
         raise AllocationRefusedError(message)
 
-    def alltoall(self, x: Any, split_axis: int = 0, concat_axis: int = 0) -> Any:
+    def alltoall(self, x: Any, split_axis: int = 0, concat_axis: int = 0,
+                 out: Any = None) -> Any:
         """Split ``x`` along ``split_axis`` into ``size`` equal chunks, send
         chunk i to rank i, and concatenate what arrives, in rank order, along
-        ``concat_axis``. The layout changes run in x's own framework."""
+        ``concat_axis``. The layout changes run in x's own framework.
+        ``out`` (with both axes 0): a NumPy or CuPy array of x's shape and
+        dtype that receives the result, for callers that own the memory
+        (the JAX binding passes XLA's output buffer)."""
         native = unwrap(x)
         data, size = native.data, self.size
         self._begin("alltoall", native.dtype.name, tuple(data.shape), split_axis, concat_axis)
         backend = self._backend_for(native)
+        if out is not None:
+            if (split_axis, concat_axis) != (0, 0) or data.ndim == 0 or data.shape[0] % size:
+                raise ValueError(f"alltoall writes into out= only with split_axis=0 and "
+                                 f"concat_axis=0 and axis 0 a multiple of {size}; got shape "
+                                 f"{tuple(data.shape)}, axes {split_axis}, {concat_axis}")
+            backend.alltoall(contiguous(native), self._target(out, native))
+            return out
         split_axis = _normalize_axis(split_axis, data.ndim, "split_axis")
         concat_axis = _normalize_axis(concat_axis, data.ndim, "concat_axis")
         length = data.shape[split_axis]
@@ -373,12 +384,15 @@ class Communicator:
         ``x`` of rank ``(rank - shift) % size``. All ranks pass the same shape."""
         return self.ring_shift_async(x, shift).wait()
 
-    def ring_shift_async(self, x: Any, shift: int = 1, lane: int = 0) -> "PendingShift":
+    def ring_shift_async(self, x: Any, shift: int = 1, lane: int = 0,
+                         out: Any = None) -> "PendingShift":
         """Start ``ring_shift(x, shift)`` and return at once; ``.wait()`` gives
         the result. For overlapping a transfer with computation (RingExchange);
         ``x`` must not change until then. Shifts on different ``lane``s
         overlap each other: under NCCL, lane n > 0 has its own communicator
-        and stream, made (by every rank together) on its first use."""
+        and stream, made (by every rank together) on its first use. ``out``:
+        an array of x's shape and dtype that receives the result (as for
+        ``alltoall``)."""
         native = unwrap(x)
         self._begin("ring_shift", native.dtype.name, tuple(native.data.shape), shift, lane)
         if isinstance(lane, bool) or not isinstance(lane, int) or lane < 0:
@@ -387,14 +401,26 @@ class Communicator:
         if lane and isinstance(backend, NcclBackend):
             backend = backend.lane(lane)
         data = contiguous(native)
-        out = native.empty(data.shape)
+        target = native.empty(data.shape) if out is None else self._target(out, native)
         shift = int(shift) % self.size
         if shift == 0:
-            out[...] = data
-            return PendingShift(lambda: None, native, out, data, abandon=None)
-        wait = backend.start_sendrecv(data, (self.rank + shift) % self.size, out,
+            target[...] = data
+            return PendingShift(lambda: None, native, target, data, abandon=None)
+        wait = backend.start_sendrecv(data, (self.rank + shift) % self.size, target,
                                       (self.rank - shift) % self.size)
-        return PendingShift(wait, native, out, data, abandon=self._abandon)
+        return PendingShift(wait, native, target, data, abandon=self._abandon)
+
+    def _target(self, out: Any, like: Native):
+        """The caller's ``out`` as a buffer to receive into: x's shape, dtype
+        and side, C-contiguous, writable."""
+        target = unwrap(out)
+        if (target.dtype, tuple(target.data.shape), target.on_device) != \
+                (like.dtype, tuple(like.data.shape), like.on_device) \
+                or not target.data.flags.c_contiguous or not target.data.flags.writeable:
+            raise ValueError(f"out must be a writable C-contiguous array of x's shape "
+                             f"{tuple(like.data.shape)} and dtype {like.dtype.name}, got "
+                             f"{tuple(target.data.shape)} {target.dtype.name}")
+        return target.data
 
     def _abandon(self, *in_flight: Any) -> None:
         """A shift was dropped before its ``wait()`` (an exception between the

@@ -61,6 +61,9 @@ def on_cuda(x: Any) -> bool:
     if kind == "cupy":
         return True
     if kind == "jax":
+        import jax
+        if isinstance(x, jax.core.Tracer):  # inside jit: where the program runs
+            return jax.default_backend() == "gpu"
         return any(d.platform == "gpu" for d in x.devices())
     return False
 

@@ -21,30 +21,68 @@ def reference(q, k, v, causal):
                                         jnp.repeat(v, group, axis=2), is_causal=causal)
 
 
+def _close(got, want, dtype):
+    """float32 to 1e-5 of the reference's scale; bfloat16 to 3e-2 of it."""
+    scale = float(np.abs(want).max()) or 1.0
+    return float(np.abs(np.asarray(got, np.float32) - want).max()) <= \
+        (3e-2 if dtype == "bfloat16" else 1e-5) * scale
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kv_heads", [HEADS, 1])
-@pytest.mark.parametrize("kind", ["ring", "ulysses"])
-def test_jit_and_grad_match_unsharded_attention(comm, kind, kv_heads, causal):
+@pytest.mark.parametrize("kind", ["ring", "ulysses", "hybrid"])
+def test_jit_and_grad_match_unsharded_attention(comm, kind, kv_heads, causal, dtype):
     rng = np.random.default_rng(kv_heads)
     full = [rng.standard_normal((1, SEQ, h, DIM)).astype(np.float32)
             for h in (HEADS, kv_heads, kv_heads, HEADS)]
     layout = "zigzag" if kind == "ring" else "contiguous"
-    q, k, v, probe = (jnp.asarray(ring.shard_sequence(x, comm, layout)) for x in full)
-    if kind == "ring":
-        attend = lambda q, k, v: cj.ring_attention(q, k, v, comm, causal, layout)  # noqa: E731
-    else:
-        attend = lambda q, k, v: cj.ulysses_attention(q, k, v, comm, causal)  # noqa: E731
+    q, k, v, probe = (jnp.asarray(ring.shard_sequence(x, comm, layout), dtype) for x in full)
+    degree = 2 if comm.size % 2 == 0 else comm.size
+    attend = {
+        "ring": lambda q, k, v: cj.ring_attention(q, k, v, comm, causal, layout),
+        "ulysses": lambda q, k, v: cj.ulysses_attention(q, k, v, comm, causal),
+        "hybrid": lambda q, k, v: cj.hybrid_attention(q, k, v, comm, degree, causal),
+    }[kind]
     out = jax.jit(attend)(q, k, v)
-    grads = jax.jit(jax.grad(lambda q, k, v: (attend(q, k, v) * probe).sum(),
+    grads = jax.jit(jax.grad(lambda q, k, v: (attend(q, k, v).astype(jnp.float32)
+                                              * probe.astype(jnp.float32)).sum(),
                              argnums=(0, 1, 2)))(q, k, v)
-    want = reference(*full[:3], causal)
-    want_grads = jax.grad(lambda q, k, v: (reference(q, k, v, causal) * full[3]).sum(),
-                          argnums=(0, 1, 2))(*full[:3])
-    ok = isinstance(out, jax.Array) and np.allclose(
-        ring.unshard_sequence(np.asarray(out), comm, layout), want, atol=1e-5)
+    exact = [np.asarray(jnp.asarray(x, dtype), np.float32) for x in full]  # inputs as rounded
+    want = reference(*exact[:3], causal)
+    want_grads = jax.grad(lambda q, k, v: (reference(q, k, v, causal) * exact[3]).sum(),
+                          argnums=(0, 1, 2))(*exact[:3])
+    ok = isinstance(out, jax.Array) and out.dtype == dtype and _close(
+        ring.unshard_sequence(np.asarray(out, np.float32), comm, layout), np.asarray(want),
+        dtype)
     for got, expected in zip(grads, want_grads):
-        ok = ok and np.allclose(ring.unshard_sequence(np.asarray(got), comm, layout),
-                                expected, atol=1e-4)
+        ok = ok and got.dtype == dtype and _close(
+            ring.unshard_sequence(np.asarray(got, np.float32), comm, layout),
+            np.asarray(expected), dtype)
+    assert all_ranks(ok)
+
+
+def test_transfers_see_xlas_own_buffers(comm, monkeypatch):
+    """On the CPU the callback sends from the jitted function's input buffer
+    and receives into the buffer the result is: no operand is copied."""
+    from commlib.bindings.jax_collectives import traced
+
+    shift = traced(comm)
+    seen = []
+    real = shift.runtime.ring_shift_async
+
+    def spy(x, amount=1, lane=0, out=None):
+        seen.append((x.__array_interface__["data"][0], out.__array_interface__["data"][0]))
+        return real(x, amount, lane, out=out)
+    monkeypatch.setattr(shift.runtime, "ring_shift_async", spy)
+
+    def rotate(x):
+        with shift.ordered():
+            return shift.ring_shift(x)
+    x = jnp.arange(1024, dtype=jnp.float32) + comm.rank
+    y = jax.jit(rotate)(x)
+    ok = seen == [(x.unsafe_buffer_pointer(), y.unsafe_buffer_pointer())] and np.array_equal(
+        np.asarray(y), np.arange(1024, dtype=np.float32) + (comm.rank - 1) % comm.size)
     assert all_ranks(ok)
 
 
@@ -120,3 +158,21 @@ def test_moe_capacity_pads_and_counts_drops(comm):
 def test_moe_needs_a_capacity(comm):
     with pytest.raises(ValueError, match="give a capacity_factor"):
         cj.Dispatcher(comm, comm.size, capacity_factor=None)
+
+
+def test_a_mesh_over_this_process_device_works_across_processes(comm):
+    """The supported layout: one process per device, each with a Mesh of
+    its own device(s) for its jit shardings, commlib between processes."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("local",))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    rng = np.random.default_rng(3)
+    full = [rng.standard_normal((1, SEQ, HEADS, DIM)).astype(np.float32) for _ in range(3)]
+    q, k, v = (jax.device_put(ring.shard_sequence(x, comm, "zigzag"), replicated) for x in full)
+    attend = jax.jit(lambda q, k, v: cj.ring_attention(q, k, v, comm, True, "zigzag"),
+                     in_shardings=replicated, out_shardings=replicated)
+    out = attend(q, k, v)
+    want = np.asarray(reference(*full, True))
+    assert all_ranks(out.sharding == replicated and np.allclose(
+        ring.unshard_sequence(np.asarray(out), comm, "zigzag"), want, atol=1e-5))
