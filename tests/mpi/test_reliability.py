@@ -95,7 +95,7 @@ def test_timeout_from_init_is_validated(comm):
     raises_everywhere(ValueError, lambda: commlib.init(timeout=-1), match="non-negative")
 
 
-def test_arrays_refused_on_one_rank_stop_the_peers_at_once():
+def test_arrays_refused_on_one_rank_stop_the_peers_at_once(comm):
     """Host and CUDA arrays mixed (or a CUDA array on the wrong GPU) are
     found on the rank that has them, before any exchange; its peers, already
     waiting in the call, hear of it instead of waiting out their deadline."""
@@ -107,6 +107,7 @@ def test_arrays_refused_on_one_rank_stop_the_peers_at_once():
     try:
         if c.size == 1:
             pytest.skip("needs peers to tell")
+        comm.barrier()  # every rank is out of init before rank 0 gives up
         started = time.monotonic()
         if c.rank == 0:
             on_gpu = Native(object(), np.dtype(np.float32), True, "cupy", lambda y: y)
@@ -128,6 +129,7 @@ def test_notices_in_flight_never_reach_a_later_communicator(comm):
         pytest.skip("needs peers to tell")
     for round in range(30):
         c = commlib.init(timeout=60)
+        comm.barrier()  # every rank is out of init before one gives up
         if c.rank == round % c.size:
             c._watchdog.give_up(f"round {round}")
         c.free()
