@@ -125,7 +125,7 @@ class Watchdog:
         except CommlibError:
             # MPI may still write into these buffers: keep them (the requests
             # hold them) alive for as long as the communicator
-            self._abandoned.extend(requests)
+            self.hold(*requests)
             raise
 
     def check_usable(self) -> None:
