@@ -160,11 +160,6 @@ def test_moe_capacity_pads_and_counts_drops(comm):
                      and stats.tokens_per_expert.sum() + stats.dropped.sum() == sent)
 
 
-def test_moe_needs_a_capacity(comm):
-    with pytest.raises(ValueError, match="give a capacity_factor"):
-        cj.Dispatcher(comm, comm.size, capacity_factor=None)
-
-
 def test_a_mesh_over_this_process_device_works_across_processes(comm):
     """The supported layout: one process per device, each with a Mesh of
     its own device(s) for its jit shardings, commlib between processes."""
