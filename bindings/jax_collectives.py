@@ -10,11 +10,17 @@ CuPy's current stream set to XLA's, so NCCL is ordered on it without a host
 wait) and the real Communicator writes into XLA's output buffer. Deadlines,
 failure notices and the runtime checks of the Communicator stay in force.
 
-Order: every rank must run the same transfers in the same order. Within one
-traced function they are chained by a token (each callback takes the
-previous one's token and makes the next), so XLA cannot reorder or run them
-concurrently. Between traced functions, XLA runs side-effecting callbacks
-one at a time in program order, the same program on every rank.
+Order: every rank must run the same transfers in the same order, and XLA
+schedules independent operations as it likes (its schedule differs between
+ranks, whose programs differ: a ring rank skips blocks its causal mask
+hides). Within one ``ordered()`` block the transfers are chained by a token
+(each callback takes the previous one's token and makes the next). The
+blocks are ordered among themselves by JAX's ordered effects: a block's
+chain starts from an ordered ``io_callback`` and ends in one, and JAX runs
+ordered callbacks in program order (forward calls in order, then the
+backward ones in reverse, across ``custom_vjp``, ``scan`` and separate jitted
+calls). Without that, the backward's first K/V shift of one rank, which
+depends on no forward result, met the forward's shift of another.
 
 Checks of shapes and arguments (``agree``) run once, when JAX traces, over
 a communicator of their own, so that tracing one function while another
@@ -30,6 +36,7 @@ from typing import Any, Iterator, List, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 from jax.experimental.buffer_callback import buffer_callback
 
 # dtypes whose bytes cross as unsigned integers of the same size: CuPy has no
@@ -57,6 +64,18 @@ class _Chain:
 
     def __init__(self):
         self.token = None
+
+
+def _program_order(token=None):
+    """A token from an ordered ``io_callback`` that depends on ``token``:
+    JAX runs these in program order on every rank."""
+    operands = () if token is None else (token,)
+    return io_callback(_next_token, jax.ShapeDtypeStruct((), jnp.uint8), *operands,
+                       ordered=True)
+
+
+def _next_token(*_):
+    return np.zeros((), np.uint8)
 
 
 def _view(buffer, on_gpu: bool):
@@ -105,11 +124,13 @@ class TracedComm:
 
     @contextlib.contextmanager
     def ordered(self) -> Iterator[None]:
-        """Chain the transfers traced inside the block (one traced function)."""
+        """Chain the transfers traced inside the block (one traced function),
+        after every earlier block of the program and before every later one."""
         outer = self._chain.token
-        self._chain.token = jnp.zeros((), jnp.uint8)
+        self._chain.token = _program_order()
         try:
             yield
+            _program_order(self._chain.token)
         finally:
             self._chain.token = outer
 

@@ -3,12 +3,15 @@ backward as one jitted ``jax.value_and_grad`` against the torch binding on
 the same shapes and cores (interleaved in one launch), and the cost of one
 jitted ring shift against the raw commlib call on NumPy.
 
-    XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" \\
-        OPENBLAS_NUM_THREADS=1 mpiexec -n 2 python -m commlib.tools.bench_jax
+    XLA_FLAGS=--xla_cpu_multi_thread_eigen=false OPENBLAS_NUM_THREADS=1 \\
+        mpiexec -bind-to core -n 2 python -m commlib.tools.bench_jax
     python -m commlib.tools.bench_jax --alone   # jax.nn.dot_product_attention, one process
 
-``--alone`` times XLA's own attention on the whole sequence in one process
-on every core: the user's real alternative.
+``-bind-to core`` matters: XLA's CPU runtime runs a second thread whatever
+its flags say, so two unbound ranks put four threads on two cores (measured:
+the jnp kernel 1.9x slower, torch's unchanged). ``--alone`` times XLA's own
+attention on the whole sequence in one process on every core: the user's
+real alternative.
 """
 
 from __future__ import annotations

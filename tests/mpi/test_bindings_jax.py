@@ -22,10 +22,11 @@ def reference(q, k, v, causal):
 
 
 def _close(got, want, dtype):
-    """float32 to 1e-5 of the reference's scale; bfloat16 to 6e-2 (summed over ranks)."""
+    """float32 to 1e-5 of the reference's scale; bfloat16 to 2e-2 (measured:
+    under 8e-3 at 1-4 ranks)."""
     scale = float(np.abs(want).max()) or 1.0
     return float(np.abs(np.asarray(got, np.float32) - want).max()) <= \
-        (6e-2 if dtype == "bfloat16" else 1e-5) * scale
+        (2e-2 if dtype == "bfloat16" else 1e-5) * scale
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -59,12 +60,28 @@ def test_jit_and_grad_match_unsharded_attention(comm, kind, kv_heads, causal, dt
         x.dtype == dtype for x in (out, *grads))}
     for name, got, expected in zip(("out", "dq", "dk", "dv"), gathered, (want, *want_grads)):
         checks[name] = _close(got, np.asarray(expected), dtype)
-    passed = all_ranks(all(checks.values()))
-    if not passed and (kind, kv_heads, causal, dtype) == ("ring", 1, True, "bfloat16"):
-        # seen at 4 ranks only, gradients off beyond 6e-2 of scale: open, in
-        # the issue 13 note; every rank takes this branch together
-        pytest.xfail(f"known: bfloat16 GQA causal ring gradients at {comm.size} ranks")
-    assert passed, checks
+    assert all_ranks(all(checks.values())), checks
+
+
+def test_independent_calls_in_one_program_keep_their_transfers_apart(comm):
+    """Two ring attentions on unrelated inputs, forward and backward, in one
+    jitted step: XLA may schedule their transfers in any order, and differently
+    on each rank (their programs differ), so only commlib's ordering keeps
+    one call's K/V from meeting another's (same shapes, same bytes)."""
+    rng = np.random.default_rng(5)
+    full = [rng.standard_normal((1, SEQ, HEADS, DIM)).astype(np.float32) for _ in range(8)]
+    shards = [jnp.asarray(ring.shard_sequence(x, comm, "zigzag")) for x in full]
+
+    def loss(attend, *arrays):
+        a, b = attend(*arrays[0:3]), attend(*arrays[4:7])
+        return (a * arrays[3]).sum() + (b * arrays[7]).sum()
+
+    sharded = lambda *a: cj.ring_attention(*a, comm, True, "zigzag")  # noqa: E731
+    grads = jax.jit(jax.grad(lambda *a: loss(sharded, *a), argnums=(0, 1, 2, 4, 5, 6)))(*shards)
+    want = jax.grad(lambda *a: loss(lambda q, k, v: reference(q, k, v, True), *a),
+                    argnums=(0, 1, 2, 4, 5, 6))(*full)
+    got = [ring.unshard_sequence(np.asarray(g), comm, "zigzag") for g in grads]
+    assert all_ranks(all(_close(g, np.asarray(w), "float32") for g, w in zip(got, want)))
 
 
 def test_transfers_see_xlas_own_buffers(comm, monkeypatch):
