@@ -155,12 +155,12 @@ class TracedComm:
             raise RuntimeError("commlib JAX transfers must be traced inside "
                                "TracedComm.ordered() (the bindings do this)")
 
-        on_gpu = jax.default_backend() == "gpu"
-
         def callback(ctx, outs, token, *ins):
+            stream = _stream_of(ctx)
+            on_gpu = stream is not None
             views = [_view(b, on_gpu) for b in ins]
             targets = [_view(b, on_gpu) for b in outs[1:]]
-            with _on_stream(ctx.stream if on_gpu else None):
+            with _on_stream(stream):
                 transfer(targets, *views)
             _view(outs[0], on_gpu)[...] = _view(token, on_gpu)
 
@@ -228,6 +228,15 @@ class TracedComm:
                                                           bits.dtype)], bits)
         out = _unbits(out, x.dtype)
         return jnp.concatenate(list(out), axis=axis)
+
+
+def _stream_of(ctx) -> Optional[int]:
+    """XLA's CUDA stream for a program on a GPU; None for one on the CPU
+    (which can run on a machine whose default backend is a GPU)."""
+    try:
+        return ctx.stream
+    except jax.errors.JaxRuntimeError:  # "XLA FFI GPU context is not available"
+        return None
 
 
 @contextlib.contextmanager

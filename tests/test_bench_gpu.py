@@ -22,3 +22,9 @@ def test_cpu_smoke_run_measures_every_part(tmp_path):
     attention = results["attention"]
     assert attention["kernel"] == "torch-sdpa" and attention["kernel_TFLOPs"] > 0
     assert attention["ring_s"] > 0 and results["moe"]["dispatch_combine_s"] > 0
+    try:
+        import jax  # noqa: F401
+    except ImportError:
+        return
+    assert results["jax_attention"]["ring_s"] > 0 and results["jax_attention"]["alone_s"] > 0
+    assert results["jax_moe"]["dispatch_combine_grad_s"] > 0

@@ -17,6 +17,10 @@ synchronized around it, best of ``--repeats``:
 - ring attention forward + backward through ``commlib.bindings.torch``
   against SDPA on those shapes;
 - MoE dispatch + combine: 8192 tokens x 4096 bfloat16, 64 experts, top-8;
+- the JAX binding on JAX's device: ring attention forward + backward under
+  ``jit`` against ``jax.nn.dot_product_attention`` (cuDNN on a GPU) on the
+  attention shapes, and a jitted MoE dispatch + combine with gradients
+  (capacity factor 1.25) on the MoE shapes;
 - CUDA arrays over MPI (``backends.staged``, what a communicator without
   NCCL uses): which path this MPI gets (cuda-aware or staged, and why), and
   GB/s of a send-receive to this same rank at the alltoallv sizes. In a
@@ -145,6 +149,58 @@ def _moe(comm, device: str, shape: dict, repeats: int) -> dict:
             "dtype": "bfloat16", "dispatch_combine_s": _best(step, device, repeats)}
 
 
+def _jax_attention(comm, device: str, shape: dict, repeats: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from commlib.bindings import jax as cj
+
+    place = jax.devices("gpu" if device == "cuda" else "cpu")[0]
+    b, s, h, hk, d = 1, shape["seq"], shape["heads"], shape["kv_heads"], shape["head_dim"]
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, probe = (jax.device_put(jax.random.normal(key, (b, s, heads, d), jnp.bfloat16),
+                                     place) for key, heads in zip(keys, (h, hk, hk, h)))
+    implementation = "cudnn" if device == "cuda" else None
+
+    def step(attend):
+        loss = lambda q, k, v: (attend(q, k, v).astype(jnp.float32) * probe).sum()  # noqa: E731
+        jitted = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+        return lambda: jax.block_until_ready(jitted(q, k, v))
+    ring = step(lambda q, k, v: cj.ring_attention(q, k, v, comm, True, "zigzag"))
+    alone = step(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation=implementation))
+    t_ring, t_alone = (_best(call, device, repeats) for call in (ring, alone))
+    return {"shape": dict(batch=b, seq=s, heads=h, kv_heads=hk, head_dim=d, dtype="bfloat16",
+                          causal=True),
+            "alone": f"jax.nn.dot_product_attention ({implementation or 'xla'})",
+            "ring_s": t_ring, "alone_s": t_alone, "ring_over_alone": t_ring / t_alone}
+
+
+def _jax_moe(comm, device: str, shape: dict, repeats: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from commlib.bindings import jax as cj
+
+    place = jax.devices("gpu" if device == "cuda" else "cpu")[0]
+    tokens, hidden = shape["tokens"], shape["hidden"]
+    experts, topk = shape["experts"], shape["topk"]
+    keys = jax.random.split(jax.random.key(1), 2)
+    x = jax.device_put(jax.random.normal(keys[0], (tokens, hidden), jnp.bfloat16), place)
+    logits = jax.device_put(jax.random.normal(keys[1], (tokens, experts)), place)
+    dispatcher = cj.Dispatcher(comm, experts, capacity_factor=1.25)
+
+    def loss(x, logits):
+        weights, chosen = jax.lax.top_k(jax.nn.softmax(logits), topk)
+        expert_x, key = dispatcher.dispatch(x, chosen, weights)
+        return dispatcher.combine(expert_x, weights, key).astype(jnp.float32).sum()
+    step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    return {"tokens": tokens, "hidden": hidden, "experts": experts, "topk": topk,
+            "dtype": "bfloat16", "capacity_factor": 1.25,
+            "dispatch_combine_grad_s": _best(lambda: jax.block_until_ready(step(x, logits)),
+                                             device, repeats)}
+
+
 @click.command()
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True)
 @click.option("--quick", is_flag=True, help="Tiny shapes: a smoke test, not a measurement.")
@@ -161,7 +217,10 @@ def main(device: str, quick: bool, repeats: int, out_path) -> None:
                           ("staged_mpi", lambda: _staged_mpi(comm, device, shape["sizes"],
                                                              repeats)),
                           ("attention", lambda: _attention(comm, device, shape, repeats)),
-                          ("moe", lambda: _moe(comm, device, shape, repeats))):
+                          ("moe", lambda: _moe(comm, device, shape, repeats)),
+                          ("jax_attention", lambda: _jax_attention(comm, device, shape,
+                                                                   repeats)),
+                          ("jax_moe", lambda: _jax_moe(comm, device, shape, repeats))):
         try:  # one failing part must not cost the others' numbers on a lent machine
             results[name] = measure()
         except Exception as error:

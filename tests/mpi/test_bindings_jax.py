@@ -6,6 +6,7 @@ import pytest
 
 from commlib import ring
 
+import arrayimpl
 from conftest import all_ranks
 
 jax = pytest.importorskip("jax")
@@ -33,12 +34,14 @@ def _close(got, want, dtype):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kv_heads", [HEADS, 1])
 @pytest.mark.parametrize("kind", ["ring", "ulysses", "hybrid"])
-def test_jit_and_grad_match_unsharded_attention(comm, kind, kv_heads, causal, dtype):
+@pytest.mark.parametrize("impl", arrayimpl.params(("jax", "jax-cuda")))
+def test_jit_and_grad_match_unsharded_attention(comm, impl, kind, kv_heads, causal, dtype):
+    """On the CPU and (gpu mark) on a GPU, where the transfers run on XLA's stream."""
     rng = np.random.default_rng(kv_heads)
     full = [rng.standard_normal((1, SEQ, h, DIM)).astype(np.float32)
             for h in (HEADS, kv_heads, kv_heads, HEADS)]
     layout = "zigzag" if kind == "ring" else "contiguous"
-    q, k, v, probe = (jnp.asarray(ring.shard_sequence(x, comm, layout), dtype) for x in full)
+    q, k, v, probe = (impl.asarray(ring.shard_sequence(x, comm, layout), dtype) for x in full)
     degree = 2 if comm.size % 2 == 0 else comm.size
     attend = {
         "ring": lambda q, k, v: cj.ring_attention(q, k, v, comm, causal, layout),

@@ -11,6 +11,7 @@ import pytest
 import commlib
 import commlib.moe as moe
 
+import arrayimpl
 from conftest import all_ranks, raises_everywhere
 
 jax = pytest.importorskip("jax")
@@ -115,7 +116,10 @@ CASES = [  # (capacity_factor, drop_policy, hot, absent): no drops, then drops
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("capacity_factor,policy,hot,absent", CASES)
-def test_jit_grad_matches_per_token_loop(comm, dtype, capacity_factor, policy, hot, absent):
+@pytest.mark.parametrize("impl", arrayimpl.params(("jax", "jax-cuda")))
+def test_jit_grad_matches_per_token_loop(comm, impl, dtype, capacity_factor, policy, hot,
+                                         absent):
+    """On the CPU and (gpu mark) on a GPU."""
     tokens, hidden, k = 12, 6, 2
     experts = 2 * comm.size
     cf = float(experts) if capacity_factor is None else capacity_factor  # None: room for all
@@ -123,9 +127,9 @@ def test_jit_grad_matches_per_token_loop(comm, dtype, capacity_factor, policy, h
     capacity = math.ceil(tokens * k / experts * cf)
     want = _reference(comm, tokens, hidden, experts, k, dtype, capacity, policy, hot=hot,
                       absent=absent)
-    x = jnp.asarray(want["x"], dtype)
-    weights, chosen = jnp.asarray(want["weights"]), jnp.asarray(want["chosen"])
-    maps, probe = jnp.asarray(want["maps"], dtype), jnp.asarray(want["probe"], jnp.float32)
+    x, maps = impl.asarray(want["x"], dtype), impl.asarray(want["maps"], dtype)
+    weights, chosen = impl.asarray(want["weights"]), impl.asarray(want["chosen"])
+    probe = impl.asarray(want["probe"], "float32")
     step = jax.jit(jax.value_and_grad(_moe_loss(dispatcher), argnums=(0, 1, 2), has_aux=True))
     before = dispatcher.stats
     (_, (y, expert_x, key)), (dx, dw, d_maps) = step(x, weights, maps, chosen, probe)
