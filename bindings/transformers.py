@@ -1,0 +1,40 @@
+"""Hugging Face transformers over commlib: context-parallel attention and
+expert-parallel MoE in unmodified transformers models, through
+transformers' own registries (``AttentionInterface``,
+``AttentionMaskInterface``, ``ExpertsInterface``).
+
+Three lines::
+
+    commlib.bindings.transformers.register(comm)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="commlib_ring")
+    batch = commlib.bindings.transformers.shard_batch(batch, comm)
+
+then ``expert_parallel(model, comm)`` for MoE models and
+``allreduce_gradients(model, comm)`` after ``backward()``. The pieces:
+``transformers_attention.py`` (the attention implementations and their
+mask functions), ``transformers_batch.py`` (sharding a batch, global
+positions and labels), ``transformers_experts.py`` (experts over the
+torch ``Dispatcher``), ``transformers_gradients.py`` (summing the
+gradients of replicated parameters).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .transformers_attention import LAYOUTS, register_attention
+from .transformers_batch import shard_batch
+from .transformers_experts import expert_parallel, register_experts
+from .transformers_gradients import allreduce_gradients
+
+__all__ = ["register", "shard_batch", "expert_parallel", "allreduce_gradients", "LAYOUTS"]
+
+
+def register(comm, ulysses_size: Optional[int] = None) -> None:
+    """Register ``"commlib_ring"``, ``"commlib_ulysses"`` and
+    ``"commlib_hybrid"`` (attention, with their mask functions) and
+    ``"commlib_ep"`` (experts) over ``comm`` in transformers' registries.
+    ``ulysses_size``: the hybrid's Ulysses degree (default: ``hybrid.plan``'s
+    choice). A later call replaces the communicator."""
+    register_attention(comm, ulysses_size=ulysses_size)
+    register_experts()

@@ -1,0 +1,159 @@
+"""Expert parallelism in transformers' MoE models: ``"commlib_ep"``, an
+implementation for transformers' ``ExpertsInterface`` that runs each experts
+module over commlib's differentiable ``Dispatcher``, and ``expert_parallel``,
+which keeps each rank's experts and switches a model to it.
+
+Every rank runs the router on its own tokens, unchanged. Dispatch sends each
+token to the ranks that own its top-k experts (expert e of E on rank
+``e // (E/P)``), the owner runs its experts' MLPs on contiguous row groups,
+and combine returns each token's routing-weighted sum. Gradients reach the
+tokens, the routing weights (hence the router) and the local expert weights.
+An expert's gradient is complete on its owner, which computed every token
+that used it, so its parameters carry ``_commlib_expert_parallel`` and stay
+out of the data-parallel gradient sum.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from torch import nn
+from transformers.integrations.moe import ExpertsInterface
+
+from .torch import Dispatcher
+
+__all__ = ["IMPLEMENTATION", "EXPERT_PARALLEL", "register_experts", "expert_parallel"]
+
+IMPLEMENTATION = "commlib_ep"
+EXPERT_PARALLEL = "_commlib_expert_parallel"  # on Parameters that hold this rank's experts only
+_DISPATCHER = "commlib_dispatcher"            # on experts modules made expert-parallel
+# set on every instance by transformers' ``use_experts_implementation``
+_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
+
+
+def _project(experts: nn.Module, name: str, index: int, rows: torch.Tensor) -> torch.Tensor:
+    """One local expert's projection ``name`` (weight [out, in], or [in, out]
+    when ``is_transposed``; plus its bias when ``has_bias``)."""
+    weight = getattr(experts, name)[index]
+    out = rows @ weight if experts.is_transposed else nn.functional.linear(rows, weight)
+    return out + getattr(experts, f"{name}_bias")[index] if experts.has_bias else out
+
+
+def _expert_mlp(experts: nn.Module, index: int, rows: torch.Tensor) -> torch.Tensor:
+    """Local expert ``index`` on its rows, as transformers' own experts
+    forwards compute it: the gate's layout (concatenated or interleaved) is
+    the module's ``_apply_gate``'s business."""
+    if experts.has_gate:
+        hidden = experts._apply_gate(_project(experts, "gate_up_proj", index, rows))
+    else:
+        hidden = experts.act_fn(_project(experts, "up_proj", index, rows))
+    out = _project(experts, "down_proj", index, hidden)
+    return experts.post_expert_norm(out) if experts.has_post_expert_norm else out
+
+
+def _experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ``"commlib_ep"`` experts forward: [T, H] tokens, [T, k] global
+    expert ids and routing weights -> [T, H], over the module's Dispatcher."""
+    dispatcher = getattr(experts, _DISPATCHER, None)
+    if dispatcher is None:
+        raise RuntimeError(f"{type(experts).__name__} uses experts implementation "
+                           f"{IMPLEMENTATION!r} but holds all its experts: call "
+                           f"expert_parallel(model, comm) instead of selecting it by name")
+    expert_x, handle = dispatcher.dispatch(hidden_states, top_k_index, top_k_weights)
+    groups = torch.split(expert_x, handle.tokens_per_expert.tolist())
+    expert_y = torch.cat([_expert_mlp(experts, index, rows) for index, rows in enumerate(groups)])
+    return dispatcher.combine(expert_y, handle).to(hidden_states.dtype)
+
+
+def register_experts() -> None:
+    """Register ``"commlib_ep"`` in transformers' ``ExpertsInterface``. It
+    takes no communicator: each experts module runs over the Dispatcher that
+    ``expert_parallel(model, comm)`` gave it, since that communicator decided
+    which experts the module holds (context and expert parallelism may use
+    different communicators)."""
+    ExpertsInterface.register(IMPLEMENTATION, _experts_forward)
+
+
+def _expert_parameter_names(experts: nn.Module) -> List[str]:
+    """The parameters with one slice per expert that the flags call for."""
+    weights = ["gate_up_proj" if experts.has_gate else "up_proj", "down_proj"]
+    return weights + [f"{name}_bias" for name in weights] if experts.has_bias else weights
+
+
+def _holds_expert_weights(module: nn.Module) -> bool:
+    """An experts module: ``num_experts`` and its own 3-D expert weights."""
+    weight = module._parameters.get("down_proj")
+    return hasattr(module, "num_experts") and weight is not None and weight.ndim == 3
+
+
+def _refusal(experts: nn.Module, size: int) -> Optional[str]:
+    """Why this experts module cannot be split over ``size`` ranks (None: it can)."""
+    kind = type(experts).__name__
+    if not all(hasattr(experts, flag) for flag in _FLAGS):
+        return (f"{kind} holds expert weights but is not an ExpertsInterface class "
+                f"(transformers' use_experts_implementation): its forward would ignore "
+                f"{IMPLEMENTATION!r}")
+    if getattr(experts, "_is_expert_parallel", False):
+        return (f"{kind} is already split by transformers' own expert parallelism "
+                f"(distributed_config / tp_plan); use that or expert_parallel, not both")
+    if hasattr(experts, _DISPATCHER):
+        return f"{kind} is already expert-parallel: expert_parallel was called twice"
+    count = experts.num_experts
+    if count % size:
+        return (f"{kind} has {count} experts, which the world size {size} does not "
+                f"divide (expert e lives on rank e // (num_experts // size))")
+    expected = _expert_parameter_names(experts)
+    unknown = sorted(set(experts._parameters) - set(expected))
+    if unknown:
+        return (f"{kind} has parameters {IMPLEMENTATION!r} does not compute with: "
+                f"{', '.join(unknown)} (it knows {', '.join(expected)})")
+    for name in expected:
+        parameter = experts._parameters.get(name)
+        if parameter is None or parameter.shape[0] != count:
+            found = "none" if parameter is None else f"shape {tuple(parameter.shape)}"
+            return f"{kind}.{name} must hold one slice per expert ({count}), found {found}"
+    return None
+
+
+def _keep_local_experts(experts: nn.Module, comm) -> None:
+    """Replace each expert parameter by this rank's slice, a copy of its own
+    so that the full tensor's memory is freed, and attach the Dispatcher.
+    ``num_experts`` stays global: the router's ids are global."""
+    local = experts.num_experts // comm.size
+    first = comm.rank * local
+    with torch.no_grad():
+        for name in _expert_parameter_names(experts):
+            full = experts._parameters[name]
+            shard = nn.Parameter(full[first:first + local].clone(),
+                                 requires_grad=full.requires_grad)
+            setattr(shard, EXPERT_PARALLEL, True)
+            setattr(experts, name, shard)
+    setattr(experts, _DISPATCHER, Dispatcher(comm, experts.num_experts))
+
+
+def expert_parallel(model: nn.Module, comm) -> nn.Module:
+    """Split every experts module of ``model`` over ``comm`` (collective):
+    each rank keeps experts ``rank * E/P`` to ``(rank + 1) * E/P - 1``, their
+    parameters marked ``_commlib_expert_parallel``, and the experts run
+    ``"commlib_ep"``. Call it before building the optimizer; ``state_dict()``
+    then holds this rank's experts. A model that cannot be split (E not a
+    multiple of the world size, an experts class whose features commlib_ep
+    does not compute) raises ValueError on every rank, unchanged."""
+    register_experts()
+    experts = [module for module in model.modules() if _holds_expert_weights(module)]
+    refusals = [reason for reason in (_refusal(module, comm.size) for module in experts)
+                if reason is not None]
+    if not experts:
+        refusals.append(f"{type(model).__name__} has no experts module (num_experts and 3-D "
+                        f"expert weights, from transformers' use_experts_implementation)")
+    problem = ValueError("; ".join(dict.fromkeys(refusals))) if refusals else None
+    comm.agree("transformers.expert_parallel",
+               *(f"{type(module).__name__}: {module.num_experts} experts" for module in experts),
+               problem=problem)
+    for module in experts:
+        _keep_local_experts(module, comm)
+        # what the decorated forward reads; the setter reaches the config's sub-configs
+        module.config._experts_implementation = IMPLEMENTATION
+    return model

@@ -1,0 +1,253 @@
+"""transformers over commlib, dense models: a tiny GQA Llama trained with
+each context-parallel attention implementation matches the unsharded model
+(loss, gradients, 20 optimizer steps), and what commlib does not implement
+is refused on every rank."""
+
+import copy
+
+import numpy as np
+import pytest
+
+import commlib
+from commlib.ring import shard_sequence, unshard_sequence
+
+from conftest import all_ranks, raises_everywhere
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+hf = pytest.importorskip("commlib.bindings.transformers")
+from commlib.bindings.transformers_attention import LAYOUTS  # noqa: E402
+from commlib.bindings.transformers_experts import EXPERT_PARALLEL  # noqa: E402
+
+KINDS = tuple(LAYOUTS)
+SEQ, BATCH, HEADS, KV_HEADS, HEAD_DIM = 24, 2, 4, 2, 16  # 2P divides SEQ at 1-4 ranks
+STEPS, LR, TOL = 20, 0.1, 1e-5
+
+
+def tiny_llama_config(attention_heads=HEADS, kv_heads=KV_HEADS):
+    return transformers.LlamaConfig(
+        hidden_size=attention_heads * HEAD_DIM, num_attention_heads=attention_heads,
+        num_key_value_heads=kv_heads, num_hidden_layers=2, intermediate_size=128,
+        vocab_size=128, max_position_embeddings=2 * SEQ, attention_dropout=0.0)
+
+
+def global_batch():
+    """The same batch on every rank; some labels ignored, so the global
+    token count is not the sequence length."""
+    gen = torch.Generator().manual_seed(5)
+    input_ids = torch.randint(0, 128, (BATCH, SEQ), generator=gen)
+    labels = input_ids.clone()
+    labels[0, :7] = -100
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def model_with(reference, implementation):
+    model = transformers.AutoModelForCausalLM.from_config(reference.config,
+                                                          attn_implementation=implementation)
+    model.load_state_dict(reference.state_dict())
+    return model
+
+
+def close(got, want, tol=TOL):
+    """Within ``tol`` of the reference, relative to its largest entry."""
+    got, want = torch.as_tensor(got).double(), torch.as_tensor(want).double()
+    return bool((got - want).abs().max() <= tol * max(float(want.abs().max()), 1e-3))
+
+
+def world_sum(comm, value):
+    return float(comm.allreduce(np.array([float(value)]))[0])
+
+
+def supported(comm, implementation):
+    if implementation == "commlib_ulysses" and HEADS % comm.size:
+        pytest.skip(f"Ulysses cannot split {HEADS} heads over {comm.size} ranks")
+
+
+@pytest.fixture(scope="module")
+def reference(comm):
+    """The unsharded model (sdpa), its first loss and gradients, and its
+    losses and weights over STEPS optimizer steps."""
+    hf.register(comm)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_llama_config(),
+                                                          attn_implementation="sdpa")
+    initial = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, grads = [], None
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        loss = model(**global_batch()).loss
+        loss.backward()
+        grads = grads or {name: p.grad.clone() for name, p in model.named_parameters()}
+        losses.append(loss.item())
+        optimizer.step()
+    return {"model": initial, "grads": grads, "losses": losses,
+            "trained": dict(model.named_parameters())}
+
+
+def sharded_step(model, comm, implementation):
+    """One forward and backward on this rank's shard; the global loss."""
+    shard = hf.shard_batch(global_batch(), comm, LAYOUTS[implementation])
+    loss = model(**shard).loss
+    loss.backward()
+    hf.allreduce_gradients(model, comm)
+    return world_sum(comm, loss.item())
+
+
+@pytest.mark.parametrize("implementation", KINDS)
+def test_loss_and_gradients_match_the_unsharded_model(comm, reference, implementation):
+    supported(comm, implementation)
+    model = model_with(reference["model"], implementation)
+    loss = sharded_step(model, comm, implementation)
+    ok = abs(loss - reference["losses"][0]) <= TOL * abs(reference["losses"][0])
+    for name, parameter in model.named_parameters():
+        ok = ok and close(parameter.grad, reference["grads"][name])
+    assert all_ranks(ok)
+
+
+@pytest.mark.parametrize("implementation", KINDS)
+def test_training_matches_the_unsharded_model(comm, reference, implementation):
+    supported(comm, implementation)
+    model = model_with(reference["model"], implementation)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        losses.append(sharded_step(model, comm, implementation))
+        optimizer.step()
+    ok = close(losses, reference["losses"])
+    for name, parameter in model.named_parameters():
+        ok = ok and close(parameter.detach(), reference["trained"][name].detach())
+    assert all_ranks(ok)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_shard_batch_shifts_labels_on_the_whole_sequence(comm, layout):
+    batch = global_batch()
+    shard = hf.shard_batch(batch, comm, layout)
+    shifted = unshard_sequence(shard["shift_labels"], comm, layout)
+    positions = unshard_sequence(shard["position_ids"], comm, layout)
+    assert all_ranks(
+        shifted[:, :-1].equal(batch["labels"][:, 1:]) and bool((shifted[:, -1] == -100).all())
+        and positions.equal(torch.arange(SEQ).expand(BATCH, SEQ))
+        and shard["labels"] is shard["shift_labels"] and "attention_mask" not in shard
+        and int(shard["num_items_in_batch"]) == BATCH * (SEQ - 1) - 6)
+
+
+def attention_call(comm, implementation, heads=HEADS, kv_heads=KV_HEADS):
+    """q, k, v shards as transformers passes them ([b, h, s_local, d]) and
+    the unsharded causal attention's output shard ([b, s_local, h, d])."""
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(BATCH, SEQ, h, HEAD_DIM, generator=gen)
+               for h in (heads, kv_heads, kv_heads))
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+        enable_gqa=True).transpose(1, 2)
+    layout = LAYOUTS[implementation]
+    shards = [shard_sequence(t, comm, layout).transpose(1, 2) for t in (q, k, v)]
+    return shards, shard_sequence(want, comm, layout)
+
+
+def registered(implementation):
+    return transformers.AttentionInterface()[implementation]
+
+
+class CausalModule(torch.nn.Module):
+    is_causal = True
+
+
+@pytest.mark.parametrize("implementation", KINDS)
+def test_bookkeeping_keyword_arguments_are_accepted(comm, reference, implementation):
+    supported(comm, implementation)
+    (q, k, v), want = attention_call(comm, implementation)
+    out, weights = registered(implementation)(
+        CausalModule(), q, k, v, None, dropout=0.0, scaling=HEAD_DIM**-0.5,
+        position_ids=torch.arange(SEQ)[None], use_cache=True, num_items_in_batch=7,
+        shift_labels=torch.zeros(1), output_attentions=False, sliding_window=None,
+        softcap=None, s_aux=None, cu_seq_lens_q=None)
+    assert all_ranks(weights is None and close(out, want))
+
+
+def test_hybrid_runs_at_a_given_ulysses_size(comm, reference):
+    degree = 2 if comm.size % 2 == 0 else 1  # at 4 ranks: Ulysses 2 x Ring 2
+    hf.register(comm, ulysses_size=degree)
+    try:
+        (q, k, v), want = attention_call(comm, "commlib_hybrid")
+        out, _ = registered("commlib_hybrid")(CausalModule(), q, k, v, None)
+    finally:
+        hf.register(comm)
+    assert all_ranks(close(out, want))
+
+
+@pytest.mark.parametrize("extra, named", [
+    ({"softcap": 30.0}, "softcap"), ({"s_aux": torch.zeros(HEADS)}, "s_aux"),
+    ({"sliding_window": 4}, "sliding_window"), ({"dropout": 0.1}, "dropout"),
+    ({"position_bias": torch.zeros(1)}, "position_bias"),
+    ({"output_attentions": True}, "output_attentions"),
+    ({"cu_seq_lens_q": torch.zeros(2, dtype=torch.int32)}, "packed sequences"),
+    ({"frobnicate": 1}, "frobnicate"),
+    ({"attention_mask": torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool)}, "attention mask")])
+def test_what_changes_the_math_is_refused_by_name(comm, reference, extra, named):
+    (q, k, v), _ = attention_call(comm, "commlib_ring")
+    arguments = {"attention_mask": None, **extra}
+    raises_everywhere(ValueError, lambda: registered("commlib_ring")(CausalModule(), q, k, v,
+                                                                      **arguments),
+                      match=named)
+
+
+def test_ulysses_refuses_heads_that_do_not_split(comm, reference):
+    if comm.size == 1:
+        pytest.skip("any head count splits over one rank")
+    (q, k, v), _ = attention_call(comm, "commlib_ulysses", heads=comm.size + 1, kv_heads=1)
+    raises_everywhere(ValueError, lambda: registered("commlib_ulysses")(CausalModule(), q, k, v,
+                                                                         None),
+                      match="Ulysses splits the attention heads")
+
+
+def test_hybrid_refuses_a_degree_that_does_not_divide_the_world(comm):
+    raises_everywhere(ValueError, lambda: hf.register(comm, ulysses_size=comm.size + 1),
+                      match="must divide the world size")
+
+
+def test_shard_batch_refuses_a_sequence_the_layout_cannot_split(comm):
+    batch = {"input_ids": torch.zeros(1, 2 * comm.size + 1, dtype=torch.int64)}
+    raises_everywhere(ValueError, lambda: hf.shard_batch(batch, comm, "zigzag"),
+                      match="cannot be cut")
+
+
+def test_padding_is_refused(comm, reference):
+    batch = global_batch()
+    batch["attention_mask"] = torch.ones(BATCH, SEQ, dtype=torch.int64)
+    batch["attention_mask"][1, 0] = 0  # pads a token of rank 0's shard only
+    raises_everywhere(ValueError, lambda: hf.shard_batch(batch, comm), match="pads")
+    model = model_with(reference["model"], "commlib_ring")
+    shard = {key: shard_sequence(batch[key], comm, "zigzag")
+             for key in ("input_ids", "attention_mask")}
+    raises_everywhere(commlib.CollectiveMismatchError, lambda: model(**shard), match="pads")
+
+
+def test_allreduce_gradients_sums_replicated_parameters_only(comm):
+    """Replicated gradients are summed (several buckets, two dtypes); an
+    expert-parallel one is left alone; one missing on rank 0 is summed over
+    the others; one missing everywhere stays missing."""
+    model = torch.nn.ModuleDict({"dense": torch.nn.Linear(3, 5),
+                                 "wide": torch.nn.Linear(4, 2).double(),
+                                 "experts": torch.nn.Linear(2, 2),
+                                 "unused_on_rank_0": torch.nn.Linear(2, 2),
+                                 "unused": torch.nn.Linear(2, 2)})
+    setattr(model["experts"].weight, EXPERT_PARALLEL, True)
+    for name, parameter in model.named_parameters():
+        if not name.startswith("unused") or (name.startswith("unused_on") and comm.rank):
+            parameter.grad = torch.full_like(parameter, comm.rank + 1.0)
+    hf.allreduce_gradients(model, comm, bucket_bytes=64)
+    total = comm.size * (comm.size + 1) / 2
+    elsewhere = total - 1 if comm.size > 1 else None
+    expected = {"experts.weight": comm.rank + 1.0, "unused_on_rank_0.weight": elsewhere,
+                "unused_on_rank_0.bias": elsewhere, "unused.weight": None, "unused.bias": None}
+    ok = True
+    for name, parameter in model.named_parameters():
+        want = expected.get(name, total)
+        ok = ok and (parameter.grad is None if want is None
+                     else parameter.grad.dtype == parameter.dtype
+                     and bool((parameter.grad == want).all()))
+    assert all_ranks(ok)
