@@ -3,6 +3,7 @@ expert parallelism for MoE) beside the same model trained in one process.
 
     mpiexec -n 2 python examples/hf_train.py                                  # Llama, Ring
     mpiexec -n 4 python examples/hf_train.py --model qwen3_moe --attn commlib_ulysses
+    mpiexec -n 1 python examples/hf_train.py --device cuda --dtype bfloat16   # on a GPU
 
 Every rank builds both models from the same seed. The single-process one
 (``sdpa``, the whole sequence) is the reference; the sharded one sees this
@@ -10,7 +11,7 @@ rank's shard of the sequence (``shard_batch``), attends over all of it
 through commlib, keeps only its experts (``expert_parallel``) and sums the
 gradients of replicated parameters (``allreduce_gradients``) before a plain
 optimizer step. Rank 0 prints both losses at every step: they agree to
-float32 rounding.
+float32 rounding (in bfloat16, to bfloat16's).
 """
 
 from __future__ import annotations
@@ -45,12 +46,17 @@ CONFIGS = {
 @click.option("--seq", default=256, show_default=True, help="Global sequence length.")
 @click.option("--steps", default=20, show_default=True)
 @click.option("--lr", default=1e-3, show_default=True)
-def main(family: str, attn: str, seq: int, steps: int, lr: float) -> None:
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1, ...")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
+              show_default=True)
+def main(family: str, attn: str, seq: int, steps: int, lr: float, device: str,
+         dtype: str) -> None:
     """Sharded training next to single-process training, loss by loss."""
     comm = commlib.init()
     cht.register(comm)
     torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(CONFIGS[family](), attn_implementation="sdpa")
+    reference = AutoModelForCausalLM.from_config(CONFIGS[family](), attn_implementation="sdpa",
+                                                 dtype=getattr(torch, dtype)).to(device)
     sharded = copy.deepcopy(reference)
     sharded.set_attn_implementation(attn)
     if family.endswith("_moe"):
@@ -58,7 +64,7 @@ def main(family: str, attn: str, seq: int, steps: int, lr: float) -> None:
     optimizers = [torch.optim.AdamW(m.parameters(), lr=lr) for m in (reference, sharded)]
     layout = cht.LAYOUTS[attn]  # the sequence layout the implementation expects
     data = torch.randint(CONFIGS[family]().vocab_size, (1, seq),
-                         generator=torch.Generator().manual_seed(1))  # the same on every rank
+                         generator=torch.Generator().manual_seed(1)).to(device)  # same everywhere
     for step in range(steps):
         alone = reference(input_ids=data, labels=data).loss
         alone.backward()

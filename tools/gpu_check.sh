@@ -19,6 +19,7 @@
 #                the staged MPI path; collectives, faults, attention, MoE)
 #   mpi4         the collectives and the GPU faults at 4 ranks on one GPU
 #   bench        python -m commlib.tools.bench_gpu -> gpu_check.json
+#   hf_train     examples/hf_train.py: a transformers MoE in bfloat16, one rank
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
@@ -79,5 +80,8 @@ else
     echo "gpu_check: no mpiexec (carry the mpich wheel): multi-rank gpu tests not run"
 fi
 step bench 90 $PY -m commlib.tools.bench_gpu --out "$OUT/gpu_check.json"
+# a transformers Qwen3-MoE (Ring + expert parallelism) in bfloat16 on the GPU
+step hf_train 60 $PY examples/hf_train.py --model qwen3_moe --device cuda --dtype bfloat16 \
+    --steps 5
 echo "gpu_check: $((SECONDS))s in all; logs in $OUT"
 exit $status
