@@ -4,7 +4,8 @@
 or jit, on the same arrays in each binding's framework, interleaved in one
 launch.
 
-    OPENBLAS_NUM_THREADS=1 mpiexec -n 2 python -m commlib.tools.bench_bindings
+    XLA_FLAGS=--xla_cpu_multi_thread_eigen=false OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \\
+        mpiexec -bind-to core -n 2 python -m commlib.tools.bench_bindings
 """
 
 from __future__ import annotations
@@ -58,17 +59,21 @@ def main(seq: int, heads: int, head_dim: int, repeats: int) -> None:
             ring.ring_attention_backward(arrays[3], *arrays[:3], out, lse, comm, True, "zigzag")
         return call
 
-    # each binding against the core called directly in its own framework
-    calls = {"torch binding": through_torch, "core on torch tensors": core_on([q, k, v, dout]),
-             "jax binding (jit)": through_jax,
-             "core on jax arrays": core_on([jq, jk, jv, jdout])}
-    times = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
-            world.Barrier()
-            start = time.perf_counter()
-            call()
-            times[name].append(world.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    # each binding against the core called directly in its own framework,
+    # interleaved pair by pair: XLA's runtime thread stays busy for a while
+    # after a JAX call and slowed whichever torch call came next (measured:
+    # the torch binding 1.11-1.13x its core when it followed JAX, 1.00x alone)
+    pairs = [{"torch binding": through_torch, "core on torch tensors": core_on([q, k, v, dout])},
+             {"jax binding (jit)": through_jax,
+              "core on jax arrays": core_on([jq, jk, jv, jdout])}]
+    times = {name: [] for pair in pairs for name in pair}
+    for pair in pairs:
+        for _ in range(repeats):
+            for name, call in pair.items():
+                world.Barrier()
+                start = time.perf_counter()
+                call()
+                times[name].append(world.allreduce(time.perf_counter() - start, op=MPI.MAX))
     median = {name: float(np.median(t)) for name, t in times.items()}
     if comm.rank == 0:
         print(f"bench_bindings: {comm.size} ranks, seq {seq}, heads {heads}, head_dim "
