@@ -16,9 +16,10 @@ capacity.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Any, Optional
 
 import jax
+import numpy as np
 
 from commlib import hybrid as _hybrid
 from commlib import ring as _ring
@@ -67,28 +68,51 @@ _hybrid_attention = _differentiable(_hybrid.hybrid_attention, _hybrid.hybrid_att
 
 
 def _settings(**values):
-    """Hashable settings for nondiff_argnums (the communicator by identity)."""
+    """Hashable settings for nondiff_argnums (the communicator by identity;
+    offsets and windows as tuples)."""
+    for name in ("cu_seqlens", "window"):
+        if values.get(name) is not None:
+            values[name] = static_tuple(name, values[name])
     return tuple(sorted(values.items(), key=lambda item: item[0]))
 
 
+def static_tuple(name: str, value: Any) -> tuple:
+    """``value`` as a tuple of Python numbers (None kept), for a static
+    argument; a traced value cannot be one."""
+    try:
+        return tuple(None if x is None else np.asarray(x).item() for x in value)
+    except (TypeError, jax.errors.ConcretizationTypeError) as error:
+        raise ValueError(f"{name} must be concrete under jax.jit (a list, tuple or NumPy "
+                         f"array decided at trace time), got {type(value).__name__}") from error
+
+
 def ring_attention(q, k, v, comm, causal: bool = False, layout: str = "contiguous",
-                   softmax_scale: Optional[float] = None, kernel: Optional[Kernel] = None):
-    """Differentiable, jit-able ``commlib.ring.ring_attention`` for JAX arrays."""
+                   softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
+                   window: Any = None, method: str = "ring", kernel: Optional[Kernel] = None):
+    """Differentiable, jit-able ``commlib.ring.ring_attention`` for JAX arrays.
+    ``cu_seqlens`` must be concrete (a list or NumPy array: static under
+    jit): which blocks are computed is decided at trace time."""
     return _ring_attention(q, k, v, _settings(comm=comm, causal=causal, layout=layout,
-                                              softmax_scale=softmax_scale, kernel=kernel))
+                                              softmax_scale=softmax_scale, kernel=kernel,
+                                              cu_seqlens=cu_seqlens, window=window,
+                                              method=method))
 
 
 def ulysses_attention(q, k, v, comm, causal: bool = False,
-                      softmax_scale: Optional[float] = None, kernel: Optional[Kernel] = None):
+                      softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
+                      window: Any = None, kernel: Optional[Kernel] = None):
     """Differentiable, jit-able ``commlib.ulysses.ulysses_attention`` for JAX arrays."""
     return _ulysses_attention(q, k, v, _settings(comm=comm, causal=causal,
-                                                 softmax_scale=softmax_scale, kernel=kernel))
+                                                 softmax_scale=softmax_scale, kernel=kernel,
+                                                 cu_seqlens=cu_seqlens, window=window))
 
 
 def hybrid_attention(q, k, v, comm, ulysses_size: int, causal: bool = False,
-                     softmax_scale: Optional[float] = None, kernel: Optional[Kernel] = None):
+                     softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
+                     window: Any = None, method: str = "ring", kernel: Optional[Kernel] = None):
     """Differentiable, jit-able ``commlib.hybrid.hybrid_attention`` for JAX
     arrays (contiguous shards; ``commlib.hybrid.plan`` picks ``ulysses_size``)."""
     return _hybrid_attention(q, k, v, _settings(comm=comm, ulysses_size=ulysses_size,
                                                 causal=causal, softmax_scale=softmax_scale,
-                                                kernel=kernel))
+                                                kernel=kernel, cu_seqlens=cu_seqlens,
+                                                window=window, method=method))

@@ -53,61 +53,70 @@ def _attention(q, k, v, forward, backward, **settings):
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, causal: bool = False,
                    layout: str = "contiguous", softmax_scale: Optional[float] = None,
+                   cu_seqlens: Any = None, window: Any = None, method: str = "ring",
                    kernel: Optional[Kernel] = None) -> torch.Tensor:
-    """Differentiable ``commlib.ring.ring_attention``; ``kernel`` replaces
-    torch's fused SDPA kernels (``commlib.kernels.Kernel``)."""
+    """Differentiable ``commlib.ring.ring_attention`` (packed ``cu_seqlens``,
+    sliding ``window``, ``method`` "ring" or "allgather"); ``kernel``
+    replaces torch's fused SDPA kernels (``commlib.kernels.Kernel``)."""
     return _attention(q, k, v, _ring.ring_attention, _ring.ring_attention_backward, comm=comm,
-                      causal=causal, layout=layout, softmax_scale=softmax_scale, kernel=kernel)
+                      causal=causal, layout=layout, softmax_scale=softmax_scale,
+                      cu_seqlens=cu_seqlens, window=window, method=method, kernel=kernel)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm,
                       causal: bool = False, softmax_scale: Optional[float] = None,
+                      cu_seqlens: Any = None, window: Any = None,
                       kernel: Optional[Kernel] = None) -> torch.Tensor:
     """Differentiable ``commlib.ulysses.ulysses_attention``."""
     return _attention(q, k, v, _ulysses.ulysses_attention, _ulysses.ulysses_attention_backward,
-                      comm=comm, causal=causal, softmax_scale=softmax_scale, kernel=kernel)
+                      comm=comm, causal=causal, softmax_scale=softmax_scale,
+                      cu_seqlens=cu_seqlens, window=window, kernel=kernel)
 
 
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm,
                      ulysses_size: int, causal: bool = False,
-                     softmax_scale: Optional[float] = None,
+                     softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
+                     window: Any = None, method: str = "ring",
                      kernel: Optional[Kernel] = None) -> torch.Tensor:
     """Differentiable ``commlib.hybrid.hybrid_attention``."""
     return _attention(q, k, v, _hybrid.hybrid_attention, _hybrid.hybrid_attention_backward,
                       comm=comm, ulysses_size=ulysses_size, causal=causal,
-                      softmax_scale=softmax_scale, kernel=kernel)
+                      softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window,
+                      method=method, kernel=kernel)
 
 
 class _SeqToHead(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm, ctx.heads = comm, x.shape[2]
-        return _ulysses.seq_to_head(x, comm)
+    def forward(ctx, x, comm, query_heads):
+        ctx.comm, ctx.heads, ctx.query_heads = comm, x.shape[2], query_heads
+        return _ulysses.seq_to_head(x, comm, query_heads)
 
     @staticmethod
     def backward(ctx, grad):
-        return _ulysses.head_to_seq(grad.contiguous(), ctx.comm, ctx.heads), None
+        return (_ulysses.head_to_seq(grad.contiguous(), ctx.comm, ctx.heads, ctx.query_heads),
+                None, None)
 
 
 class _HeadToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm, heads):
-        ctx.comm = comm
-        return _ulysses.head_to_seq(x, comm, heads)
+    def forward(ctx, x, comm, heads, query_heads):
+        ctx.comm, ctx.query_heads = comm, query_heads
+        return _ulysses.head_to_seq(x, comm, heads, query_heads)
 
     @staticmethod
     def backward(ctx, grad):
-        return _ulysses.seq_to_head(grad.contiguous(), ctx.comm), None, None
+        return _ulysses.seq_to_head(grad.contiguous(), ctx.comm, ctx.query_heads), None, None, None
 
 
-def seq_to_head(x: torch.Tensor, comm) -> torch.Tensor:
-    """Differentiable [b, s/P, h, d] -> [b, s, h/P, d]; its adjoint is head_to_seq."""
-    return _SeqToHead.apply(x, comm)
+def seq_to_head(x: torch.Tensor, comm, query_heads: Optional[int] = None) -> torch.Tensor:
+    """Differentiable [b, s/P, h, d] -> [b, s, h_p, d]; its adjoint is head_to_seq."""
+    return _SeqToHead.apply(x, comm, query_heads)
 
 
-def head_to_seq(x: torch.Tensor, comm, heads: Optional[int] = None) -> torch.Tensor:
-    """Differentiable [b, s, h/P, d] -> [b, s/P, h, d]; its adjoint is seq_to_head."""
-    return _HeadToSeq.apply(x, comm, heads)
+def head_to_seq(x: torch.Tensor, comm, heads: Optional[int] = None,
+                query_heads: Optional[int] = None) -> torch.Tensor:
+    """Differentiable [b, s, h_p, d] -> [b, s/P, h, d]; its adjoint is seq_to_head."""
+    return _HeadToSeq.apply(x, comm, heads, query_heads)
 
 
 @dataclass

@@ -7,9 +7,12 @@ algorithms then hand any problem to ``Communicator.agree`` through
 from __future__ import annotations
 
 import math
+import zlib
 from typing import Any, Callable, Optional, Tuple
 
+from .documents import Packing, packing_for
 from .namespace import dtype_name, framework_of, on_cuda
+from .visibility import bounds
 
 Extra = Tuple[Tuple[str, Any, tuple], ...]
 
@@ -69,6 +72,33 @@ def problem_of(check: Callable[..., None], *args) -> Optional[Exception]:
 
 def scale_of(q: Any, softmax_scale: Optional[float]) -> float:
     return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
+
+def prepare(comm, op: str, q: Any, k: Any, check: Callable[[], None], layout: str,
+            causal: bool, cu_seqlens: Any, window: Any, **settings: Any):
+    """Check the inputs on this rank (``check()``: the algorithm's own
+    checks, raising ValueError), agree on them and on every setting with
+    every rank (any problem raises on all), and return what decides which
+    pairs are visible: (packing, (lo, hi)) (``commlib.documents``,
+    ``commlib.visibility``)."""
+    packing = visible = None
+    problem = None
+    try:
+        check()
+        packing = packing_for(cu_seqlens, layout, comm.size, q.shape[1])
+        visible = bounds(causal, window)
+    except ValueError as error:
+        problem = error
+    agree_on_inputs(comm, op, q, k, problem, causal=causal, layout=layout, window=window,
+                    documents=_documents(packing), **settings)
+    return packing, visible
+
+
+def _documents(packing: Optional[Packing]) -> str:
+    """A short digest of the documents, for the cross-rank agreement."""
+    if packing is None:
+        return "unreadable"
+    return f"{len(packing.offsets) - 1} docs/{zlib.crc32(repr(packing.offsets).encode())}"
 
 
 def agree_on_inputs(comm, op: str, q: Any, k: Any, problem: Optional[Exception],

@@ -34,3 +34,35 @@ def torch_reference(q, k, v, dout, causal, scale=None):
                                                            enable_gqa=True, scale=scale)
     out.backward(torch.tensor(np.asarray(dout, np.float64)).transpose(1, 2))
     return [t.detach().transpose(1, 2).numpy() for t in (out, tq.grad, tk.grad, tv.grad)]
+
+
+def document_mask(length, cu_seqlens=None, causal=False, window=None):
+    """The explicit [s, s] mask (True = visible) of packed documents,
+    causality and a (left, right) sliding window, written from the
+    definition: same document, and key position within reach."""
+    offsets = np.asarray(cu_seqlens if cu_seqlens is not None else [0, length])
+    doc = np.searchsorted(offsets, np.arange(length), side="right") - 1
+    position = np.arange(length) - offsets[doc]
+    gap = position[:, None] - position[None, :]
+    visible = doc[:, None] == doc[None, :]
+    if causal:
+        visible &= gap >= 0
+    if window is not None:
+        left, right = window
+        if left is not None and left >= 0:
+            visible &= gap <= left
+        if right is not None and right >= 0:
+            visible &= gap >= -right
+    return visible
+
+
+def masked_torch_reference(q, k, v, dout, mask, scale=None):
+    """``torch_reference`` with an explicit boolean mask [s, s]."""
+    import torch
+
+    tq, tk, tv = (torch.tensor(np.asarray(x, np.float64)).transpose(1, 2).requires_grad_()
+                  for x in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        tq, tk, tv, attn_mask=torch.tensor(mask), enable_gqa=True, scale=scale)
+    out.backward(torch.tensor(np.asarray(dout, np.float64)).transpose(1, 2))
+    return [t.detach().transpose(1, 2).numpy() for t in (out, tq.grad, tk.grad, tv.grad)]

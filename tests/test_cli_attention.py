@@ -95,11 +95,12 @@ def test_ulysses_json_holds_relayout_numbers_and_planner(tmp_path):
     assert record["planner"]["ulysses_size"] * record["planner"]["ring_size"] == 1
 
 
-def test_ulysses_names_the_degrees_that_work():
+def test_ulysses_needs_a_head_for_every_rank_and_splits_the_rest_unevenly():
+    diag_attention.check_ulysses(diag_attention.Shape(256, 6, 6, 16, "float32", False, 1), 4)
     with pytest.raises(click.UsageError) as caught:
-        diag_attention.check_ulysses(diag_attention.Shape(256, 6, 6, 16, "float32", False, 1),
+        diag_attention.check_ulysses(diag_attention.Shape(256, 3, 3, 16, "float32", False, 1),
                                      4)
-    assert "degrees that work: [1, 2, 3, 6]" in str(caught.value)
+    assert "use --heads 4 or more" in str(caught.value)
 
 
 def test_ulysses_usage_error_exits_2():
@@ -121,9 +122,9 @@ def test_two_ranks_run_and_print_the_planner_pick(command):
         assert [row[:2] for row in data_rows(result.stdout)] == [["0", "0"], ["1", "1"]]
 
 
-def test_two_ranks_reject_heads_that_do_not_split_with_exit_2():
+def test_two_ranks_reject_fewer_heads_than_ranks_with_exit_2():
     argv = [sys.executable, "-m", "commlib.tools.diag_attention", "ulysses", "--seq", "256",
-            "--heads", "3", "--head-dim", "16"]
+            "--heads", "1", "--head-dim", "16"]
     result = run(2, argv, LAUNCH_TIMEOUT_S)
     assert result.returncode == 2, result.stdout
-    assert "degrees that work: [1, 3]" in result.stdout
+    assert "every rank needs at least one head" in result.stdout

@@ -34,9 +34,12 @@ import commlib
 from commlib import hybrid
 from commlib import ring as ring_lib
 from commlib import ulysses as ulysses_lib
-from commlib.ring.attention import _visible
+from commlib.documents import packing_for
+from commlib.kernels import TILED
+from commlib.kernels.blockwise import attend
 from commlib.tools.world import world
 from commlib.ulysses.relayout import FUSE_LIMIT_BYTES, divisors
+from commlib.visibility import blocks, bounds
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -117,14 +120,13 @@ def check_ring(shape: Shape, layout: str, size: int) -> None:
 
 
 def check_ulysses(shape: Shape, size: int) -> None:
-    """Ulysses runs at degree = world size: the heads (and kv heads, or their
-    replication) must split over it, and the sequence too."""
-    working = [d for d in divisors(shape.heads)
-               if shape.kv_heads % d == 0 or d % shape.kv_heads == 0]
-    if size not in working:
+    """Ulysses runs at degree = world size: every rank needs a head (heads
+    that the degree does not divide split unevenly), and the sequence must
+    split over the ranks."""
+    if shape.heads < size:
         raise click.UsageError(
-            f"{shape.heads} heads ({shape.kv_heads} kv heads) do not split over a Ulysses "
-            f"degree of {size} (the world size); degrees that work: {working}")
+            f"{shape.heads} heads cannot split over a Ulysses degree of {size} (the world "
+            f"size): every rank needs at least one head; use --heads {size} or more")
     if shape.seq % size:
         raise click.BadParameter(f"{shape.seq} does not split over {size} ranks; use a "
                                  f"multiple of {size}", param_hint="'--seq'")
@@ -164,12 +166,14 @@ def planner_pick(comm: commlib.Communicator, shape: Shape) -> Dict[str, Any]:
     picked = hybrid.plan(comm, shape.seq, shape.heads, shape.kv_heads, shape.head_dim,
                          shape.element.itemsize, shape.causal)
     return {"ulysses_size": picked.ulysses_size, "ring_size": picked.ring_size,
-            "predicted_seconds": picked.predicted_seconds, "explain": picked.explain()}
+            "method": picked.method, "predicted_seconds": picked.predicted_seconds,
+            "explain": picked.explain()}
 
 
 def planner_lines(pick: Dict[str, Any]) -> List[str]:
     """The pick on one line, then the planner's own explanation."""
-    return [f"# planner: Ulysses {pick['ulysses_size']} x Ring {pick['ring_size']}, "
+    return [f"# planner: Ulysses {pick['ulysses_size']} x Ring {pick['ring_size']} "
+            f"({pick['method']}), "
             f"predicted {pick['predicted_seconds'] * 1e3:.2f} ms per forward",
             "# " + pick["explain"]]
 
@@ -205,26 +209,6 @@ class Step:
     exposed_comm_s: float
 
 
-Visible = Optional[Tuple[slice, slice, bool]]
-Running = Tuple[Optional[np.ndarray], Optional[np.ndarray]]
-
-
-def _attend(q: np.ndarray, block: np.ndarray, visible: Visible, out: Optional[np.ndarray],
-            lse: Optional[np.ndarray], scale: float) -> Running:
-    """One step of ring_attention: the block kernel on the visible part,
-    merged into the running (out, lse). The first step (own block) starts them."""
-    if visible is None:
-        return out, lse
-    rows, cols, diagonal = visible
-    block_out, block_lse = ring_lib.attention_forward(q[:, rows], block[0][:, cols],
-                                                      block[1][:, cols], diagonal, scale)
-    if out is None:
-        return block_out.astype(np.float32), block_lse.astype(np.float32)
-    out[:, rows], lse[:, :, rows] = ring_lib.merge(out[:, rows], lse[:, :, rows],
-                                                   block_out, block_lse)
-    return out, lse
-
-
 def ring_schedule(comm: commlib.Communicator, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                   causal: bool, layout: str) -> np.ndarray:
     """[P, 2] seconds on this rank: compute of step i, and the time spent in
@@ -233,12 +217,13 @@ def ring_schedule(comm: commlib.Communicator, q: np.ndarray, k: np.ndarray, v: n
     scale = 1.0 / math.sqrt(q.shape[-1])
     steps = ring_lib.RingExchange(comm).rotate(np.stack([k, v]))  # K, V: one message
     times = np.zeros((comm.size, 2))
-    out = lse = None
+    packing = packing_for(None, layout, comm.size, q.shape[1])
+    state = None
     source, block = next(steps)
     for step in range(comm.size):
         start = time.perf_counter()
-        visible = _visible(comm.rank, source, causal, layout, q.shape[1])
-        out, lse = _attend(q, block, visible, out, lse, scale)
+        visible = blocks(packing.spans(comm.rank), packing.spans(source), *bounds(causal, None))
+        state = attend(TILED, q, block[0], block[1], visible, scale, state)
         waited = time.perf_counter()
         source, block = next(steps, (None, None))
         times[step] = (waited - start, time.perf_counter() - waited)
@@ -295,7 +280,7 @@ def ring_lines(steps: List[Step], totals: Dict[str, Any]) -> List[str]:
 
 @click.command("ring")
 @shape_options
-@click.option("--layout", type=click.Choice(ring_lib.LAYOUTS), default="zigzag",
+@click.option("--layout", type=click.Choice(("contiguous", "zigzag")), default="zigzag",
               show_default=True, help="How the sequence is cut among the ranks.")
 def ring(shape: Shape, layout: str, json_path: Optional[str]) -> None:
     """Ring Attention step by step: compute and exposed communication per

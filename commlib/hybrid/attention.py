@@ -14,12 +14,12 @@ from __future__ import annotations
 import weakref
 from typing import Any, Optional, Tuple
 
-from ..attention_inputs import agree_on_inputs, backward_extras, problem_of, scale_of
+from ..attention_inputs import backward_extras, prepare, scale_of
 from ..kernels import Kernel
 from ..namespace import detached
-from ..ring.attention import ring_attention, ring_attention_backward
-from ..ulysses.attention import check_inputs, lse_to_heads, lse_to_seq
-from ..ulysses.relayout import divisors, head_to_seq, seq_to_head_many
+from ..ring.attention import check_method, ring_attention, ring_attention_backward
+from ..ulysses.attention import check_inputs
+from ..ulysses.relayout import divisors, head_to_seq, lse_to_heads, lse_to_seq, seq_to_head_many
 
 _groups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -42,47 +42,54 @@ def groups(comm, ulysses_size: int) -> Tuple[Any, Any]:
     return per_comm[ulysses_size]
 
 
-def _check(q, k, v, size, ulysses_size, extra=()):
+def _check(q, k, v, size, ulysses_size, method, extra=()):
     check_degree(size, ulysses_size)
     check_inputs(q, k, v, ulysses_size, extra)
+    check_method(method)
 
 
 def hybrid_attention(q: Any, k: Any, v: Any, comm, ulysses_size: int, causal: bool = False,
                      softmax_scale: Optional[float] = None, return_lse: bool = False,
+                     cu_seqlens: Any = None, window: Any = None, method: str = "ring",
                      kernel: Optional[Kernel] = None):
     """Attention over the whole sequence for contiguous shards
     q [b, s/P, h, d], k/v [b, s/P, hk, d]: Ulysses of degree ``ulysses_size``
-    inside groups, a ring of P / ulysses_size across them. In q's framework,
-    device and dtype."""
+    inside groups, a ring (``method`` "ring" or "allgather") of
+    P / ulysses_size across them; ``cu_seqlens`` and ``window`` as
+    ``ring_attention``'s. In q's framework, device and dtype."""
     q, k, v = detached(q, k, v)
     scale = scale_of(q, softmax_scale)
-    agree_on_inputs(comm, "hybrid_attention", q, k,
-                    problem_of(_check, q, k, v, comm.size, ulysses_size),
-                    ulysses_size=ulysses_size, causal=causal, scale=scale)
+    prepare(comm, "hybrid_attention", q, k,
+            lambda: _check(q, k, v, comm.size, ulysses_size, method), "contiguous", causal,
+            cu_seqlens, window, ulysses_size=ulysses_size, method=method, scale=scale)
     group, ring = groups(comm, ulysses_size)
     qh, kh, vh = seq_to_head_many([q, k, v], group)
     out, lse = ring_attention(qh, kh, vh, ring, causal=causal, layout="contiguous",
-                              softmax_scale=scale, return_lse=True, kernel=kernel)
-    result = head_to_seq(out, group)
-    return (result, lse_to_seq(lse, group)) if return_lse else result
+                              softmax_scale=scale, return_lse=True, cu_seqlens=cu_seqlens,
+                              window=window, method=method, kernel=kernel)
+    heads = q.shape[2]
+    result = head_to_seq(out, group, heads)
+    return (result, lse_to_seq(lse, group, heads)) if return_lse else result
 
 
 def hybrid_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, comm,
                               ulysses_size: int, causal: bool = False,
-                              softmax_scale: Optional[float] = None,
+                              softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
+                              window: Any = None, method: str = "ring",
                               kernel: Optional[Kernel] = None):
     """(dq, dk, dv) of ``hybrid_attention`` for this rank's shards."""
     dout, q, k, v, out, lse = detached(dout, q, k, v, out, lse)
     scale = scale_of(q, softmax_scale)
-    agree_on_inputs(comm, "hybrid_attention_backward", q, k,
-                    problem_of(_check, q, k, v, comm.size, ulysses_size,
-                               backward_extras(q, dout, out, lse)),
-                    ulysses_size=ulysses_size, causal=causal, scale=scale)
+    extra = backward_extras(q, dout, out, lse)
+    prepare(comm, "hybrid_attention_backward", q, k,
+            lambda: _check(q, k, v, comm.size, ulysses_size, method, extra), "contiguous",
+            causal, cu_seqlens, window, ulysses_size=ulysses_size, method=method, scale=scale)
     group, ring = groups(comm, ulysses_size)
     qh, kh, vh, dh, oh = seq_to_head_many([q, k, v, dout, out], group)
     dq, dk, dv = ring_attention_backward(dh, qh, kh, vh, oh, lse_to_heads(lse, group), ring,
                                          causal=causal, layout="contiguous",
-                                         softmax_scale=scale, kernel=kernel)
-    kv_heads = k.shape[2]
-    return (head_to_seq(dq, group), head_to_seq(dk, group, kv_heads),
-            head_to_seq(dv, group, kv_heads))
+                                         softmax_scale=scale, cu_seqlens=cu_seqlens,
+                                         window=window, method=method, kernel=kernel)
+    heads, kv_heads = q.shape[2], k.shape[2]
+    return (head_to_seq(dq, group, heads), head_to_seq(dk, group, kv_heads, heads),
+            head_to_seq(dv, group, kv_heads, heads))

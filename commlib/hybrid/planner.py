@@ -4,10 +4,16 @@ Neither scheme wins everywhere. Per rank and forward pass, Ring moves about
 2 * N * h_kv * d bytes (K and V of the whole sequence, whatever P is) in P-1
 point-to-point hops, and merges a partial result at every hop; Ulysses moves
 about (2h + 2h_kv) * N * d / P bytes in all-to-alls that do not overlap, and
-needs h (and h_kv, or its replication) to split over its degree. Which is
+needs at least P query heads (a degree that does not divide them costs as
+much as the rank with the most heads, to which every chunk is padded). Which is
 cheaper depends on the head counts against the degree and on which traffic
 the fabric carries better, so the planner measures the fabric once (a short
 probe, cached per communicator) and prices every allowed degree.
+
+The ring across groups can also gather K and V once instead
+(``method="allgather"``): the same bytes in one collective that nothing
+overlaps, but no merge per hop and one or two kernel calls per query chunk.
+Both are priced; the plan names the cheaper.
 
 Ring hops overlap with compute only where something moves the data while
 the cores compute: NCCL on a GPU. Over MPI on the host, a transfer advances
@@ -20,12 +26,12 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import numpy as np
 
 from ..kernels.tiled import attention_forward
-from ..ulysses.relayout import divisors
+from ..ulysses.relayout import divisors, padded_heads
 
 _fabrics: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _PROBE_SMALL, _PROBE_LARGE = 256, 2**20  # bytes per peer
@@ -62,7 +68,8 @@ class Candidate:
     ring_bytes: float      # per rank, forward
     compute_s: float
     ulysses_s: float   # all-to-alls, packing and unpacking
-    ring_s: float      # exposed hops and the merges
+    ring_s: float      # exposed hops (or the all-gather) and the merges
+    method: str = "ring"
 
     @property
     def seconds(self) -> float:
@@ -71,7 +78,8 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Plan:
-    """The planner's pick: ``ulysses_size`` x ``ring_size`` = world size."""
+    """The planner's pick: ``ulysses_size`` x ``ring_size`` = world size,
+    the ring run as ``method`` ("ring" or "allgather")."""
 
     ulysses_size: int
     ring_size: int
@@ -79,18 +87,25 @@ class Plan:
     candidates: List[Candidate] = field(repr=False)
     rejected: List[str] = field(repr=False)
     fabric: Fabric = field(repr=False)
+    method: str = "ring"
 
     def explain(self) -> str:
-        lines = [f"Ulysses {c.ulysses_size} x Ring {c.ring_size}: moves "
+        lines = [f"Ulysses {c.ulysses_size} x Ring {c.ring_size}"
+                 f"{_by(c.method, c.ring_size)}: moves "
                  f"{c.ulysses_bytes / 2**20:.1f} MiB all-to-all + {c.ring_bytes / 2**20:.1f} MiB "
                  f"ring per rank, predicted {c.seconds * 1e3:.1f} ms (compute "
                  f"{c.compute_s * 1e3:.1f}, all-to-all {c.ulysses_s * 1e3:.1f}, ring "
                  f"{c.ring_s * 1e3:.1f})" for c in self.candidates]
         rejected = f" Not allowed: {'; '.join(self.rejected)}." if self.rejected else ""
-        return (f"Picked Ulysses {self.ulysses_size} x Ring {self.ring_size} "
+        return (f"Picked Ulysses {self.ulysses_size} x Ring {self.ring_size}"
+                f"{_by(self.method, self.ring_size)} "
                 f"({self.predicted_seconds * 1e3:.1f} ms predicted per forward). "
                 + " ".join(f"{line}." for line in lines) + rejected
                 + f" Fabric: {self.fabric.describe()}.")
+
+
+def _by(method: str, ring: int) -> str:
+    return " by all-gather" if method == "allgather" and ring > 1 else ""
 
 
 def _timed(comm, call, repeats: int = 3) -> float:
@@ -129,57 +144,58 @@ def probe(comm) -> Fabric:
     return fabric
 
 
-def _kv_moved(kv_heads: int, degree: int) -> int:
-    """kv heads whose shards one all-to-all of this degree moves (with fewer
-    kv heads than ranks, each rank gets its one kv head)."""
-    return max(kv_heads, degree)
-
-
 def price(size: int, degree: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,
-          itemsize: int, causal: bool, fabric: Fabric) -> Candidate:
-    """The cost model of Ulysses ``degree`` x Ring ``size // degree``."""
+          itemsize: int, causal: bool, fabric: Fabric, method: str = "ring") -> Candidate:
+    """The cost model of Ulysses ``degree`` x Ring ``size // degree``, the
+    ring run as ``method``."""
     ring = size // degree
     token = head_dim * itemsize
+    # heads of the busiest rank, to which every all-to-all chunk is padded
+    local, local_kv = padded_heads(heads, degree, heads), padded_heads(kv_heads, degree, heads)
     # all-to-all: q, k, v in and out back, each rank keeping 1/degree of it
-    ulysses_bytes = (2 * heads + 2 * _kv_moved(kv_heads, degree)) * (seq_len / size) * token \
-        * (degree - 1) / degree
-    relaid = (2 * heads + 2 * _kv_moved(kv_heads, degree)) * (seq_len / size) * token
+    relaid = (2 * local + 2 * local_kv) * degree * (seq_len / size) * token
+    ulysses_bytes = relaid * (degree - 1) / degree
     ulysses_s = (2 * fabric.alltoall_latency + ulysses_bytes / fabric.alltoall_bandwidth
                  + 2 * relaid / fabric.memory_bandwidth) if degree > 1 else 0.0
     # ring: K and V of each of the other ring ranks' spans, kv heads of this group
-    local_kv = max(kv_heads // degree, 1)
     hop_bytes = 2 * (seq_len / ring) * local_kv * token
     ring_bytes = hop_bytes * (ring - 1)
-    work = 4 * seq_len * seq_len * heads * head_dim / size / fabric.flops
+    work = 4 * seq_len * seq_len * local * head_dim / ring / fabric.flops
     if causal:  # Ulysses is balanced; a contiguous ring's last rank does R - 1/2 of R blocks
         work *= 0.5 if ring == 1 else (ring - 0.5) / ring
+    # each merge reads and writes the float32 running output a few times
+    output = (seq_len / ring) * local * head_dim * 4
+    merge = _MERGE_PASSES * output / fabric.memory_bandwidth
+    if method == "allgather":  # one exposed collective (an all-to-all's rate); a merge at most
+        gather = (fabric.alltoall_latency + ring_bytes / fabric.alltoall_bandwidth
+                  if ring > 1 else 0.0)
+        return Candidate(degree, ring, ulysses_bytes, ring_bytes, work, ulysses_s,
+                         gather + (merge if ring > 1 else 0.0), method)
     per_hop = fabric.hop_latency + hop_bytes / fabric.hop_bandwidth
     hops = (ring - 1) * (max(0.0, per_hop - work / ring) if fabric.overlap else per_hop)
-    # each merge reads and writes the float32 running output a few times
-    output = (seq_len / ring) * (heads / degree) * head_dim * 4
-    merges = (ring - 1) * _MERGE_PASSES * output / fabric.memory_bandwidth
-    return Candidate(degree, ring, ulysses_bytes, ring_bytes, work, ulysses_s, hops + merges)
+    return Candidate(degree, ring, ulysses_bytes, ring_bytes, work, ulysses_s,
+                     hops + (ring - 1) * merge)
 
 
 def plan(comm, seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
-         itemsize: int = 2, causal: bool = False, fabric: Optional[Fabric] = None) -> Plan:
+         itemsize: int = 2, causal: bool = False, fabric: Optional[Fabric] = None,
+         methods: Sequence[str] = ("ring", "allgather")) -> Plan:
     """The cheapest allowed Ulysses x Ring split of ``comm`` for this shape,
-    by the cost model over the probed (or given) fabric."""
+    and the cheaper of ``methods`` for its ring, by the cost model over the
+    probed (or given) fabric. A ``seq_len`` the world size does not divide
+    is priced padded (``cu_seqlens`` pads it)."""
     fabric = fabric or probe(comm)
+    padded = -(-seq_len // comm.size) * comm.size
     candidates, rejected = [], []
     for degree in divisors(comm.size):
-        if num_heads % degree:
-            rejected.append(f"Ulysses {degree} ({num_heads} heads do not split {degree} ways)")
-        elif num_kv_heads % degree and degree % num_kv_heads:
-            rejected.append(f"Ulysses {degree} ({num_kv_heads} kv heads neither split {degree} "
-                            f"ways nor divide {degree})")
-        elif seq_len % comm.size:
-            rejected.append(f"any (seq_len {seq_len} does not split over {comm.size} ranks)")
-            break
-        else:
-            candidates.append(price(comm.size, degree, seq_len, num_heads, num_kv_heads,
-                                    head_dim, itemsize, causal, fabric))
+        if num_heads < degree:
+            rejected.append(f"Ulysses {degree} ({num_heads} heads leave a rank without one)")
+            continue
+        for method in (methods if degree < comm.size else methods[:1]):
+            candidates.append(price(comm.size, degree, padded, num_heads, num_kv_heads,
+                                    head_dim, itemsize, causal, fabric, method))
     if not candidates:
         raise ValueError("no Ulysses x Ring split fits: " + "; ".join(rejected))
     best = min(candidates, key=lambda c: c.seconds)
-    return Plan(best.ulysses_size, best.ring_size, best.seconds, candidates, rejected, fabric)
+    return Plan(best.ulysses_size, best.ring_size, best.seconds, candidates, rejected, fabric,
+                best.method)

@@ -10,6 +10,11 @@ of one framework:
   where ``out`` and ``lse`` are the *global* ones (over all keys of the
   ring), so that the result is this block's exact share of the gradients.
 
+Packed documents and sliding windows add a keyword, ``mask=`` (bool
+[queries, keys] in q's framework, True = visible; a row may see no key:
+out 0, lse -inf), passed only for blocks that need it: a kernel without
+it serves unmasked attention.
+
 ``causal`` is the flash-attention convention for equal query and key
 lengths. k and v may have fewer heads than q (GQA): dk and dv come back with
 k's heads. ``kernel_for(q)`` picks the best built-in kernel for q's
@@ -60,10 +65,10 @@ def _jax_kernel(cuda: bool) -> Kernel:
                       static_argnames=statics)
     backward = jax.jit(functools.partial(tiled.attention_backward, cuda=cuda),
                        static_argnames=statics)
-    return Kernel(lambda q, k, v, causal, scale: forward(q, k, v, causal=causal,
-                                                         softmax_scale=scale),
-                  lambda dout, q, k, v, out, lse, causal, scale: backward(
-                      dout, q, k, v, out, lse, causal=causal, softmax_scale=scale),
+    return Kernel(lambda q, k, v, causal, scale, mask=None: forward(
+                      q, k, v, causal=causal, softmax_scale=scale, mask=mask),
+                  lambda dout, q, k, v, out, lse, causal, scale, mask=None: backward(
+                      dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, mask=mask),
                   "jax-tiled")
 
 

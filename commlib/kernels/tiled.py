@@ -14,7 +14,10 @@ with float32 accumulation. The causal mask is a ``where``, never a boolean
 assignment (which would synchronize a GPU with its host).
 
 ``causal`` means the flash-attention convention for equal query and key
-lengths: query i sees keys 0..i of the same block.
+lengths: query i sees keys 0..i of the same block. ``mask`` (bool
+[queries, keys], True = visible, in q's framework) hides pairs of packed
+documents and sliding windows; a row that sees no key gets out 0 and
+lse -inf.
 """
 
 from __future__ import annotations
@@ -111,6 +114,14 @@ def _later(xp, where, q_start: int, q_len: int, k_start: int, k_len: int, group:
     return xp.tile(keys[None, :] > queries[:, None], (group, 1))
 
 
+def _hidden(scores, mask, q0: int, q1: int, k0: int, k1: int, group: int, xp):
+    """``scores`` with the pairs ``mask`` hides at -inf (rows are grouped:
+    the tile's mask repeats once per query head of the group)."""
+    if mask is None:
+        return scores
+    return xp.where(xp.tile(mask[q0:q1, k0:k1], (group, 1)), scores, -math.inf)
+
+
 def _key_tiles(q_start: int, q_end: int, k_len: int, causal: bool,
                tile: int) -> Iterator[Tuple[int, int, bool]]:
     """(start, end, needs_mask) of each key tile a query tile must visit;
@@ -143,7 +154,7 @@ def _heads_last(x, xp):
 
 def attention_forward(q: Any, k: Any, v: Any, causal: bool = False,
                       softmax_scale: Optional[float] = None, tile: Optional[int] = None,
-                      cuda: Optional[bool] = None) -> Tuple[Any, Any]:
+                      cuda: Optional[bool] = None, mask: Any = None) -> Tuple[Any, Any]:
     """softmax(scale * q k^T) v for q [b, sq, h, d], k and v [b, sk, hk, d],
     in q's framework. Returns ``(out, lse)``: out [b, sq, h, d] and
     lse [b, h, sq], both float32. ``cuda`` says where q lives when it cannot
@@ -166,6 +177,7 @@ def attention_forward(q: Any, k: Any, v: Any, causal: bool = False,
             if masked:
                 later = _later(xp, device(q), q0, q1 - q0, k0, k1 - k0, group)
                 scores = xp.where(later, -math.inf, scores)
+            scores = _hidden(scores, mask, q0, q1, k0, k1, group, xp)
             new_top = xp.maximum(top, xp.max(scores, axis=-1))
             base = xp.where(new_top == -math.inf, 0.0, new_top)
             scores -= base[..., None]
@@ -189,8 +201,8 @@ def attention_forward(q: Any, k: Any, v: Any, causal: bool = False,
 
 def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
                        causal: bool = False, softmax_scale: Optional[float] = None,
-                       tile: Optional[int] = None,
-                       cuda: Optional[bool] = None) -> Tuple[Any, Any, Any]:
+                       tile: Optional[int] = None, cuda: Optional[bool] = None,
+                       mask: Any = None) -> Tuple[Any, Any, Any]:
     """Gradients of ``attention_forward`` (dq, dk, dv; float32, shaped like
     q, k, v). ``lse`` [b, h, sq] may be the log-sum-exp over *more* keys than
     ``k`` holds (Ring Attention passes the global one, and the global
@@ -218,6 +230,7 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
             if masked:
                 later = _later(xp, device(q), q0, q1 - q0, k0, k1 - k0, group)
                 scores = xp.where(later, -math.inf, scores)
+            scores = _hidden(scores, mask, q0, q1, k0, k1, group, xp)
             scores -= row_lse
             probs = _exp_(scores, xp)                                  # this block's P
             slot = k0 // tile

@@ -11,6 +11,11 @@ memory-efficient one (float32 too; KV repeated for GQA and dK/dV summed
 back over the group). Where neither serves (float64 on CUDA, say), the
 tiled array-API kernel runs in torch. Inputs and outputs are
 [batch, seq, heads, head_dim]; the kernels see [b, h, s, d] views.
+
+A ``mask`` (packed documents, sliding windows) goes to the CPU kernel as an
+additive bias; a row it hides wholly gets lse -inf (the kernel says 0). On
+CUDA the flash kernel takes no mask: masked blocks (small: gathered short
+documents, a window's edge tiles) run the tiled kernel in torch.
 """
 
 from __future__ import annotations
@@ -59,13 +64,26 @@ def _sum_groups(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad.reshape(b, s, kv_heads, h // kv_heads, d).sum(dim=3)
 
 
+def _bias(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The additive bias the CPU kernel takes for a boolean mask."""
+    return torch.zeros(mask.shape, dtype=like.dtype, device=like.device).masked_fill_(
+        ~mask, float("-inf"))
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-            scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+            scale: float, mask: Optional[torch.Tensor] = None
+            ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out [b, s, h, d] in q's dtype, lse [b, h, s] float32)."""
     if q.device.type == "cpu":
+        bias = None if mask is None else _bias(mask, q)
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-            *_heads_first(q, k, v), 0.0, causal, scale=scale)
-        return out.transpose(1, 2), lse.float()  # float64 inputs give a float64 lse
+            *_heads_first(q, k, v), 0.0, causal, attn_mask=bias, scale=scale)
+        lse = lse.float()  # float64 inputs give a float64 lse
+        if mask is not None:
+            lse = lse.masked_fill(~mask.any(dim=1), float("-inf"))
+        return out.transpose(1, 2), lse
+    if mask is not None:
+        return tiled.attention_forward(q, k, v, causal, scale, mask=mask)
     choice, native_gqa = _cuda_choice(q, k, causal)
     if choice is None:
         return tiled.attention_forward(q, k, v, causal, scale)
@@ -82,17 +100,23 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             out: torch.Tensor, lse: torch.Tensor, causal: bool,
-             scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+             mask: Optional[torch.Tensor] = None
+             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in the inputs' dtype; ``out`` and ``lse`` may be the
     global ones (over more keys than ``k`` holds)."""
     out = out.to(q.dtype)
     lse = lse.contiguous()
     if q.device.type == "cpu":  # it reads lse in its accumulation type
         lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        bias = None if mask is None else _bias(mask, q)
+        if mask is not None:  # a row that saw no key: every exp(score - lse) is 0
+            lse = lse.masked_fill(lse == float("-inf"), float("inf"))
         grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            *_heads_first(dout, q, k, v, out), lse, 0.0, causal, scale=scale)
+            *_heads_first(dout, q, k, v, out), lse, 0.0, causal, attn_mask=bias, scale=scale)
         return tuple(g.transpose(1, 2) for g in grads)
+    if mask is not None:
+        return tiled.attention_backward(dout, q, k, v, out, lse, causal, scale, mask=mask)
     choice, native_gqa = _cuda_choice(q, k, causal)
     if choice is None:
         return tiled.attention_backward(dout, q, k, v, out, lse, causal, scale)

@@ -5,123 +5,131 @@ K and V travel around the ring; at every step each rank attends its queries
 to the block it holds with the block kernel (PyTorch's fused SDPA ops for
 torch tensors, the tiled array-API kernel otherwise, or the caller's
 ``kernel``) and merges the result into its running output with the online
-softmax (``merge``), in float32. Under a causal mask, which (query, key)
-chunk pairs are visible depends on the layout (``_visible``); zigzag makes
-every step cost the same on every rank. Only bytes cross into the
-Communicator: K and V in their own dtype (bfloat16 moves half the bytes of
-float32).
+softmax, in float32. Which (query, key) pairs are visible (causality,
+packed documents ``cu_seqlens``, a sliding ``window``, padding) decides
+which blocks of a step are computed at all (``commlib.visibility``); zigzag
+layouts make every step cost about the same on every rank. Only bytes cross
+into the Communicator: K and V in their own dtype (bfloat16 moves half the
+bytes of float32).
 
 Backward: dQ accumulates locally; dK and dV for a block accumulate in float32
 and travel one hop behind their K/V block, each rank adding its part, so
 that after P steps each block's gradients arrive at its owner.
+
+``method="allgather"`` gathers K and V once instead (one collective; every
+rank then attends to the whole sequence: Llama 3's context parallelism) and
+its backward reduce-scatters dK and dV; it pays no per-step merge and wins
+where K and V are small next to Q (GQA with few kv heads).
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-import array_api_extra as xpx
+import numpy as np
 
-from ..attention_inputs import agree_on_inputs, backward_extras, check_qkv, problem_of, scale_of
+from ..attention_inputs import backward_extras, check_qkv, prepare, scale_of
 from ..kernels import Kernel, kernel_for
-from ..namespace import detached, device, namespace
+from ..kernels.blockwise import attend, attend_backward, finish
+from ..namespace import contiguous, detached, device, namespace
+from ..visibility import blocks
 from .exchange import RingExchange
-from .layout import check_layout
-from .merge import merge
 
-EVERYTHING = slice(None)
+METHODS = ("ring", "allgather")
 
 
-def _visible(rank: int, source: int, causal: bool, layout: str, length: int):
-    """Which part of this rank's queries attends to which part of the block
-    from ``source``: (query slice, key slice, diagonal-causal), or None when
-    the causal mask hides the whole block."""
-    if not causal:
-        return EVERYTHING, EVERYTHING, False
-    if source == rank:
-        return EVERYTHING, EVERYTHING, True  # zigzag: chunks r < 2P-1-r, still in order
-    if layout == "contiguous":
-        return (EVERYTHING, EVERYTHING, False) if source < rank else None
-    half = length // 2
-    if source < rank:  # both our chunks follow its first chunk and precede its second
-        return EVERYTHING, slice(None, half), False
-    return slice(half, None), EVERYTHING, False  # only our late chunk sees it, all of it
+def check_method(method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
 
 
-def _check(q, k, v, layout: str, extra=()) -> None:
-    check_layout(layout)
+def _check(q, k, v, method: str, extra=()) -> None:
     check_qkv(q, k, v, extra)
-    if layout == "zigzag" and q.shape[1] % 2:
-        raise ValueError(f"the zigzag layout holds two equal chunks per rank, so the local "
-                         f"sequence length must be even, got {q.shape[1]}")
+    check_method(method)
 
 
 def ring_attention(q: Any, k: Any, v: Any, comm, causal: bool = False,
                    layout: str = "contiguous", softmax_scale: Optional[float] = None,
-                   return_lse: bool = False, kernel: Optional[Kernel] = None):
+                   return_lse: bool = False, cu_seqlens: Any = None, window: Any = None,
+                   method: str = "ring", kernel: Optional[Kernel] = None):
     """Attention of this rank's queries over the whole (sharded) sequence.
 
     q [b, s/P, h, d]; k, v [b, s/P, hk, d] with h % hk == 0; shards as
-    ``shard_sequence(..., layout)`` makes them. Returns out (q's framework,
-    device and dtype) and, with ``return_lse``, lse [b, h, s/P] float32.
-    ``kernel`` replaces the built-in block kernel (``commlib.kernels``)."""
+    ``shard_sequence(..., layout, cu_seqlens=...)`` makes them.
+    ``cu_seqlens``: offsets of the documents packed in the GLOBAL sequence
+    (attention never crosses a document; padding is masked); ``window``:
+    (left, right) tokens a query sees around itself; ``method``: "ring" or
+    "allgather". Returns out (q's framework, device and dtype) and, with
+    ``return_lse``, lse [b, h, s/P] float32. ``kernel`` replaces the
+    built-in block kernel (``commlib.kernels``)."""
     q, k, v = detached(q, k, v)
     scale = scale_of(q, softmax_scale)
-    agree_on_inputs(comm, "ring_attention", q, k, problem_of(_check, q, k, v, layout),
-                    causal=causal, layout=layout, scale=scale)
+    packing, (lo, hi) = prepare(comm, "ring_attention", q, k,
+                                lambda: _check(q, k, v, method), layout, causal, cu_seqlens,
+                                window, method=method, scale=scale)
     xp = namespace(q)
     kernel = kernel or kernel_for(q)
-    out = lse = None
-    for source, block in RingExchange(comm).rotate(xp.stack([k, v])):  # one message a step
-        visible = _visible(comm.rank, source, causal, layout, q.shape[1])
-        if visible is None:
-            continue
-        rows, cols, diagonal = visible
-        block_out, block_lse = kernel.forward(q[:, rows], block[0][:, cols], block[1][:, cols],
-                                              diagonal, scale)
-        if out is None:  # the first step is this rank's own block: every row
-            out = xp.astype(block_out, xp.float32, copy=False)
-            lse = xp.astype(block_lse, xp.float32, copy=False)
-            continue
-        if rows == EVERYTHING:
-            out, lse = merge(out, lse, block_out, block_lse)
-            continue
-        merged_out, merged_lse = merge(out[:, rows], lse[:, :, rows], block_out, block_lse)
-        out = xpx.at(out)[:, rows].set(merged_out)
-        lse = xpx.at(lse)[:, :, rows].set(merged_lse)
-    result = xp.astype(out, q.dtype)
-    return (result, lse) if return_lse else result
+    mine = packing.spans(comm.rank)
+    if method == "allgather":
+        order, spans = packing.in_order()
+        kv = _take(comm.allgather(xp.stack([k, v]), axis=2), order)
+        state = attend(kernel, q, kv[0], kv[1], blocks(mine, spans, lo, hi), scale)
+    else:
+        state = None
+        for source, block in RingExchange(comm).rotate(xp.stack([k, v])):
+            state = attend(kernel, q, block[0], block[1],
+                           blocks(mine, packing.spans(source), lo, hi), scale, state)
+    out, lse = finish(state, q)
+    return (out, lse) if return_lse else out
 
 
 def ring_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, comm,
                             causal: bool = False, layout: str = "contiguous",
-                            softmax_scale: Optional[float] = None,
+                            softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
+                            window: Any = None, method: str = "ring",
                             kernel: Optional[Kernel] = None):
     """(dq, dk, dv) of ``ring_attention`` for this rank's shards, given the
     forward's ``out`` and ``lse`` and the output gradient ``dout``; in q's
     framework, device and dtype."""
     dout, q, k, v, out, lse = detached(dout, q, k, v, out, lse)
     scale = scale_of(q, softmax_scale)
-    problem = problem_of(_check, q, k, v, layout, backward_extras(q, dout, out, lse))
-    agree_on_inputs(comm, "ring_attention_backward", q, k, problem, causal=causal,
-                    layout=layout, scale=scale)
+    extra = backward_extras(q, dout, out, lse)
+    packing, (lo, hi) = prepare(comm, "ring_attention_backward", q, k,
+                                lambda: _check(q, k, v, method, extra), layout, causal,
+                                cu_seqlens, window, method=method, scale=scale)
     xp = namespace(q)
     kernel = kernel or kernel_for(q)
-    dq = xp.zeros(q.shape, dtype=xp.float32, device=device(q))
-    carried = None  # dK and dV of the block one hop ahead, on their way around
-    for source, block in RingExchange(comm).rotate(xp.stack([k, v])):
-        grads = xp.zeros((2,) + tuple(k.shape), dtype=xp.float32, device=device(q))
-        visible = _visible(comm.rank, source, causal, layout, q.shape[1])
-        if visible is not None:
-            rows, cols, diagonal = visible
-            dq_part, dk_part, dv_part = kernel.backward(
-                dout[:, rows], q[:, rows], block[0][:, cols], block[1][:, cols],
-                out[:, rows], lse[:, :, rows], diagonal, scale)
-            dq = xpx.at(dq)[:, rows].add(xp.astype(dq_part, xp.float32, copy=False))
-            grads = xpx.at(grads)[:, :, cols].set(
-                xp.astype(xp.stack([dk_part, dv_part]), xp.float32, copy=False))
-        if carried is not None:
-            grads += carried.wait()
-        carried = comm.ring_shift_async(grads, lane=1)  # overlaps the next K/V hop
-    own = carried.wait()  # this rank's own block, every rank's part added
+    mine = packing.spans(comm.rank)
+    dq = None
+    if method == "allgather":
+        order, spans = packing.in_order()
+        kv = _take(comm.allgather(xp.stack([k, v]), axis=2), order)
+        dq, dkv = attend_backward(kernel, dout, q, kv[0], kv[1], out, lse,
+                                  blocks(mine, spans, lo, hi), scale)
+        own = _reduce_scatter(_take(dkv, np.argsort(order)), comm)
+    else:
+        carried = None  # dK and dV of the block one hop ahead, on their way around
+        for source, block in RingExchange(comm).rotate(xp.stack([k, v])):
+            dq, grads = attend_backward(kernel, dout, q, block[0], block[1], out, lse,
+                                        blocks(mine, packing.spans(source), lo, hi), scale, dq)
+            if carried is not None:
+                grads += carried.wait()
+            carried = comm.ring_shift_async(grads, lane=1)  # overlaps the next K/V hop
+        own = carried.wait()  # this rank's own block, every rank's part added
     return xp.astype(dq, q.dtype), xp.astype(own[0], k.dtype), xp.astype(own[1], v.dtype)
+
+
+def _take(kv: Any, order: np.ndarray) -> Any:
+    """``kv`` [2, b, s, hk, d] with its sequence axis permuted by ``order``."""
+    xp = namespace(kv)
+    return xp.take(kv, xp.asarray(order, device=device(kv)), axis=2)
+
+
+def _reduce_scatter(dkv: Any, comm) -> Any:
+    """[2, b, P*s, hk, d] partial sums on every rank -> this rank's
+    [2, b, s, hk, d] summed over ranks (an all-to-all, then a local sum)."""
+    xp = namespace(dkv)
+    two, b, total, hk, d = dkv.shape
+    per_rank = xp.reshape(dkv, (two, b, comm.size, total // comm.size, hk, d))
+    received = comm.alltoall(contiguous(xp.permute_dims(per_rank, (2, 0, 1, 3, 4, 5))))
+    return xp.sum(received, axis=0)

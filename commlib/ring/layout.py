@@ -1,69 +1,83 @@
-"""How a global sequence is cut among the ranks of a ring.
+"""How a global sequence is cut among the ranks of a ring, and put back.
 
-``contiguous``: rank r holds the r-th of P equal chunks. ``zigzag``: the
-sequence is cut into 2P chunks and rank r holds chunks r and 2P-1-r, so that
-under a causal mask every rank has the same amount of work (an early chunk,
-cheap, paired with a late one, expensive).
+The layouts (``contiguous``, ``zigzag``, ``zigzag_docs``) and the padding
+rules are ``commlib.documents``'s: a sequence of any length is padded to
+what its layout needs, and ``unshard_sequence`` gives back exactly the
+original tokens.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, List, Optional
 
-from ..namespace import contiguous, namespace
+from ..documents import (
+    LAYOUTS,
+    PADDING,
+    as_offsets,
+    check_layout,
+    chunks_of,
+    needed_length,
+    packing_for,
+)
+from ..namespace import contiguous, device, namespace
 
-LAYOUTS = ("contiguous", "zigzag")
-
-
-def check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; use one of {', '.join(LAYOUTS)}")
-
-
-def chunks_of(rank: int, size: int, layout: str) -> Tuple[int, ...]:
-    """Indices of the chunks rank holds, in the order it holds them, out of
-    ``size`` (contiguous) or ``2 * size`` (zigzag) chunks."""
-    check_layout(layout)
-    return (rank,) if layout == "contiguous" else (rank, 2 * size - 1 - rank)
+__all__ = ["LAYOUTS", "check_layout", "chunks_of", "shard_sequence", "unshard_sequence"]
 
 
-def _chunk_count(size: int, layout: str) -> int:
-    return size if layout == "contiguous" else 2 * size
+def _along(x: Any, axis: int, start: int, stop: int) -> Any:
+    return x[(slice(None),) * (axis % len(x.shape)) + (slice(start, stop),)]
 
 
-def _pieces(x: Any, count: int, axis: int) -> List[Any]:
-    """``x`` cut into ``count`` equal views along ``axis``."""
-    length = x.shape[axis] // count
-    before = (slice(None),) * (axis % len(x.shape))
-    return [x[before + (slice(i * length, (i + 1) * length),)] for i in range(count)]
+def _padding(x: Any, axis: int, length: int) -> Any:
+    xp = namespace(x)
+    shape = list(x.shape)
+    shape[axis] = length
+    return xp.zeros(tuple(shape), dtype=x.dtype, device=device(x))
 
 
-def shard_sequence(x: Any, comm, layout: str = "zigzag", axis: int = 1) -> Any:
+def shard_sequence(x: Any, comm, layout: str = "zigzag", axis: int = 1,
+                   cu_seqlens: Any = None) -> Any:
     """This rank's shard of the global ``x`` (the same on every rank), in the
-    caller's framework. The length along ``axis`` must divide into
-    ``size`` (contiguous) or ``2 * size`` (zigzag) equal chunks."""
+    caller's framework. Any length: the shard is padded (with zeros) where
+    the layout needs it; pass the same ``cu_seqlens`` to the attention (for
+    one sequence of uneven length L: ``[0, L]``). ``zigzag_docs`` needs the
+    documents' ``cu_seqlens``."""
     check_layout(layout)
     xp = namespace(x)
-    n = _chunk_count(comm.size, layout)
     length = x.shape[axis]
-    if length % n:
-        raise ValueError(f"a sequence of length {length} cannot be cut into {n} equal chunks "
-                         f"({layout} layout over {comm.size} ranks); pad it to a multiple of {n}")
-    pieces = _pieces(x, n, axis)
-    mine = [pieces[c] for c in chunks_of(comm.rank, comm.size, layout)]
-    return contiguous(xp.concat(mine, axis=axis) if len(mine) > 1 else mine[0])
+    if cu_seqlens is None and layout != "zigzag_docs":
+        n = len(chunks_of(0, comm.size, layout)) * comm.size
+        if length % n:
+            raise ValueError(f"a sequence of length {length} cannot be cut into {n} equal "
+                             f"chunks ({layout} layout over {comm.size} ranks): pass "
+                             f"cu_seqlens=[0, {length}] to pad it (and the same to the "
+                             f"attention), or pad it to a multiple of {n}")
+    offsets = (0, length) if cu_seqlens is None else as_offsets(cu_seqlens, length)
+    packing = packing_for(offsets, layout, comm.size, needed_length(offsets, layout, comm.size))
+    pieces = [_padding(x, axis, s.length) if s.doc == PADDING else
+              _along(x, axis, s.origin, s.origin + s.length) for s in packing.spans(comm.rank)]
+    return contiguous(xp.concat(pieces, axis=axis) if len(pieces) > 1 else pieces[0])
 
 
-def unshard_sequence(x: Any, comm, layout: str = "zigzag", axis: int = 1) -> Any:
-    """The global sequence from every rank's shard (collective: an allgather),
+def unshard_sequence(x: Any, comm, layout: str = "zigzag", axis: int = 1,
+                     cu_seqlens: Any = None, length: Optional[int] = None) -> Any:
+    """The global sequence from every rank's shard (collective: an
+    allgather), padding removed: ``length`` (or ``cu_seqlens``'s end) tokens,
     in the caller's framework."""
     check_layout(layout)
     xp = namespace(x)
+    local = x.shape[axis]
+    if cu_seqlens is None:
+        offsets = (0, local * comm.size if length is None else length)
+    else:
+        offsets = as_offsets(cu_seqlens, length)
+    packing = packing_for(offsets, layout, comm.size, local)
     gathered = comm.allgather(x, axis=axis)
-    per_rank = len(chunks_of(0, comm.size, layout))
-    pieces = _pieces(gathered, comm.size * per_rank, axis)
-    order: List[Any] = [None] * len(pieces)
-    for rank in range(comm.size):
-        for slot, chunk in enumerate(chunks_of(rank, comm.size, layout)):
-            order[chunk] = pieces[rank * per_rank + slot]
-    return xp.concat(order, axis=axis)
+    placed: List[tuple] = []
+    at = 0
+    for span in packing.all_spans():
+        if span.doc != PADDING:
+            placed.append((span.origin, at, span.length))
+        at += span.length
+    pieces = [_along(gathered, axis, start, start + n) for _, start, n in sorted(placed)]
+    return xp.concat(pieces, axis=axis) if len(pieces) > 1 else pieces[0]

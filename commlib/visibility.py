@@ -1,0 +1,242 @@
+"""Which queries see which keys: the attention mask of packed documents,
+causality and a sliding window, as a few rectangular blocks to compute.
+
+Query token (doc a, position i) sees key token (doc b, position j) when
+a == b (never padding) and ``lo <= i - j <= hi``: ``lo`` = 0 under the
+causal mask (and -right with a window), ``hi`` = the window's left reach.
+``blocks(q_spans, k_spans, lo, hi)`` cuts the (local query, local key) plane
+of two shards (``commlib.documents.Span`` lists) into blocks of one of
+three kinds, which the block kernels run (keys before a query range and
+keys from its diagonal on are cut apart, so that a query chunk against its
+whole document is one full block and one causal one):
+
+- ``full``: every pair visible (no mask);
+- ``causal``: a square whose query i sees keys 0..i (the kernels' own
+  causal mode);
+- ``masked``: an explicit boolean mask [rows, cols].
+
+Pairs nobody sees are never computed: a block exists only where some pair
+is visible, trimmed to the visible rows and columns; a window's band is cut
+into tiles, so that tiles wholly outside it are skipped; small blocks (short
+documents) are gathered into one masked block of at most ``GROUP`` x
+``GROUP`` so that a thousand short documents are not a thousand kernel
+calls. Everything is computed once per shape on the host (cached) and is
+the same on every rank, so it is static under ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+import numpy as np
+
+from .documents import PADDING, Span
+
+UNBOUNDED = 1 << 62
+TILE = 512   # a window's band is cut into tiles of this edge
+GROUP = 256  # blocks are gathered while their bounding box stays this small
+
+
+@dataclass(frozen=True)
+class Block:
+    """Local query rows [rows[0], rows[1]) against local key columns
+    [cols[0], cols[1])."""
+
+    rows: Tuple[int, int]
+    cols: Tuple[int, int]
+    kind: str                      # "full", "causal" or "masked"
+    mask: Optional[np.ndarray]     # masked: bool [rows, cols], True = visible
+    pairs: int                     # visible (query, key) pairs
+
+    @property
+    def row_slice(self) -> slice:
+        return slice(*self.rows)
+
+    @property
+    def col_slice(self) -> slice:
+        return slice(*self.cols)
+
+
+def bounds(causal: bool, window: Any) -> Tuple[int, int]:
+    """(lo, hi): the visible range of query position - key position.
+    ``window`` = (left, right) tokens (None or -1: unbounded, flash-attn's
+    convention), or None."""
+    left = right = None
+    if window is not None:
+        try:
+            left, right = window
+        except (TypeError, ValueError):
+            raise ValueError(f"window must be (left, right) tokens or None, got "
+                             f"{window!r}") from None
+        for name, reach in (("left", left), ("right", right)):
+            if reach is not None and (isinstance(reach, bool) or not isinstance(reach, int)
+                                      or reach < -1):
+                raise ValueError(f"window {name} reach must be a token count >= 0 (or -1 / "
+                                 f"None: unbounded), got {reach!r}")
+        left = None if left == -1 else left
+        right = None if right == -1 else right
+    lo = -UNBOUNDED if right is None else -right
+    if causal:
+        lo = max(lo, 0)
+    return lo, (UNBOUNDED if left is None else left)
+
+
+@dataclass(frozen=True)
+class _Rect:
+    """A block before gathering: local rows/cols, kind, and the positions
+    (in their document) of its first query and first key."""
+
+    row0: int
+    rows: int
+    col0: int
+    cols: int
+    kind: str
+    q_position: int = 0
+    k_position: int = 0
+
+    def paint(self, lo: int, hi: int) -> np.ndarray:
+        if self.kind == "full":
+            return np.ones((self.rows, self.cols), bool)
+        if self.kind == "causal":
+            return np.tri(self.rows, self.cols, dtype=bool)
+        gap = (self.q_position + np.arange(self.rows))[:, None] \
+            - (self.k_position + np.arange(self.cols))[None, :]
+        return (gap >= lo) & (gap <= hi)
+
+
+def _runs(spans: Tuple[Span, ...]) -> List[Tuple[int, int, int, Tuple[Tuple[int, int, int], ...]]]:
+    """Consecutive spans of one document in increasing positions, as
+    (doc, local start, local stop, ((local start, position, length), ...))."""
+    runs: List[Any] = []
+    local = 0
+    for span in spans:
+        piece = (local, span.position, span.length)
+        last = runs[-1] if runs else None
+        if span.doc != PADDING and last is not None and last[0] == span.doc \
+                and span.position > last[3][-1][1]:
+            runs[-1] = (span.doc, last[1], local + span.length, last[3] + (piece,))
+        elif span.doc != PADDING:
+            runs.append((span.doc, local, local + span.length, (piece,)))
+        local += span.length
+    return runs
+
+
+def _classify(row0: int, q_position: int, rows: int, col0: int, k_position: int, cols: int,
+              lo: int, hi: int) -> List[_Rect]:
+    """The visible part of one document's queries [q_position, +rows) against
+    its keys [k_position, +cols): nothing, or trimmed rects."""
+    first_q = max(q_position, k_position + lo)
+    last_q = min(q_position + rows - 1, k_position + cols - 1 + hi)
+    first_k = max(k_position, q_position - hi)
+    last_k = min(k_position + cols - 1, q_position + rows - 1 - lo)
+    if first_q > last_q or first_k > last_k:
+        return []
+    row0, col0 = row0 + first_q - q_position, col0 + first_k - k_position
+    rows, cols = last_q - first_q + 1, last_k - first_k + 1
+    if first_q - last_k >= lo and last_q - first_k <= hi:
+        return [_Rect(row0, rows, col0, cols, "full")]
+    if first_q == first_k and rows == cols and lo == 0 and hi >= rows - 1:
+        return [_Rect(row0, rows, col0, cols, "causal")]
+    if first_k < first_q <= last_k:  # keys before the queries, then from the diagonal on
+        before = first_q - first_k
+        return (_classify(row0, first_q, rows, col0, first_k, before, lo, hi)
+                + _classify(row0, first_q, rows, col0 + before, first_q, cols - before, lo, hi))
+    if rows <= TILE and cols <= TILE:
+        return [_Rect(row0, rows, col0, cols, "masked", first_q, first_k)]
+    return [rect for r in range(0, rows, TILE) for c in range(0, cols, TILE)
+            for rect in _classify(row0 + r, first_q + r, min(TILE, rows - r),
+                                  col0 + c, first_k + c, min(TILE, cols - c), lo, hi)]
+
+
+def _joined(rects: List[_Rect]) -> List[_Rect]:
+    """Full rects side by side (same rows, adjacent columns, or the other
+    way round) joined: fewer, larger kernel calls."""
+    rects = list(rects)
+    joined = True
+    while joined:
+        joined = False
+        for i, a in enumerate(rects):
+            for j, b in enumerate(rects):
+                if i == j or a.kind != "full" or b.kind != "full":
+                    continue
+                if (a.row0, a.rows) == (b.row0, b.rows) and a.col0 + a.cols == b.col0:
+                    rects[i] = _Rect(a.row0, a.rows, a.col0, a.cols + b.cols, "full")
+                elif (a.col0, a.cols) == (b.col0, b.cols) and a.row0 + a.rows == b.row0:
+                    rects[i] = _Rect(a.row0, a.rows + b.rows, a.col0, a.cols, "full")
+                else:
+                    continue
+                del rects[j]
+                joined = True
+                break
+            if joined:
+                break
+    return rects
+
+
+def _rects(q_spans: Tuple[Span, ...], k_spans: Tuple[Span, ...], lo: int,
+           hi: int) -> List[_Rect]:
+    rects: List[_Rect] = []
+    windowless = hi >= UNBOUNDED and lo in (0, -UNBOUNDED)
+    for doc, q0, q1, q_pieces in _runs(q_spans):
+        for k_doc, k0, k1, k_pieces in _runs(k_spans):
+            if doc != k_doc:
+                continue
+            same = [p[1:] for p in q_pieces] == [p[1:] for p in k_pieces]
+            if windowless and (same or lo < 0):  # a run's order is its positions' order
+                kind = "causal" if lo == 0 else "full"
+                rects.append(_Rect(q0, q1 - q0, k0, k1 - k0, kind))
+                continue
+            rects += _joined([rect for qs in q_pieces for ks in k_pieces
+                              for rect in _classify(qs[0], qs[1], qs[2], ks[0], ks[1], ks[2],
+                                                    lo, hi)])
+    return sorted(rects, key=lambda r: (r.row0, r.col0))
+
+
+def _block(rect: _Rect, lo: int, hi: int) -> Block:
+    rows, cols = (rect.row0, rect.row0 + rect.rows), (rect.col0, rect.col0 + rect.cols)
+    if rect.kind == "full":
+        return Block(rows, cols, "full", None, rect.rows * rect.cols)
+    if rect.kind == "causal":
+        return Block(rows, cols, "causal", None, rect.rows * (rect.rows + 1) // 2)
+    mask = rect.paint(lo, hi)
+    return Block(rows, cols, "masked", mask, int(mask.sum()))
+
+
+def _gathered(group: List[_Rect], lo: int, hi: int) -> Block:
+    """One masked block painting every rect of ``group`` (and nothing else
+    of their bounding box: a pair another block holds is not counted twice)."""
+    if len(group) == 1:
+        return _block(group[0], lo, hi)
+    row0, col0 = min(r.row0 for r in group), min(r.col0 for r in group)
+    row1 = max(r.row0 + r.rows for r in group)
+    col1 = max(r.col0 + r.cols for r in group)
+    mask = np.zeros((row1 - row0, col1 - col0), bool)
+    for r in group:
+        mask[r.row0 - row0:r.row0 - row0 + r.rows, r.col0 - col0:r.col0 - col0 + r.cols] = \
+            r.paint(lo, hi)
+    return Block((row0, row1), (col0, col1), "masked", mask, int(mask.sum()))
+
+
+@functools.lru_cache(maxsize=1024)
+def blocks(q_spans: Tuple[Span, ...], k_spans: Tuple[Span, ...], lo: int,
+           hi: int) -> Tuple[Block, ...]:
+    """The blocks in which queries of ``q_spans`` see keys of ``k_spans``."""
+    result: List[Block] = []
+    group: List[_Rect] = []
+    box = None
+    for rect in _rects(q_spans, k_spans, lo, hi):
+        if box is not None:
+            grown = (min(box[0], rect.row0), min(box[1], rect.col0),
+                     max(box[2], rect.row0 + rect.rows), max(box[3], rect.col0 + rect.cols))
+            if grown[2] - grown[0] <= GROUP and grown[3] - grown[1] <= GROUP:
+                group.append(rect)
+                box = grown
+                continue
+            result.append(_gathered(group, lo, hi))
+        group = [rect]
+        box = (rect.row0, rect.col0, rect.row0 + rect.rows, rect.col0 + rect.cols)
+    if group:
+        result.append(_gathered(group, lo, hi))
+    return tuple(result)
