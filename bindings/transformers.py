@@ -12,10 +12,11 @@ Three lines::
 then ``expert_parallel(model, comm)`` for MoE models and
 ``allreduce_gradients(model, comm)`` after ``backward()``. The pieces:
 ``transformers_attention.py`` (the attention implementations and their
-mask functions), ``transformers_batch.py`` (sharding a batch, global
-positions and labels), ``transformers_experts.py`` (experts over the
-torch ``Dispatcher``), ``transformers_gradients.py`` (summing the
-gradients of replicated parameters).
+mask functions), ``transformers_batch.py`` (sharding a batch, packed or
+not: global positions, labels and document offsets),
+``transformers_experts.py`` (experts over the torch ``Dispatcher``),
+``transformers_gradients.py`` (summing the gradients of replicated
+parameters).
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ __all__ = ["register", "shard_batch", "expert_parallel", "allreduce_gradients", 
 
 
 def register(comm, ulysses_size: Optional[int] = None) -> None:
-    """Register ``"commlib_ring"``, ``"commlib_ulysses"`` and
-    ``"commlib_hybrid"`` (attention, with their mask functions) and
-    ``"commlib_ep"`` (experts) over ``comm`` in transformers' registries.
+    """Register ``"commlib_ring"``, ``"commlib_ring_docs"``,
+    ``"commlib_ulysses"`` and ``"commlib_hybrid"`` (attention, with their
+    mask functions) and ``"commlib_ep"`` (experts) over ``comm`` in
+    transformers' registries.
     ``ulysses_size``: the hybrid's Ulysses degree (default: ``hybrid.plan``'s
     choice). A later call replaces the communicator."""
     register_attention(comm, ulysses_size=ulysses_size)

@@ -1,5 +1,6 @@
 """One rank's shard of a causal-LM batch, with what the model needs to see
-the whole sequence: global positions and labels shifted before sharding.
+the whole sequence: global positions, labels shifted before sharding, and
+the packed documents' offsets.
 
 transformers' causal-LM loss shifts the labels by one token and averages
 over the tokens it sees. On a shard both would be wrong: the last token of a
@@ -10,70 +11,130 @@ own count. So the labels are shifted on the whole sequence, then sharded
 each rank's loss is its tokens' sum divided by the global count: the losses
 of all ranks add up to the global mean, and so do their gradients
 (``allreduce_gradients`` sums them).
+
+Packed sequences (``DataCollatorWithFlattening``: one row, position ids
+restarting at 0 per document) and sequences of any length travel as the
+global document offsets ``cu_seq_lens_q``/``cu_seq_lens_k``: the sequence is
+padded where the layout needs it, and the attention reads the documents and
+the padding from the offsets, which the model forwards to every attention
+call.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict
+import reprlib
+from typing import Any, Dict, List
 
 import torch
 
+from commlib.documents import as_offsets, cu_seqlens_from_position_ids
 from commlib.ring import shard_sequence
 
 __all__ = ["shard_batch"]
 
 IGNORE_INDEX = -100  # transformers' label for "no loss here"
 _SHARDED = ("input_ids", "labels", "attention_mask", "position_ids")
+# what DataCollatorWithFlattening(return_flash_attn_kwargs=True) adds: checked, then remade
+_DOCUMENTS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 def shard_batch(batch: Dict[str, Any], comm, layout: str = "zigzag") -> Dict[str, Any]:
     """This rank's shard of ``batch``, the same global batch on every rank.
 
-    ``batch``: ``input_ids`` [b, s], optionally ``labels`` (default: the
-    input ids, as transformers does), ``attention_mask`` (all ones: padding
-    is a later commlib issue) and ``position_ids`` (0 .. s-1). The result:
-    this rank's ``input_ids`` (and ``attention_mask``), ``position_ids``
-    holding the shard's global positions (for RoPE), ``shift_labels`` (the
-    labels shifted on the whole sequence, then sharded), ``labels`` (the
-    same tensor: the model computes a loss only when given labels, and its
-    loss uses ``shift_labels`` when present, never shifting again) and
-    ``num_items_in_batch`` (the global count of predicted tokens).
+    ``batch``: ``input_ids`` [b, s] (any s), optionally ``labels`` (default:
+    the input ids, as transformers does), ``attention_mask`` (all ones:
+    padding masks are refused) and ``position_ids``: 0 .. s-1, or, for
+    documents packed into the sequence, restarting at 0 at every document
+    and counting 0, 1, 2, ... within it (every row packed alike), as
+    ``DataCollatorWithFlattening`` makes them (its ``cu_seq_lens_*`` and
+    ``max_length_*`` are accepted when they agree). The result:
 
-    ``layout`` must be the attention implementation's: ``"zigzag"`` for
-    ``commlib_ring``, ``"contiguous"`` for ``commlib_ulysses`` and
-    ``commlib_hybrid`` (``transformers_attention.LAYOUTS``). ``s`` must
-    divide into 2P (zigzag) or P (contiguous) equal chunks: pad sequences at
-    the end, with labels -100 and no attention mask (under the causal mask
-    no real token sees the padding).
+    - ``input_ids``: this rank's tokens in ``layout``, padded where the
+      layout needs it (``commlib.ring.shard_sequence``);
+    - ``position_ids``: the shard's positions in the global sequence (in
+      its document when packed), for RoPE;
+    - ``shift_labels``: the labels shifted on the whole sequence, then
+      sharded (-100 on padding); ``labels``: the same tensor (the model
+      computes a loss only when given labels, and its loss uses
+      ``shift_labels`` when present, never shifting again);
+    - ``num_items_in_batch``: the global count of predicted tokens;
+    - ``cu_seq_lens_q``/``cu_seq_lens_k``: the documents' GLOBAL offsets
+      (int32, on the host: commlib reads them there; ``[0, s]`` unpacked),
+      which tell the attention the documents and the padding;
+      ``max_length_q``/``max_length_k``: the longest document.
+
+    The all-ones ``attention_mask`` is dropped: it carries nothing, and a
+    sharded one would mark the layout's padding. ``layout`` must be the
+    attention implementation's (``transformers_attention.LAYOUTS``):
+    ``"zigzag"`` for ``commlib_ring``, ``"zigzag_docs"`` for
+    ``commlib_ring_docs``, ``"contiguous"`` for ``commlib_ulysses`` and
+    ``commlib_hybrid``.
     """
-    unknown = sorted(set(batch) - set(_SHARDED))
+    unknown = sorted(set(batch) - set(_SHARDED) - set(_DOCUMENTS))
     if unknown:
         raise ValueError(f"shard_batch does not know how to shard {', '.join(unknown)}; it "
-                         f"shards {', '.join(_SHARDED)}")
-    input_ids = batch["input_ids"]
-    length = input_ids.shape[1]
-    positions = torch.arange(length, device=input_ids.device).expand_as(input_ids)
-    _check_full_sequences(batch, positions)
-    labels = batch.get("labels", input_ids)
-    shift_labels = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-    shard = {"input_ids": shard_sequence(input_ids, comm, layout),
-             "position_ids": shard_sequence(positions, comm, layout),
-             "shift_labels": shard_sequence(shift_labels, comm, layout),
-             "num_items_in_batch": (shift_labels != IGNORE_INDEX).sum()}
-    shard["labels"] = shard["shift_labels"]
-    if "attention_mask" in batch:
-        shard["attention_mask"] = shard_sequence(batch["attention_mask"], comm, layout)
-    return shard
-
-
-def _check_full_sequences(batch: Dict[str, Any], positions: torch.Tensor) -> None:
-    """Padding and packed sequences are not implemented: refuse a mask that
-    hides tokens, and positions that are not 0 .. s-1."""
+                         f"shards {', '.join(_SHARDED)} (and checks {', '.join(_DOCUMENTS)})")
     mask = batch.get("attention_mask")
     if mask is not None and not bool(mask.all()):
-        raise ValueError("shard_batch: the attention_mask pads some tokens; commlib attends "
-                         "over full sequences only (padding is a later commlib issue)")
+        raise ValueError("shard_batch: the attention_mask pads some tokens; padding masks are "
+                         "not implemented: pack the sequences instead (position_ids restarting "
+                         "at 0 per document, as DataCollatorWithFlattening makes them)")
+    input_ids = batch["input_ids"]
+    offsets = _offsets(batch, input_ids.shape[1])
+    positions = _positions(batch, offsets, input_ids)
+
+    def shard(x: torch.Tensor) -> torch.Tensor:
+        return shard_sequence(x, comm, layout, cu_seqlens=offsets)
+
+    labels = batch.get("labels", input_ids)
+    shift_labels = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    real = shard(torch.ones_like(shift_labels)).bool()  # shard_sequence pads with zeros
+    cu_seq_lens = torch.tensor(offsets, dtype=torch.int32)
+    longest = max(stop - start for start, stop in zip(offsets, offsets[1:]))
+    shard_labels = torch.where(real, shard(shift_labels), IGNORE_INDEX)
+    return {"input_ids": shard(input_ids), "position_ids": shard(positions),
+            "shift_labels": shard_labels, "labels": shard_labels,
+            "num_items_in_batch": (shift_labels != IGNORE_INDEX).sum(),
+            "cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens,
+            "max_length_q": longest, "max_length_k": longest}
+
+
+def _offsets(batch: Dict[str, Any], length: int) -> List[int]:
+    """The documents' global offsets: where the position ids restart at 0,
+    else the collator's ``cu_seq_lens_q``, else one document; any
+    ``cu_seq_lens_q``/``_k`` given must agree (a batch assembled from
+    different sources would otherwise attend across its documents)."""
+    try:
+        given = batch.get("position_ids")
+        source = (batch.get("cu_seq_lens_q") if given is None
+                  else cu_seqlens_from_position_ids(given))
+        offsets = [0, length] if source is None else list(
+            as_offsets(torch.as_tensor(source).cpu(), length))
+    except ValueError as error:
+        raise ValueError(f"shard_batch: {error}") from None
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        stated = None if batch.get(key) is None else torch.as_tensor(batch[key]).tolist()
+        if stated is not None and stated != offsets:
+            raise ValueError(f"shard_batch: {key} {reprlib.repr(stated)} disagrees with the "
+                             f"documents {reprlib.repr(offsets)} (from the "
+                             f"position_ids, else cu_seq_lens_q)")
+    return offsets
+
+
+def _positions(batch: Dict[str, Any], offsets: List[int],
+               input_ids: torch.Tensor) -> torch.Tensor:
+    """Every token's position in its document ([b, s]). Given position ids
+    must be exactly these: anything else (left padding, positions that skip
+    or do not start at 0) would rotate RoPE differently from the documents
+    the attention sees."""
+    starts = torch.tensor(offsets[:-1], device=input_ids.device)
+    lengths = torch.tensor(offsets, device=input_ids.device).diff()
+    positions = (torch.arange(offsets[-1], device=input_ids.device)
+                 - starts.repeat_interleave(lengths)).expand_as(input_ids)
     given = batch.get("position_ids")
     if given is not None and not torch.equal(given.expand_as(positions), positions):
-        raise ValueError("shard_batch: position_ids other than 0 .. s-1 (packed sequences?) "
-                         "are not supported yet (a later commlib issue)")
+        raise ValueError("shard_batch: position_ids must count 0, 1, 2, ... within every "
+                         "document, restarting at 0 where a packed document starts (as "
+                         "DataCollatorWithFlattening makes them); these do not (left padding? "
+                         "a skipped position?)")
+    return positions

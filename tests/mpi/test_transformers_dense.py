@@ -1,7 +1,8 @@
 """transformers over commlib, dense models: a tiny GQA Llama trained with
 each context-parallel attention implementation matches the unsharded model
-(loss, gradients, 20 optimizer steps), and what commlib does not implement
-is refused on every rank."""
+(loss, gradients, 20 optimizer steps), on packed documents it matches the
+documents run one by one, a sliding-window Mistral matches its unsharded
+self, and what commlib does not implement is refused on every rank."""
 
 import copy
 
@@ -20,15 +21,19 @@ from commlib.bindings.transformers_attention import LAYOUTS  # noqa: E402
 from commlib.bindings.transformers_experts import EXPERT_PARALLEL  # noqa: E402
 
 KINDS = tuple(LAYOUTS)
+# commlib_ring_docs lays one unpacked sequence out as commlib_ring does
+TRAINED = tuple(kind for kind in KINDS if kind != "commlib_ring_docs")
 SEQ, BATCH, HEADS, KV_HEADS, HEAD_DIM = 24, 2, 4, 2, 16  # 2P divides SEQ at 1-4 ranks
+DOCUMENTS = (5, 1, 11, 8)  # packed: 25 tokens, which 2P divides at no world size
+WINDOW = 5  # Mistral's sliding window, shorter than SEQ
 STEPS, LR, TOL = 20, 0.1, 1e-5
 
 
-def tiny_llama_config(attention_heads=HEADS, kv_heads=KV_HEADS):
-    return transformers.LlamaConfig(
-        hidden_size=attention_heads * HEAD_DIM, num_attention_heads=attention_heads,
-        num_key_value_heads=kv_heads, num_hidden_layers=2, intermediate_size=128,
-        vocab_size=128, max_position_embeddings=2 * SEQ, attention_dropout=0.0)
+def tiny_config(family=transformers.LlamaConfig, **options):
+    return family(hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
+                  num_key_value_heads=KV_HEADS, num_hidden_layers=2, intermediate_size=128,
+                  vocab_size=128, max_position_embeddings=2 * SEQ, attention_dropout=0.0,
+                  **options)
 
 
 def global_batch():
@@ -41,8 +46,20 @@ def global_batch():
     return {"input_ids": input_ids, "labels": labels}
 
 
+def packed_batch():
+    """DOCUMENTS packed into one row by transformers' DataCollatorWithFlattening
+    (position ids restarting at 0, label -100 at every document's first
+    token), with its flash-attention offsets."""
+    gen = torch.Generator().manual_seed(7)
+    collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    return collate([{"input_ids": torch.randint(0, 128, (n,), generator=gen).tolist()}
+                    for n in DOCUMENTS])
+
+
 def model_with(reference, implementation):
-    model = transformers.AutoModelForCausalLM.from_config(reference.config,
+    """A copy of ``reference`` attending with ``implementation`` (its own
+    config: from_config would switch the reference's shared one too)."""
+    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(reference.config),
                                                           attn_implementation=implementation)
     model.load_state_dict(reference.state_dict())
     return model
@@ -58,9 +75,13 @@ def world_sum(comm, value):
     return float(comm.allreduce(np.array([float(value)]))[0])
 
 
-def supported(comm, implementation):
-    if implementation == "commlib_ulysses" and HEADS % comm.size:
-        pytest.skip(f"Ulysses cannot split {HEADS} heads over {comm.size} ranks")
+def gradients(model):
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def new_model(config, seed):
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +89,7 @@ def reference(comm):
     """The unsharded model (sdpa), its first loss and gradients, and its
     losses and weights over STEPS optimizer steps."""
     hf.register(comm)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_llama_config(),
-                                                          attn_implementation="sdpa")
+    model = new_model(tiny_config(), seed=0)
     initial = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses, grads = [], None
@@ -78,36 +97,79 @@ def reference(comm):
         optimizer.zero_grad()
         loss = model(**global_batch()).loss
         loss.backward()
-        grads = grads or {name: p.grad.clone() for name, p in model.named_parameters()}
+        grads = grads or gradients(model)
         losses.append(loss.item())
         optimizer.step()
-    return {"model": initial, "grads": grads, "losses": losses,
+    return {"model": initial, "grads": grads, "loss": losses[0], "losses": losses,
             "trained": dict(model.named_parameters())}
 
 
-def sharded_step(model, comm, implementation):
+@pytest.fixture(scope="module")
+def packed_reference(reference):
+    """The packed batch's loss and gradients from the unsharded model (sdpa)
+    run on each document alone: the documents' token losses summed, over
+    the packed batch's count of predicted tokens."""
+    model = copy.deepcopy(reference["model"])
+    batch = packed_batch()
+    count = int((batch["labels"][:, 1:] != -100).sum())
+    offsets = batch["cu_seq_lens_q"].tolist()
+    loss = sum(model(input_ids=batch["input_ids"][:, start:stop],
+                     labels=batch["labels"][:, start:stop], num_items_in_batch=count).loss
+               for start, stop in zip(offsets, offsets[1:]))
+    loss.backward()
+    return {"model": reference["model"], "loss": loss.item(), "grads": gradients(model)}
+
+
+@pytest.fixture(scope="module")
+def mistral_reference(comm):
+    """A tiny Mistral whose sliding window is shorter than the sequence:
+    the unsharded model (sdpa, which masks the window), its loss and
+    gradients."""
+    hf.register(comm)
+    model = new_model(tiny_config(transformers.MistralConfig, sliding_window=WINDOW), seed=1)
+    initial = copy.deepcopy(model)
+    loss = model(**global_batch()).loss
+    loss.backward()
+    return {"model": initial, "loss": loss.item(), "grads": gradients(model)}
+
+
+def sharded_step(model, comm, implementation, batch=None):
     """One forward and backward on this rank's shard; the global loss."""
-    shard = hf.shard_batch(global_batch(), comm, LAYOUTS[implementation])
+    shard = hf.shard_batch(global_batch() if batch is None else batch, comm,
+                           LAYOUTS[implementation])
     loss = model(**shard).loss
     loss.backward()
     hf.allreduce_gradients(model, comm)
     return world_sum(comm, loss.item())
 
 
+def first_step_matches(comm, want, implementation, batch=None):
+    """The sharded model's global loss and gradients equal ``want``'s."""
+    model = model_with(want["model"], implementation)
+    loss = sharded_step(model, comm, implementation, batch)
+    ok = abs(loss - want["loss"]) <= TOL * abs(want["loss"])
+    for name, parameter in model.named_parameters():
+        ok = ok and close(parameter.grad, want["grads"][name])
+    return all_ranks(ok)
+
+
 @pytest.mark.parametrize("implementation", KINDS)
 def test_loss_and_gradients_match_the_unsharded_model(comm, reference, implementation):
-    supported(comm, implementation)
-    model = model_with(reference["model"], implementation)
-    loss = sharded_step(model, comm, implementation)
-    ok = abs(loss - reference["losses"][0]) <= TOL * abs(reference["losses"][0])
-    for name, parameter in model.named_parameters():
-        ok = ok and close(parameter.grad, reference["grads"][name])
-    assert all_ranks(ok)
+    assert first_step_matches(comm, reference, implementation)
 
 
 @pytest.mark.parametrize("implementation", KINDS)
+def test_packed_documents_match_each_document_alone(comm, packed_reference, implementation):
+    assert first_step_matches(comm, packed_reference, implementation, packed_batch())
+
+
+@pytest.mark.parametrize("implementation", KINDS)
+def test_a_sliding_window_matches_the_unsharded_model(comm, mistral_reference, implementation):
+    assert first_step_matches(comm, mistral_reference, implementation)
+
+
+@pytest.mark.parametrize("implementation", TRAINED)
 def test_training_matches_the_unsharded_model(comm, reference, implementation):
-    supported(comm, implementation)
     model = model_with(reference["model"], implementation)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
@@ -121,17 +183,29 @@ def test_training_matches_the_unsharded_model(comm, reference, implementation):
     assert all_ranks(ok)
 
 
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-def test_shard_batch_shifts_labels_on_the_whole_sequence(comm, layout):
-    batch = global_batch()
+@pytest.mark.parametrize("layout", sorted(set(LAYOUTS.values())))
+@pytest.mark.parametrize("packed", [False, True], ids=["one sequence", "packed"])
+def test_shard_batch_shifts_labels_on_the_whole_sequence(comm, layout, packed):
+    """Labels shifted on the whole sequence, padding (the packed batch's 25
+    tokens need some in the zigzag layouts) ignored, positions restarting
+    per document, the global offsets for the attention."""
+    if packed:
+        batch, items = packed_batch(), sum(n - 1 for n in DOCUMENTS)
+        offsets, positions = batch["cu_seq_lens_q"].tolist(), batch["position_ids"]
+    else:
+        batch, items = global_batch(), BATCH * (SEQ - 1) - 6
+        offsets, positions = [0, SEQ], torch.arange(SEQ).expand(BATCH, SEQ)
     shard = hf.shard_batch(batch, comm, layout)
-    shifted = unshard_sequence(shard["shift_labels"], comm, layout)
-    positions = unshard_sequence(shard["position_ids"], comm, layout)
+    shifted, got_positions = (unshard_sequence(shard[key], comm, layout, cu_seqlens=offsets)
+                              for key in ("shift_labels", "position_ids"))
+    predicted = world_sum(comm, (shard["shift_labels"] != -100).sum())
     assert all_ranks(
         shifted[:, :-1].equal(batch["labels"][:, 1:]) and bool((shifted[:, -1] == -100).all())
-        and positions.equal(torch.arange(SEQ).expand(BATCH, SEQ))
+        and got_positions.equal(positions) and predicted == items
+        and int(shard["num_items_in_batch"]) == items
         and shard["labels"] is shard["shift_labels"] and "attention_mask" not in shard
-        and int(shard["num_items_in_batch"]) == BATCH * (SEQ - 1) - 6)
+        and shard["cu_seq_lens_q"].tolist() == shard["cu_seq_lens_k"].tolist() == offsets
+        and shard["max_length_q"] == shard["max_length_k"] == max(np.diff(offsets)))
 
 
 def attention_call(comm, implementation, heads=HEADS, kv_heads=KV_HEADS):
@@ -158,7 +232,6 @@ class CausalModule(torch.nn.Module):
 
 @pytest.mark.parametrize("implementation", KINDS)
 def test_bookkeeping_keyword_arguments_are_accepted(comm, reference, implementation):
-    supported(comm, implementation)
     (q, k, v), want = attention_call(comm, implementation)
     out, weights = registered(implementation)(
         CausalModule(), q, k, v, None, dropout=0.0, scaling=HEAD_DIM**-0.5,
@@ -181,10 +254,12 @@ def test_hybrid_runs_at_a_given_ulysses_size(comm, reference):
 
 @pytest.mark.parametrize("extra, named", [
     ({"softcap": 30.0}, "softcap"), ({"s_aux": torch.zeros(HEADS)}, "s_aux"),
-    ({"sliding_window": 4}, "sliding_window"), ({"dropout": 0.1}, "dropout"),
-    ({"position_bias": torch.zeros(1)}, "position_bias"),
+    ({"sliding_window": 4, "is_causal": False}, "bidirectional sliding window"),
+    ({"dropout": 0.1}, "dropout"), ({"position_bias": torch.zeros(1)}, "position_bias"),
     ({"output_attentions": True}, "output_attentions"),
-    ({"cu_seq_lens_q": torch.zeros(2, dtype=torch.int32)}, "packed sequences"),
+    ({"cu_seq_lens_q": torch.tensor([0, SEQ]), "cu_seq_lens_k": torch.tensor([0, 5, SEQ])},
+     "cu_seq_lens_q [0, 24] and cu_seq_lens_k [0, 5, 24] differ"),
+    ({"seq_idx": torch.zeros(1, SEQ)}, "seq_idx"),
     ({"frobnicate": 1}, "frobnicate"),
     ({"attention_mask": torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool)}, "attention mask")])
 def test_what_changes_the_math_is_refused_by_name(comm, reference, extra, named):
@@ -195,10 +270,10 @@ def test_what_changes_the_math_is_refused_by_name(comm, reference, extra, named)
                       match=named)
 
 
-def test_ulysses_refuses_heads_that_do_not_split(comm, reference):
+def test_ulysses_refuses_fewer_heads_than_ranks(comm, reference):
     if comm.size == 1:
-        pytest.skip("any head count splits over one rank")
-    (q, k, v), _ = attention_call(comm, "commlib_ulysses", heads=comm.size + 1, kv_heads=1)
+        pytest.skip("one head splits over one rank")
+    (q, k, v), _ = attention_call(comm, "commlib_ulysses", heads=comm.size - 1, kv_heads=1)
     raises_everywhere(ValueError, lambda: registered("commlib_ulysses")(CausalModule(), q, k, v,
                                                                          None),
                       match="Ulysses splits the attention heads")
@@ -209,10 +284,30 @@ def test_hybrid_refuses_a_degree_that_does_not_divide_the_world(comm):
                       match="must divide the world size")
 
 
-def test_shard_batch_refuses_a_sequence_the_layout_cannot_split(comm):
-    batch = {"input_ids": torch.zeros(1, 2 * comm.size + 1, dtype=torch.int64)}
-    raises_everywhere(ValueError, lambda: hf.shard_batch(batch, comm, "zigzag"),
-                      match="cannot be cut")
+def test_chunked_attention_is_refused(comm, reference):
+    """Llama 4's chunked mask passes ``local_size`` as a sliding window's
+    does: the mask function tells them apart and refuses the chunks."""
+    config = transformers.Llama4TextConfig(attention_chunk_size=4)
+    config._attn_implementation = "commlib_ring"
+    embeddings = torch.zeros(1, 6, 8)  # this rank's 6 tokens
+    raises_everywhere(ValueError, lambda: transformers.masking_utils.create_chunked_causal_mask(
+        config, embeddings, None, None), match="does not implement chunked attention")
+
+
+@pytest.mark.parametrize("positions, named", [
+    (torch.cat([torch.ones(3), torch.arange(SEQ - 3)]), "must start at 0"),  # left padding
+    (torch.cat([torch.arange(10), torch.arange(11, SEQ + 1)]), "count 0, 1, 2"),
+    (torch.stack([torch.arange(SEQ), torch.arange(SEQ) % 12]), "every row packed alike")],
+    ids=["left padding", "skipped position", "rows packed differently"])
+def test_shard_batch_refuses_position_ids_that_are_not_documents(comm, positions, named):
+    batch = {**global_batch(), "position_ids": positions.long()}
+    raises_everywhere(ValueError, lambda: hf.shard_batch(batch, comm), match=named)
+
+
+def test_shard_batch_refuses_offsets_that_disagree_with_the_positions(comm):
+    batch = {**packed_batch(), "cu_seq_lens_k": torch.tensor([0, 25], dtype=torch.int32)}
+    raises_everywhere(ValueError, lambda: hf.shard_batch(batch, comm),
+                      match="cu_seq_lens_k [0, 25] disagrees with the documents")
 
 
 def test_padding_is_refused(comm, reference):
