@@ -125,16 +125,18 @@ def matches_sdpa(comm, run, impl, dtype, heads, kv_heads, causal):
     return ok and np.abs(whole_lse - ref_lse).max() <= tol * max(1.0, np.abs(ref_lse).max())
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("heads, kv_heads", [(6, 6), (6, 3), (6, 2), (6, 1), (8, 2)])
+# each head pattern once, causal where the split matters most (the suite
+# runs at five world sizes in CI)
+@pytest.mark.parametrize("heads, kv_heads, causal", [(6, 6, False), (6, 3, True), (6, 2, True),
+                                                     (6, 1, True), (8, 2, False)])
 @pytest.mark.parametrize("impl, dtype", CASES)
 def test_ulysses_attention_matches_sdpa(comm, impl, dtype, heads, kv_heads, causal):
     assert all_ranks(matches_sdpa(comm, _ulysses, impl, dtype, heads, kv_heads, causal))
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("heads, kv_heads", [(5, 5), (5, 1), (6, 2)])
-@pytest.mark.parametrize("impl", arrayimpl.params(arrayimpl.HOST))
+@pytest.mark.parametrize("heads, kv_heads, causal", [(5, 5, True), (5, 1, False), (6, 2, True)])
+@pytest.mark.parametrize("impl", [p for p in arrayimpl.params(arrayimpl.HOST)
+                                  if p.id != "jax"])  # eager JAX compiles every block shape
 def test_hybrid_attention_at_every_degree(comm, impl, heads, kv_heads, causal):
     """At 4 ranks 5 heads over Ulysses 2 x Ring 2: the two ring positions
     hold 3 and 2 heads."""
@@ -144,8 +146,7 @@ def test_hybrid_attention_at_every_degree(comm, impl, heads, kv_heads, causal):
     assert all_ranks(ok)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("kv_heads", [6, 2])
+@pytest.mark.parametrize("kv_heads, causal", [(6, False), (2, True)])
 def test_jax_binding_under_jit_and_grad_matches_eager(comm, kv_heads, causal):
     import jax.numpy as jnp
 
