@@ -48,9 +48,7 @@ def attend(kernel: Kernel, q: Any, k: Any, v: Any, blocks: Sequence[Block], scal
             state = (part_out, part_lse)
             continue
         if state is None:
-            state = (xp.zeros(q.shape, dtype=xp.float32, device=device(q)),
-                     xp.full((q.shape[0], q.shape[2], rows_all), -math.inf, dtype=xp.float32,
-                             device=device(q)))
+            state = _unseen(q, xp.float32)
         out, lse = state
         if whole:
             state = merge(out, lse, part_out, part_lse)
@@ -64,12 +62,17 @@ def attend(kernel: Kernel, q: Any, k: Any, v: Any, blocks: Sequence[Block], scal
 def finish(state: State, q: Any) -> Tuple[Any, Any]:
     """(out in q's dtype, lse float32) of a finished ``state``; a shard that
     saw no key at all (all padding) gets zeros and -inf."""
-    xp = namespace(q)
     if state is None:
-        return (xp.zeros(q.shape, dtype=q.dtype, device=device(q)),
-                xp.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf, dtype=xp.float32,
-                        device=device(q)))
-    return xp.astype(state[0], q.dtype), state[1]
+        return _unseen(q, q.dtype)
+    return namespace(q).astype(state[0], q.dtype), state[1]
+
+
+def _unseen(q: Any, dtype: Any) -> Tuple[Any, Any]:
+    """(out, lse) of rows that saw no key: zeros in ``dtype``, -inf."""
+    xp = namespace(q)
+    return (xp.zeros(q.shape, dtype=dtype, device=device(q)),
+            xp.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf, dtype=xp.float32,
+                    device=device(q)))
 
 
 def attend_backward(kernel: Kernel, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,

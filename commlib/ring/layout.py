@@ -15,6 +15,7 @@ from ..documents import (
     PADDING,
     as_offsets,
     check_layout,
+    chunk_count,
     chunks_of,
     needed_length,
     packing_for,
@@ -46,7 +47,7 @@ def shard_sequence(x: Any, comm, layout: str = "zigzag", axis: int = 1,
     xp = namespace(x)
     length = x.shape[axis]
     if cu_seqlens is None and layout != "zigzag_docs":
-        n = len(chunks_of(0, comm.size, layout)) * comm.size
+        n = chunk_count(comm.size, layout)
         if length % n:
             raise ValueError(f"a sequence of length {length} cannot be cut into {n} equal "
                              f"chunks ({layout} layout over {comm.size} ranks): pass "

@@ -41,13 +41,12 @@ def ulysses_attention(q: Any, k: Any, v: Any, comm, causal: bool = False,
     packing, (lo, hi) = prepare(comm, "ulysses_attention", q, k,
                                 lambda: check_inputs(q, k, v, comm.size), "contiguous", causal,
                                 cu_seqlens, window, scale=scale)
-    xp = namespace(q)
     qh, kh, vh = seq_to_head_many([q, k, v], comm)
     whole = packing.all_spans()
     out, lse = finish(attend(kernel or kernel_for(q), qh, kh, vh, blocks(whole, whole, lo, hi),
                              scale), qh)
     heads = q.shape[2]
-    result = head_to_seq(xp.astype(out, q.dtype), comm, heads)
+    result = head_to_seq(out, comm, heads)  # finish gave it q's dtype
     if not return_lse:
         return result
     return result, lse_to_seq(lse, comm, heads)
