@@ -242,17 +242,25 @@ def test_alltoall_json_has_a_row_per_size_with_busbw_and_wrong(tmp_path):
     assert [row["size_bytes"] for row in rows] == [1024, 2048, 4096]
     for row in rows:
         assert {"size_bytes", "count", "dtype", "time_us_avg", "time_us_min", "time_us_max",
-                "algbw_gbps", "busbw_gbps", "wrong"} <= set(row)
+                "time_us_p50", "time_us_p99", "algbw_gbps", "busbw_gbps", "wrong",
+                "busiest_rank", "ranks"} <= set(row)
         assert row["time_us_min"] <= row["time_us_avg"] <= row["time_us_max"]
+        assert row["time_us_min"] <= row["time_us_p50"] <= row["time_us_p99"] <= row["time_us_max"]
         assert row["busbw_gbps"] == cli.bus_bandwidth(row["algbw_gbps"], 1)
         assert row["wrong"] == 0 and row["dtype"] == "float32"
 
 
 def test_row_as_json_busbw_is_algbw_times_n_minus_1_over_n():
-    row = cli.Row(4096, 1024, "float32", 1e-5, 9e-6, 2e-5, 8.0, cli.bus_bandwidth(8.0, 4), None)
+    row = cli.Row(4096, 1024, "float32", 1e-5, 9e-6, 2e-5, 9.5e-6, 1.9e-5, 8.0,
+                  cli.bus_bandwidth(8.0, 4), None, 0, (cli.RankTime(0, 4096, 2048, 8e-6),))
     record = row.as_json()
     assert record["busbw_gbps"] == pytest.approx(8.0 * 3 / 4)
     assert record["time_us_avg"] == pytest.approx(10.0) and record["wrong"] is None
+    assert record["time_us_p50"] == pytest.approx(9.5)
+    assert record["time_us_p99"] == pytest.approx(19.0)
+    assert record["ranks"] == [{"rank": 0, "send_bytes": 4096, "recv_bytes": 2048,
+                                "time_us_p50": pytest.approx(8.0),
+                                "algbw_gbps": pytest.approx(4096 / 8e-6 / 1e9)}]
 
 
 @pytest.mark.parametrize("pattern", ["zipf", "hotspot", "router"])

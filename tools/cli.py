@@ -18,17 +18,19 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, packages_distributions, version
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, NoReturn, Optional, Sequence, Tuple
 
 import click
 import ml_dtypes
 import numpy as np
+from click.core import ParameterSource
 
 import commlib
 from commlib.namespace import FRAMEWORKS
@@ -296,6 +298,19 @@ def diag() -> None:
 @click.option("--skew", type=click.FloatRange(min=0), default=None,
               help="zipf: exponent (default 1); router: expert popularity ~ "
                    "1/(r+1)^skew (default 0, uniform).")
+@click.option("--spread", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+              help="uniform: 0 splits evenly; 1 gives rank i's peer j a share "
+                   "proportional to (j-i) mod P, its distance ahead on the ring, as "
+                   "nccl-tests' alltoallv_perf; between, a linear blend. Every rank still "
+                   "sends and receives the same.")
+@click.option("--matrix", "matrix_path", type=click.Path(exists=True, dir_okay=False),
+              help="Send what this P x P text file says instead of a pattern: row i, "
+                   "column j = bytes rank i sends to rank j (whitespace or commas, '#' "
+                   "comments). One row; -b/-e may be omitted, else equal and at least the "
+                   "busiest rank's bytes, as in nccl-tests' alltoallv_perf.")
+@click.option("--per-rank", is_flag=True,
+              help="After the table, per size: each rank's send and receive bytes, its own "
+                   "median time and its algbw.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True),
               help="Also write the rows to this file as a JSON list (rank 0).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True),
@@ -311,11 +326,15 @@ def diag() -> None:
                    "auto: NCCL where every rank has a GPU.")
 @click.pass_context
 def alltoall(ctx: click.Context, sweep: Sweep, pattern: str, seed: int, experts: int,
-             topk: int, skew: Optional[float], json_path: Optional[str],
-             plot_path: Optional[str], slow_links: bool, nprocs: Optional[int],
-             backend: str) -> None:
+             topk: int, skew: Optional[float], spread: float, matrix_path: Optional[str],
+             per_rank: bool, json_path: Optional[str], plot_path: Optional[str],
+             slow_links: bool, nprocs: Optional[int], backend: str) -> None:
     """Time comm.alltoallv from -b to -e bytes per rank and check the data,
-    like nccl-tests' alltoall_perf. Exits 1 if any element arrived wrong.
+    like nccl-tests' alltoall_perf (alltoallv_perf with --spread or --matrix).
+    Exits 1 if any element arrived wrong.
+
+    Sizes and bandwidths are those of the busiest rank (the most bytes sent
+    or received), times those of each iteration's slowest rank.
 
     On rank 0, a progress line is shown on stderr when it is a terminal and
     the sweep has run for more than a couple of seconds.
@@ -326,11 +345,20 @@ def alltoall(ctx: click.Context, sweep: Sweep, pattern: str, seed: int, experts:
         raise click.BadParameter("plotting needs matplotlib: pip install matplotlib",
                                  param_hint="'--plot'")
     default_skew = 1.0 if pattern == "zipf" else 0.0
-    traffic = Traffic(pattern, seed, experts, topk, default_skew if skew is None else skew)
-    check_traffic(traffic, _world_size())
+    traffic = Traffic(pattern, seed, experts, topk, default_skew if skew is None else skew,
+                      spread=spread)
+    world_size = _world_size()
+    if matrix_path is not None:
+        traffic = replace(traffic, matrix=read_matrix(matrix_path, world_size, sweep.dtype))
+        sized = any(ctx.get_parameter_source(name) is not ParameterSource.DEFAULT
+                    for name in ("minbytes", "maxbytes"))
+        sweep = matrix_sweep(sweep, traffic.matrix, sized)
+    check_traffic(traffic, world_size)
     with world(backend=backend) as comm:
         rows = _run_sweep(comm, sweep, traffic)
         echo = click.echo if comm.rank == 0 else _silent
+        if per_rank:
+            echo("\n".join(line for row in rows for line in per_rank_lines(row)))
         if slow_links:
             echo("\n".join(slow_link_lines(time_links(comm))))
         if comm.rank == 0:
@@ -346,7 +374,7 @@ def _run_sweep(comm: commlib.Communicator, sweep: Sweep, traffic: Traffic) -> Li
     echo = click.echo if comm.rank == 0 else _silent
     echo(f"# commlib diag alltoall: {plural(comm.size, 'rank')}, "
          f"{describe_topology(comm.topology)}")
-    echo(f"{sweep.describe()} pattern: {traffic.pattern}")
+    echo(f"{sweep.describe()} pattern: {traffic.describe()}")
     echo(table_header())
     sizes = sweep.sizes()
     progress = Progress(len(sizes), enabled=comm.rank == 0 and sys.stderr.isatty())
@@ -388,7 +416,9 @@ def _silent(*_args, **_kwargs) -> None:
 class Traffic:
     """Who sends how much to whom: the --pattern and the settings it reads.
     ``skew`` is the zipf exponent (zipf) or the expert-popularity exponent
-    (router); ``experts``/``topk`` shape the synthetic router."""
+    (router); ``experts``/``topk`` shape the synthetic router; ``spread``
+    tilts uniform toward distant ranks; ``matrix`` ([P, P] bytes from
+    --matrix) replaces the pattern."""
 
     pattern: str = "uniform"
     seed: int = 0
@@ -396,6 +426,21 @@ class Traffic:
     topk: int = 8
     skew: float = 0.0
     tokens: int = 128
+    spread: float = 0.0
+    matrix: Optional[np.ndarray] = field(default=None, compare=False, repr=False)
+
+    def describe(self) -> str:
+        """The traffic as the header line names it."""
+        if self.matrix is not None:
+            return "matrix"
+        return f"{self.pattern} spread: {self.spread:g}" if self.spread else self.pattern
+
+    def counts(self, nbytes: int, nranks: int, dtype: np.dtype) -> np.ndarray:
+        """[nranks, nranks] elements rank i sends to rank j when each rank
+        sends ``nbytes``: the matrix's, whatever the size, else the pattern's."""
+        if self.matrix is not None:
+            return self.matrix // dtype.itemsize
+        return count_matrix(self.pattern, nbytes // dtype.itemsize, nranks, self.seed, self)
 
 
 def count_matrix(pattern: str, count: int, size: int, seed: int,
@@ -406,13 +451,14 @@ def count_matrix(pattern: str, count: int, size: int, seed: int,
     exchange alone.
 
     uniform rounds ``count`` down to a multiple of ``size`` (as nccl-tests
-    does); random, zipf and hotspot split all of it, so each row sums to
-    ``count``; router rows sum to at most ``count`` (see ``router_matrix``).
-    ``traffic`` carries the zipf and router settings; without it, defaults.
+    does), or with a spread each share (see ``spread_matrix``); random, zipf
+    and hotspot split all of it, so each row sums to ``count``; router rows
+    sum to at most ``count`` (see ``router_matrix``). ``traffic`` carries the
+    spread, zipf and router settings; without it, defaults.
     """
     traffic = traffic or Traffic(pattern, seed)
     if pattern == "uniform":
-        return np.full((size, size), count // size, dtype=np.int64)
+        return spread_matrix(count, size, traffic.spread)
     if pattern == "hotspot":
         return hotspot_matrix(count, size)
     if pattern == "router":
@@ -425,6 +471,21 @@ def count_matrix(pattern: str, count: int, size: int, seed: int,
     else:
         weights = rng.dirichlet(np.ones(size), size=size)
     return np.stack([rng.multinomial(count, row) for row in weights]).astype(np.int64)
+
+
+def spread_matrix(count: int, size: int, spread: float) -> np.ndarray:
+    """nccl-tests' alltoallv_perf pattern: rank i gives rank j
+    (1 - spread) count/size + spread count d/(size(size-1)/2) elements,
+    rounded down, where d = (j - i) mod size is j's distance ahead of i on
+    the ring. Spread 0 is uniform (count // size each); 1 sends nothing to
+    itself and most to the rank just behind it. Every row and every column
+    holds the same shares, so all ranks send and receive the same total."""
+    if size == 1:
+        return np.full((1, 1), count, dtype=np.int64)
+    distance = (np.arange(size)[None, :] - np.arange(size)[:, None]) % size
+    shares = ((1 - spread) * (count / size)
+              + spread * (count * distance / (size * (size - 1) / 2)))
+    return np.floor(shares).astype(np.int64)
 
 
 def hotspot_matrix(count: int, size: int, hot_rank: int = 0) -> np.ndarray:
@@ -477,9 +538,15 @@ def router_matrix(count: int, size: int, traffic: Traffic) -> np.ndarray:
 
 
 def check_traffic(traffic: Traffic, world_size: int) -> None:
-    """Usage errors of the router settings. Called before any MPI
-    communication, from argv and the world size alone, so every rank fails
-    the same way and none is left waiting."""
+    """Usage errors of the traffic settings. Called before any MPI
+    communication, from argv, the world size and the --matrix file alone,
+    so every rank fails the same way and none is left waiting."""
+    if traffic.matrix is not None and (traffic.pattern != "uniform" or traffic.spread):
+        raise click.BadParameter("the matrix says who sends what: drop --pattern and "
+                                 "--spread", param_hint="'--matrix'")
+    if traffic.spread and traffic.pattern != "uniform":
+        raise click.BadParameter(f"--spread tilts the uniform pattern; {traffic.pattern} "
+                                 f"splits the bytes its own way", param_hint="'--spread'")
     if traffic.pattern != "router":
         return
     if traffic.experts % world_size:
@@ -490,6 +557,67 @@ def check_traffic(traffic: Traffic, world_size: int) -> None:
         raise click.BadParameter(f"top-{traffic.topk} of {traffic.experts} experts is "
                                  f"impossible; use at most --experts",
                                  param_hint="'--topk'")
+
+
+def read_matrix(path: str, world_size: int, dtype: np.dtype) -> np.ndarray:
+    """[P, P] int64 bytes from a --matrix file: a row per line, entries
+    split by whitespace or commas, '#' to the end of a line a comment.
+    Every rank reads and checks the same file before any communication, so
+    a bad one is the same usage error everywhere and no rank is left waiting."""
+    def fail(reason: str) -> NoReturn:
+        raise click.BadParameter(f"{path}: {reason}", param_hint="'--matrix'")
+
+    with open(path, encoding="utf-8", errors="replace") as file:
+        lines = [(number, [cell for cell in re.split(r"[\s,]+", line.split("#", 1)[0]) if cell])
+                 for number, line in enumerate(file, start=1)]
+    rows = [(number, cells) for number, cells in lines if cells]
+    if not rows:
+        fail("empty: no rows besides blank lines and '#' comments")
+    for number, cells in rows:
+        if len(cells) != len(rows):
+            fail(f"not square: line {number} has {plural(len(cells), 'value')} and there "
+                 f"are {plural(len(rows), 'row')}")
+    if len(rows) != world_size:
+        fail(f"{plural(len(rows), 'row')} for {plural(world_size, 'rank')}: the matrix "
+             f"needs a row and a column per rank")
+    for number, cells in rows:
+        for cell in cells:
+            if re.fullmatch(r"-?[0-9]+", cell) is None:
+                fail(f"line {number}: {cell!r} is not a number; values are whole bytes")
+            if int(cell) < 0:
+                fail(f"line {number}: {cell} bytes is negative")
+            if int(cell) % dtype.itemsize:
+                fail(f"line {number}: {cell} bytes is not a whole number of {dtype.name} "
+                     f"elements ({dtype.itemsize} bytes each)")
+    return np.array([[int(cell) for cell in cells] for _, cells in rows], dtype=np.int64)
+
+
+def rank_bytes(matrix: np.ndarray) -> np.ndarray:
+    """[P] what each rank sends or receives, whichever is more: the load
+    nccl-tests' alltoallv_perf rates a rank by."""
+    return np.maximum(matrix.sum(axis=1), matrix.sum(axis=0))
+
+
+def matrix_sweep(sweep: Sweep, matrix: np.ndarray, sized: bool) -> Sweep:
+    """The one size of a --matrix run, its busiest rank's bytes, when -b and
+    -e were omitted (``sized`` false). Given, they must be equal and hold
+    those bytes, as nccl-tests' alltoallv_perf demands (it sizes its buffers
+    by -e; here it is only checked, so a command line means the same in both)."""
+    busiest = int(rank_bytes(matrix).max())
+    if busiest == 0:
+        raise click.BadParameter("the matrix sends no bytes at all", param_hint="'--matrix'")
+    if not sized:
+        return replace(sweep, minbytes=busiest, maxbytes=busiest)
+    if sweep.minbytes != sweep.maxbytes:
+        raise click.BadParameter(f"-b ({sweep.minbytes} bytes) differs from -e "
+                                 f"({sweep.maxbytes} bytes); with --matrix there is one size: "
+                                 f"give -b and -e the same value, or neither",
+                                 param_hint="'-b' / '-e'")
+    if sweep.maxbytes < busiest:
+        raise click.BadParameter(f"{sweep.maxbytes} bytes is less than the {busiest} the "
+                                 f"matrix's busiest rank sends or receives",
+                                 param_hint="'-b' / '-e'")
+    return sweep
 
 
 def block_values(sender: int, dest: int, count: int, dtype: np.dtype) -> np.ndarray:
@@ -543,10 +671,33 @@ def count_wrong(received: np.ndarray, rank: int, recv_counts: Sequence[int]) -> 
 
 # -- tables and alltoall timing ---------------------------------------------
 @dataclass(frozen=True)
+class RankTime:
+    """One rank at one size, for --per-rank: bytes it sends and receives and
+    the median of its own iteration times (seconds)."""
+
+    rank: int
+    send: int
+    recv: int
+    time: float
+
+    @property
+    def algbw(self) -> float:
+        """GB/s: the larger of its send and receive bytes over its own time."""
+        return max(self.send, self.recv) / self.time / 1e9
+
+    def as_json(self) -> dict:
+        """The rank for --json, in the units of ``Row.as_json``."""
+        return {"rank": self.rank, "send_bytes": self.send, "recv_bytes": self.recv,
+                "time_us_p50": self.time * 1e6, "algbw_gbps": self.algbw}
+
+
+@dataclass(frozen=True)
 class Row:
-    """One line of the table: sizes per rank, times in seconds (the slowest
-    rank of each iteration), bandwidths in GB/s, wrong elements over ranks
-    (None when the check is off)."""
+    """One line of the table. ``size`` is what the busiest rank sends or
+    receives, whichever is more (as nccl-tests' alltoallv_perf reports);
+    times in seconds are each iteration's slowest rank, summarized; bandwidths
+    in GB/s are ``size`` over the average; wrong elements are summed over ranks
+    (None when the check is off); ``ranks`` are the per-rank figures."""
 
     size: int
     count: int
@@ -554,22 +705,30 @@ class Row:
     avg: float
     min: float
     max: float
+    p50: float
+    p99: float
     algbw: float
     busbw: float
     wrong: Optional[int]
+    busiest: int
+    ranks: Tuple[RankTime, ...]
 
     def as_json(self) -> dict:
         """The row for --json: times in microseconds, bandwidths in GB/s,
         ``wrong`` null when the check is off."""
         return {"size_bytes": self.size, "count": self.count, "dtype": self.dtype,
                 "time_us_avg": self.avg * 1e6, "time_us_min": self.min * 1e6,
-                "time_us_max": self.max * 1e6, "algbw_gbps": self.algbw,
-                "busbw_gbps": self.busbw, "wrong": self.wrong}
+                "time_us_max": self.max * 1e6, "time_us_p50": self.p50 * 1e6,
+                "time_us_p99": self.p99 * 1e6, "algbw_gbps": self.algbw,
+                "busbw_gbps": self.busbw, "wrong": self.wrong, "busiest_rank": self.busiest,
+                "ranks": [rank.as_json() for rank in self.ranks]}
 
 
 _COLUMNS = (("size", "(B)", 12), ("count", "(elements)", 12), ("type", "", 15),
             ("time avg", "(us)", 10), ("min", "(us)", 10), ("max", "(us)", 10),
             ("algbw", "(GB/s)", 8), ("busbw", "(GB/s)", 8), ("#wrong", "", 7))
+_RANK_COLUMNS = (("rank", "", 8), ("send", "(B)", 12), ("recv", "(B)", 12),
+                 ("time p50", "(us)", 10), ("algbw", "(GB/s)", 8))
 
 
 def bus_bandwidth(algbw: float, nranks: int) -> float:
@@ -581,39 +740,63 @@ def bus_bandwidth(algbw: float, nranks: int) -> float:
 def format_row(row: Row) -> str:
     """A table line, aligned under ``_COLUMNS``."""
     wrong = "N/A" if row.wrong is None else str(row.wrong)
-    cells = (row.size, row.count, row.dtype, f"{row.avg * 1e6:.2f}", f"{row.min * 1e6:.2f}",
-             f"{row.max * 1e6:.2f}", f"{row.algbw:.3f}", f"{row.busbw:.3f}", wrong)
-    return "  " + " ".join(f"{cell:>{width}}" for cell, (_, _, width) in zip(cells, _COLUMNS))
+    return _aligned((row.size, row.count, row.dtype, f"{row.avg * 1e6:.2f}",
+                     f"{row.min * 1e6:.2f}", f"{row.max * 1e6:.2f}", f"{row.algbw:.3f}",
+                     f"{row.busbw:.3f}", wrong), _COLUMNS)
 
 
-def table_header() -> str:
-    """The '#'-prefixed column titles, aligned over ``format_row``'s cells."""
-    titles = [" ".join(f"{column[line]:>{width}}" for *column, width in _COLUMNS)
+def _aligned(cells: Sequence, columns: Sequence[Tuple[str, str, int]]) -> str:
+    """Cells right-aligned to the widths of ``columns``, under their titles."""
+    return "  " + " ".join(f"{cell:>{width}}" for cell, (_, _, width) in zip(cells, columns))
+
+
+def table_header(columns: Sequence[Tuple[str, str, int]] = _COLUMNS) -> str:
+    """The '#'-prefixed column titles, aligned over ``_aligned``'s cells."""
+    titles = [" ".join(f"{column[line]:>{width}}" for *column, width in columns)
               for line in (0, 1)]
     return "\n".join(["#", "# " + titles[0], ("# " + titles[1]).rstrip()])
 
 
+def per_rank_lines(row: Row) -> List[str]:
+    """--per-rank at one size: each rank's bytes, own median time and algbw,
+    then the busiest rank, whose bytes the row's bandwidths use."""
+    lines = [f"# per rank at {row.size} B: own median time, algbw = max(send, recv) / time",
+             *table_header(_RANK_COLUMNS).splitlines()[1:]]
+    lines += [_aligned((rank.rank, rank.send, rank.recv, f"{rank.time * 1e6:.2f}",
+                        f"{rank.algbw:.3f}"), _RANK_COLUMNS) for rank in row.ranks]
+    return lines + [f"# busiest rank: {row.busiest} ({row.size} B)"]
+
+
 def _alltoall_row(comm: commlib.Communicator, size: int, sweep: Sweep,
                   traffic: Traffic) -> Row:
-    """Run, time and check one size. Its count is what the busiest rank
-    sends (all ranks send the same, except under the router pattern)."""
+    """Run, time and check one size, and rate it by the busiest rank over
+    the slowest time, as nccl-tests' alltoallv_perf does."""
     dtype = sweep.dtype
-    matrix = count_matrix(traffic.pattern, size // dtype.itemsize, comm.size, traffic.seed,
-                          traffic)
+    matrix = traffic.counts(size, comm.size, dtype)
     send_counts, recv_counts = matrix[comm.rank], matrix[:, comm.rank]
     send = on_device(send_buffer(comm.rank, send_counts, dtype), comm)
-    times, received = time_alltoallv(comm, send, send_counts, recv_counts, sweep.iters,
-                                     sweep.warmup_iters)
+    own, received = time_alltoallv(comm, send, send_counts, recv_counts, sweep.iters,
+                                   sweep.warmup_iters)
     received = on_host(received, dtype)
     wrong = None
     if sweep.check:
         local = np.array([count_wrong(received, comm.rank, recv_counts)], dtype=np.int64)
         wrong = int(comm.allreduce(local, op="sum")[0])
-    count = int(matrix.sum(axis=1).max())
-    nbytes = count * dtype.itemsize
+    # reduced once, after the loop: each iteration's slowest rank, with no
+    # collective between iterations
+    times = comm.allreduce(own, op="max")
+    medians = comm.allgather(np.array([np.median(own)]))
+    sizes = matrix * dtype.itemsize
+    ranks = tuple(RankTime(rank, int(sizes[rank].sum()), int(sizes[:, rank].sum()),
+                           float(medians[rank])) for rank in range(comm.size))
+    loads = rank_bytes(sizes)
+    busiest = int(np.argmax(loads))  # the first, on a tie
+    nbytes = int(loads[busiest])
     algbw = nbytes / times.mean() / 1e9
-    return Row(nbytes, count, dtype.name, float(times.mean()), float(times.min()),
-               float(times.max()), algbw, bus_bandwidth(algbw, comm.size), wrong)
+    p50, p99 = np.percentile(times, [50, 99])
+    return Row(nbytes, nbytes // dtype.itemsize, dtype.name, float(times.mean()),
+               float(times.min()), float(times.max()), float(p50), float(p99), algbw,
+               bus_bandwidth(algbw, comm.size), wrong, busiest, ranks)
 
 
 def on_device(send: np.ndarray, comm: commlib.Communicator):
@@ -635,13 +818,9 @@ def on_host(received, dtype: np.dtype) -> np.ndarray:
 def time_alltoallv(comm: commlib.Communicator, send: np.ndarray, send_counts: np.ndarray,
                    recv_counts: np.ndarray, iters: int,
                    warmup_iters: int) -> Tuple[np.ndarray, np.ndarray]:
-    """(seconds of each timed iteration on the slowest rank, the last result).
-
+    """(seconds of each timed iteration on this rank, the last result).
     Every iteration starts at a barrier, so it times one exchange and not
-    the skew between ranks. The per-rank times are reduced with "max" once,
-    after the loop, which gives each iteration's slowest rank without a
-    collective between iterations.
-    """
+    the skew between ranks."""
     for _ in range(warmup_iters):
         comm.alltoallv(send, send_counts, recv_counts)
     times = np.empty(iters, dtype=np.float64)
@@ -650,7 +829,7 @@ def time_alltoallv(comm: commlib.Communicator, send: np.ndarray, send_counts: np
         start = time.perf_counter()
         received, _ = comm.alltoallv(send, send_counts, recv_counts)
         times[i] = time.perf_counter() - start
-    return comm.allreduce(times, op="max"), received
+    return times, received
 
 
 class Progress:
