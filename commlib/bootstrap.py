@@ -11,7 +11,7 @@ from .backends.mpi import MpiBackend
 from .communicator import Communicator
 from .consistency import check_from_env
 from .errors import BackendUnavailableError
-from .watchdog import timeout_from_env
+from .watchdog import share_cores, timeout_from_env
 
 BACKENDS = ("auto", "mpi", "nccl")
 
@@ -51,7 +51,8 @@ def init(backend: str = "auto", *, mpi_comm=None, ranks_per_node: Optional[int] 
 
     comm = (mpi_comm if mpi_comm is not None else MPI.COMM_WORLD).Dup()
     try:
-        shared_rank, leader = _shared_memory_domain(comm)
+        shared_rank, leader, shared_size = _shared_memory_domain(comm)
+        share_cores(shared_size)
         topology = _discover_topology(comm, leader, ranks_per_node)
     except BaseException:
         comm.Free()
@@ -68,12 +69,14 @@ def init(backend: str = "auto", *, mpi_comm=None, ranks_per_node: Optional[int] 
 
 def _shared_memory_domain(comm):
     """(this rank's index among the ranks sharing its memory, the lowest rank
-    of ``comm`` among them): the hardware's view of a node."""
+    of ``comm`` among them, how many they are): the hardware's view of a
+    node."""
     from mpi4py import MPI
 
     shared = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        return shared.Get_rank(), shared.allreduce(comm.Get_rank(), op=MPI.MIN)
+        return (shared.Get_rank(), shared.allreduce(comm.Get_rank(), op=MPI.MIN),
+                shared.Get_size())
     finally:
         shared.Free()
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import consistency
+from . import consistency, memory
 from . import counts as _counts
 from .arrays import Native, byte_view, contiguous, unwrap
 from .backends import REDUCE_OPS, Backend
@@ -25,9 +25,9 @@ from .backends.mpi import MpiBackend
 from .backends.nccl import NcclBackend
 from .backends.staged import StagedBackend
 from .errors import AllocationRefusedError, CollectiveMismatchError
-from .memory import shortfall
 from .namespace import contiguous as framework_contiguous
 from .namespace import namespace
+from .progress import PROGRESS
 from .topology import Topology
 
 # alltoallv's count exchange sends each peer [rows, signature], or this
@@ -141,7 +141,9 @@ class Communicator:
     def _begin(self, op: str, *facts: Any) -> None:
         """Every collective starts here: the watchdog counts the call (and
         refuses if this communicator already failed), then, under
-        COMMLIB_CHECK, all ranks compare fingerprints."""
+        COMMLIB_CHECK, all ranks compare fingerprints. ``facts`` are passed
+        as they are (dtypes, shapes) and put into words only when checked:
+        a small call cannot afford formatting it does not use."""
         self._watchdog.begin(op)
         if self._check:
             consistency.agree(self._host, op, facts, self._context)
@@ -160,6 +162,8 @@ class Communicator:
         (and, under NCCL, on its GPU). Found wrong on this rank only, so the
         peers, which may already be transferring, are told: they raise at
         their next wait instead of at their deadline."""
+        if len(natives) == 1 and not natives[0].on_device:
+            return self._host  # the common case, without the checks' overhead
         try:
             on_device = natives[0].on_device
             if any(n.on_device != on_device for n in natives[1:]):
@@ -227,6 +231,27 @@ class Communicator:
         accepted their inputs: a problem on any rank raises
         ``CollectiveMismatchError`` on every rank.
         """
+        wait, native, out, recv, _ = self._post_alltoallv(x, send_counts, recv_counts)
+        wait()
+        return native.wrap(out), recv
+
+    def alltoallv_async(self, x: Any, send_counts: Any,
+                        recv_counts: Any = None) -> "Pending":
+        """Start ``alltoallv`` and return once the payload is posted;
+        ``.wait()`` gives the rows, ``.recv_counts`` the counts (known at
+        once). A count exchange, when there is one, happens before this
+        returns. Over MPI a progress thread (``commlib.progress``) moves
+        the payload while the caller computes; ``x`` must not change until
+        the wait."""
+        wait, native, out, recv, sending = self._post_alltoallv(x, send_counts, recv_counts)
+        return Pending("alltoallv", wait, native, out, sending, self._abandon,
+                       progress=self._transport(native.on_device) is not self._device,
+                       recv_counts=recv)
+
+    def _post_alltoallv(self, x: Any, send_counts: Any, recv_counts: Any) -> tuple:
+        """Checks, count exchange, allocation, and the payload posted:
+        (wait, native, out, recv counts, the buffer being sent). Lean: at
+        small sizes every microsecond of Python shows."""
         self._watchdog.begin("alltoallv")
         native = unwrap(x)
         backend = self._backend_for(native)
@@ -251,23 +276,26 @@ class Communicator:
         data = contiguous(native)
         row_shape = data.shape[1:]
         row_bytes = data.itemsize * math.prod(row_shape)
-        self._refuse_unless_it_fits(int(recv.sum()) * row_bytes, native, recv)
-        out = native.empty((int(recv.sum()),) + row_shape)
-        backend.alltoallv(data, send * row_bytes, out, recv * row_bytes)
-        return native.wrap(out), recv
+        rows = sum(recv.tolist())  # Python sums: a NumPy reduction costs more at P entries
+        if rows * row_bytes >= memory.CHECK_FROM_BYTES:
+            self._refuse_unless_it_fits(rows * row_bytes, native, recv)
+        out = native.empty((rows,) + row_shape)
+        wait = backend.start_alltoallv(data, [n * row_bytes for n in send.tolist()], out,
+                                       [n * row_bytes for n in recv.tolist()])
+        return wait, native, out, recv, data
 
     def _exchange_counts(self, native: Native, send: Optional[np.ndarray],
                          problem: Optional[Exception]) -> np.ndarray:
         """Tell every peer how many rows it gets and what a row is (or that
         this rank rejected its input); raise on every rank if any rank is
         unhappy. One small all-to-all, the one the counts need anyway."""
-        header = np.empty((self.size, 2), dtype=np.int64)
         if problem is None:
+            header = np.empty((self.size, 2), dtype=np.int64)
             header[:, 0] = send
             header[:, 1] = _row_signature(native.dtype, native.data.shape[1:], native.on_device,
                                           self._context)
         else:
-            header[:] = _REJECTED
+            header = np.full((self.size, 2), _REJECTED, dtype=np.int64)
         received = self._host.exchange_int64(header)
         # all signatures equal this rank's: a byte comparison, cheaper than a ufunc
         if problem is None and received[:, 1].tobytes() == header[:, 1].tobytes():
@@ -307,7 +335,7 @@ class Communicator:
     def _refuse_unless_it_fits(self, nbytes: int, native: Native, recv: np.ndarray) -> None:
         """Refuse, before allocating, a receive the memory cannot hold; the
         peers hear of it through the watchdog."""
-        why = shortfall(nbytes, native.on_device, native.framework)
+        why = memory.shortfall(nbytes, native.on_device, native.framework)
         if why is None:
             return
         message = (f"alltoallv on rank {self.rank}: {why} (rows from each rank: "
@@ -326,7 +354,7 @@ class Communicator:
         (the JAX binding passes XLA's output buffer)."""
         native = unwrap(x)
         data, size = native.data, self.size
-        self._begin("alltoall", native.dtype.name, tuple(data.shape), split_axis, concat_axis)
+        self._begin("alltoall", native.dtype, data.shape, split_axis, concat_axis)
         backend = self._backend_for(native)
         if out is not None:
             if (split_axis, concat_axis) != (0, 0) or data.ndim == 0 or data.shape[0] % size:
@@ -341,13 +369,17 @@ class Communicator:
         if length % size:
             raise ValueError(f"alltoall splits axis {split_axis} (length {length}) into {size} "
                              f"equal chunks; make that axis a multiple of {size}")
+        if split_axis == concat_axis == 0:  # rank-major already: no layout change
+            received = native.empty(data.shape)
+            backend.alltoall(contiguous(native), received)
+            return native.wrap(received)
         array = _in_framework(x, native)
         xp = namespace(array)
         send = unwrap(framework_contiguous(xp.moveaxis(array, split_axis, 0)))
-        out = send.empty(send.data.shape)
-        backend.alltoall(send.data, out)
-        received = send.wrap(out)
-        chunk_first = xp.reshape(received, (size, length // size) + tuple(received.shape[1:]))
+        received = send.empty(send.data.shape)
+        backend.alltoall(send.data, received)
+        chunk_first = xp.reshape(send.wrap(received),
+                                 (size, length // size) + tuple(send.data.shape[1:]))
         return _concat_blocks(xp.moveaxis(chunk_first, 1, split_axis + 1), concat_axis)
 
     def alltoall_many(self, arrays: Sequence[Any]) -> List[Any]:
@@ -359,7 +391,7 @@ class Communicator:
         only; arrays may differ in dtype and trailing shape."""
         natives = [unwrap(x) for x in arrays]
         size = self.size
-        self._begin("alltoall_many", *((n.dtype.name, tuple(n.data.shape)) for n in natives))
+        self._begin("alltoall_many", *((n.dtype, n.data.shape) for n in natives))
         backend = self._backend_for(*natives)
         for n in natives:
             if n.data.ndim == 0 or n.data.shape[0] % size:
@@ -385,7 +417,7 @@ class Communicator:
         return self.ring_shift_async(x, shift).wait()
 
     def ring_shift_async(self, x: Any, shift: int = 1, lane: int = 0,
-                         out: Any = None) -> "PendingShift":
+                         out: Any = None) -> "Pending":
         """Start ``ring_shift(x, shift)`` and return at once; ``.wait()`` gives
         the result. For overlapping a transfer with computation (RingExchange);
         ``x`` must not change until then. Shifts on different ``lane``s
@@ -394,7 +426,7 @@ class Communicator:
         an array of x's shape and dtype that receives the result (as for
         ``alltoall``)."""
         native = unwrap(x)
-        self._begin("ring_shift", native.dtype.name, tuple(native.data.shape), shift, lane)
+        self._begin("ring_shift", native.dtype, native.data.shape, shift, lane)
         if isinstance(lane, bool) or not isinstance(lane, int) or lane < 0:
             raise ValueError(f"lane must be a non-negative integer, got {lane!r}")
         backend = self._backend_for(native)
@@ -405,10 +437,10 @@ class Communicator:
         shift = int(shift) % self.size
         if shift == 0:
             target[...] = data
-            return PendingShift(lambda: None, native, target, data, abandon=None)
+            return Pending("ring_shift", lambda: None, native, target, data, abandon=None)
         wait = backend.start_sendrecv(data, (self.rank + shift) % self.size, target,
                                       (self.rank - shift) % self.size)
-        return PendingShift(wait, native, target, data, abandon=self._abandon)
+        return Pending("ring_shift", wait, native, target, data, abandon=self._abandon)
 
     def _target(self, out: Any, like: Native):
         """The caller's ``out`` as a buffer to receive into: x's shape, dtype
@@ -422,20 +454,22 @@ class Communicator:
                              f"{tuple(target.data.shape)} {target.dtype.name}")
         return target.data
 
-    def _abandon(self, *in_flight: Any) -> None:
-        """A shift was dropped before its ``wait()`` (an exception between the
-        two): its receive may still match a peer's message, now or in a
-        later call. Keep its buffers for as long as the communicator, and
-        give up on it, telling the peers."""
+    def _abandon(self, op: str, *in_flight: Any) -> None:
+        """A transfer was dropped before its ``wait()`` (an exception between
+        the two, or a forgotten handle): its receive may still match a
+        peer's message, now or in a later call. Keep its buffers for as long
+        as the communicator, and give up on it, telling the peers: the next
+        call raises instead of hanging."""
         self._watchdog.hold(*in_flight)
-        self._watchdog.give_up("a ring_shift_async was dropped before its wait() (an "
-                               "exception in between?); its transfer may still be in flight")
+        self._watchdog.give_up(f"a {op} started asynchronously was dropped before its "
+                               f"wait() (an exception in between, or a handle never waited "
+                               f"on); its transfer may still be in flight")
 
     def allgather(self, x: Any, axis: int = 0) -> Any:
         """Every rank's ``x`` (same shape everywhere), concatenated along
         ``axis`` in rank order."""
         native = unwrap(x)
-        self._begin("allgather", native.dtype.name, tuple(native.data.shape), axis)
+        self._begin("allgather", native.dtype, native.data.shape, axis)
         backend = self._backend_for(native)
         data = contiguous(native)
         axis = _normalize_axis(axis, max(data.ndim, 1), "axis")
@@ -449,7 +483,7 @@ class Communicator:
         """Element-wise reduction over ranks: "sum", "prod", "max" or "min".
         For bool, "sum" is logical or and "prod" logical and."""
         native = unwrap(x)
-        self._begin("allreduce", native.dtype.name, tuple(native.data.shape), op)
+        self._begin("allreduce", native.dtype, native.data.shape, op)
         if op not in REDUCE_OPS:
             raise ValueError(f"unknown reduction op {op!r}; use one of {', '.join(REDUCE_OPS)}")
         backend = self._backend_for(native)
@@ -504,21 +538,37 @@ class Communicator:
         self._host.barrier()
 
 
-class PendingShift:
-    """A ring shift in flight; ``wait()`` returns its result (once). It holds
+class Pending:
+    """A transfer in flight; ``wait()`` returns its result (once). It holds
     the buffer being sent (a contiguous copy of a strided input, say) until
     the transfer is done, so that no transport reads freed memory. Dropped
-    without ``wait()``, it hands its transfer to ``abandon``."""
+    without ``wait()``, it hands its transfer to ``abandon``. ``progress``:
+    an MPI transfer, driven by the progress thread meanwhile."""
 
-    def __init__(self, wait, native: Native, out, sending, abandon):
-        self._wait, self._native, self._out, self._sending = wait, native, out, sending
-        self._abandon = abandon
+    def __init__(self, op: str, wait: Callable[[], None], native: Native, out: Any,
+                 sending: Any, abandon: Optional[Callable[..., None]], progress: bool = False,
+                 recv_counts: Optional[np.ndarray] = None):
+        self._op, self._wait, self._native, self._out = op, wait, native, out
+        self._sending, self._abandon = sending, abandon
+        self._progress = progress
+        self.recv_counts = recv_counts
+        if progress:
+            PROGRESS.start()
 
     def wait(self) -> Any:
-        self._wait()
+        if self._abandon is None and self._sending is None:
+            raise RuntimeError(f"this {self._op} was already waited on")
+        try:
+            self._wait()
+        finally:
+            if self._progress:
+                self._progress = False
+                PROGRESS.finish()
         self._sending, self._abandon = None, None
         return self._native.wrap(self._out)
 
     def __del__(self):
+        if self._progress:
+            PROGRESS.finish()
         if self._abandon is not None:
-            self._abandon(self._wait, self._out, self._sending)
+            self._abandon(self._op, self._wait, self._out, self._sending)

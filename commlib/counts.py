@@ -14,8 +14,8 @@ def as_counts(name: str, counts: Any, size: int) -> np.ndarray:
     int64 array of ``size`` non-negative entries, or a ValueError that says
     what is wrong."""
     if type(counts) is np.ndarray and counts.dtype == np.int64 and counts.shape == (size,) \
-            and counts.min(initial=0) >= 0:
-        return counts  # the common case, checked without conversions
+            and min(counts.tolist(), default=0) >= 0:
+        return counts  # the common case, checked without conversions (nor NumPy reductions)
     try:
         native = unwrap(counts)
     except TypeError:
@@ -38,7 +38,7 @@ def as_counts(name: str, counts: Any, size: int) -> np.ndarray:
 
 
 def check_rows(name: str, counts: np.ndarray, rows: int) -> None:
-    total = int(counts.sum())
+    total = sum(counts.tolist())
     if total != rows:
         raise ValueError(f"{name} sums to {total} rows but x has {rows} rows along "
                          f"axis 0; counts must cover every row exactly once")

@@ -9,7 +9,7 @@ CUDA-aware MPI) is one new module with the methods of ``Backend``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -19,10 +19,14 @@ REDUCE_OPS = ("sum", "prod", "max", "min")
 class Backend(Protocol):
     name: str
 
-    def alltoallv(self, send: Any, send_bytes: np.ndarray, out: Any,
-                  recv_bytes: np.ndarray) -> None:
+    def alltoallv(self, send: Any, send_bytes: Sequence[int], out: Any,
+                  recv_bytes: Sequence[int]) -> None:
         """Send ``send_bytes[i]`` bytes (in rank order) to rank i; receive
         ``recv_bytes[i]`` bytes from rank i into ``out``, in rank order."""
+
+    def start_alltoallv(self, send: Any, send_bytes: Sequence[int], out: Any,
+                        recv_bytes: Sequence[int]) -> Callable[[], None]:
+        """``alltoallv`` started; the returned callable waits for it."""
 
     def alltoall(self, send: Any, out: Any) -> None:
         """Equal byte chunks, chunk i to rank i."""

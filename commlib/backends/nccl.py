@@ -269,12 +269,17 @@ class NcclBackend:
         return self._enqueue(launch, keep)
 
     def alltoallv(self, send, send_bytes, out, recv_bytes) -> None:
+        self.start_alltoallv(send, send_bytes, out, recv_bytes)()
+
+    def start_alltoallv(self, send, send_bytes, out, recv_bytes) -> Callable[[], None]:
+        """Enqueued at once, like ``start_sendrecv``."""
+        send_bytes, recv_bytes = np.asarray(send_bytes), np.asarray(recv_bytes)
         sbase, rbase = byte_view(send).data.ptr, byte_view(out).data.ptr
         sdispl, rdispl = displacements(send_bytes), displacements(recv_bytes)
-        self._grouped(
+        return self._grouped(
             [(sbase + int(sdispl[p]), int(send_bytes[p]), p) for p in range(self.size)],
             [(rbase + int(rdispl[p]), int(recv_bytes[p]), p) for p in range(self.size)],
-            (send, out))()
+            (send, out))
 
     def alltoall(self, send, out) -> None:
         chunk = send.nbytes // self.size

@@ -194,8 +194,9 @@ def _chunks(nbytes: int, chunk: int) -> List[Tuple[int, int]]:
     return [(start, min(start + chunk, nbytes)) for start in range(0, nbytes, chunk)]
 
 
-def _blocks(data, sizes: np.ndarray) -> list:
+def _blocks(data, sizes: Sequence[int]) -> list:
     """``data`` cut into consecutive blocks of ``sizes`` bytes."""
+    sizes = np.asarray(sizes, dtype=np.int64)
     return [data[start:start + n]
             for start, n in zip(displacements(sizes).tolist(), sizes.tolist())]
 
@@ -235,6 +236,11 @@ class StagedBackend:
 
     # -- the Backend methods -------------------------------------------------
     def alltoallv(self, send, send_bytes, out, recv_bytes) -> None:
+        self.start_alltoallv(send, send_bytes, out, recv_bytes)()
+
+    def start_alltoallv(self, send, send_bytes, out, recv_bytes) -> Callable[[], None]:
+        """Every message posted before this returns; the pipeline's copies
+        run in the returned wait."""
         device = self._device_of(send)
         sends = _blocks(device.bytes_of(send), send_bytes)
         recvs = _blocks(device.bytes_of(out), recv_bytes)
@@ -242,8 +248,9 @@ class StagedBackend:
         # the host backend's order: sends in ring order from this rank
         to = [(rank + step) % size for step in range(1, size)]
         source = [(rank - step) % size for step in range(1, size)]
-        _Exchange(self, device, [Piece(sends[peer], [peer]) for peer in to],
-                  [(peer, recvs[peer]) for peer in source], (sends[rank], recvs[rank])).wait()
+        return _Exchange(self, device, [Piece(sends[peer], [peer]) for peer in to],
+                         [(peer, recvs[peer]) for peer in source],
+                         (sends[rank], recvs[rank])).wait
 
     def alltoall(self, send, out) -> None:
         chunk = np.full(self.host.size, send.nbytes // self.host.size, dtype=np.int64)
