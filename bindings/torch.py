@@ -16,7 +16,6 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-import numpy as np
 import torch
 
 from commlib import hybrid as _hybrid
@@ -127,21 +126,22 @@ class TorchHandle:
     weights: torch.Tensor
 
     @property
-    def tokens_per_expert(self) -> np.ndarray:
+    def tokens_per_expert(self) -> Any:
         return self.core.tokens_per_expert
 
     @property
-    def stats(self) -> _moe.DispatchStats:
+    def stats(self) -> Optional[_moe.DispatchStats]:
         return self.core.stats
 
 
 class _Dispatch(torch.autograd.Function):
-    """expert_x = dispatch(x); dx = the expert rows' gradients summed back
-    to their tokens along the combine path, computed by torch."""
+    """expert_x = the started dispatch's result; dx = the expert rows'
+    gradients summed back to their tokens along the combine path, computed
+    by torch (straight through a quantization)."""
 
     @staticmethod
-    def forward(ctx, x, experts, weights, core, box):
-        expert_x, handle = core.dispatch(x.detach(), experts, weights.detach())
+    def forward(ctx, x, weights, core, pending, box):
+        expert_x, handle = pending.wait()
         box.append(handle)
         ctx.core, ctx.handle = core, handle
         return expert_x
@@ -152,27 +152,41 @@ class _Dispatch(torch.autograd.Function):
 
 
 class _Combine(torch.autograd.Function):
-    """y = combine(expert_y) with the handle's weights. Backward, in torch:
-    dy travels the dispatch path to the expert rows; d expert_y = w * dy
-    there; d w = <dy, expert_y> per slot, sent back to its token."""
+    """y = the started combine's result. Backward, in torch: dy travels the
+    dispatch path to the expert rows; d expert_y = w * dy there; d w =
+    <dy, expert_y> per slot, sent back to its token."""
 
     @staticmethod
-    def forward(ctx, expert_y, weights, core, handle):
+    def forward(ctx, expert_y, weights, core, handle, pending):
         ctx.save_for_backward(expert_y, weights)
         ctx.core, ctx.handle = core, handle
-        return core.combine(expert_y.detach(), handle)
+        return pending.wait()
 
     @staticmethod
     def backward(ctx, grad):
         expert_y, weights = ctx.saved_tensors
         d_expert_y, d_weights = ctx.core.combine_backward(expert_y.detach(), grad, ctx.handle,
                                                           weights.shape[1])
-        return d_expert_y, d_weights.to(weights.dtype), None, None
+        return d_expert_y, d_weights.to(weights.dtype), None, None, None
+
+
+class _Started:
+    """A dispatch or combine in flight whose ``wait()`` records the autograd
+    node: the transfer overlaps whatever runs before the wait."""
+
+    def __init__(self, finish):
+        self._finish = finish
+
+    def wait(self) -> Any:
+        return self._finish()
 
 
 class Dispatcher:
     """``commlib.moe.Dispatcher`` whose dispatch and combine are
-    differentiable in x, weights and expert_y."""
+    differentiable in x, weights and expert_y. With ``quantize="fp8"`` the
+    rows are differentiable when ``dequantize=True`` (the quantization is
+    passed straight through, the gradient travels back in its own dtype);
+    the (values, scales) pair is not."""
 
     def __init__(self, comm, num_experts: int, **options: Any):
         self.core = _moe.Dispatcher(comm, num_experts, **options)
@@ -181,11 +195,34 @@ class Dispatcher:
     def stats(self) -> _moe.DispatchStats:
         return self.core.stats
 
-    def dispatch(self, x: torch.Tensor, experts: torch.Tensor,
-                 weights: torch.Tensor) -> Tuple[torch.Tensor, TorchHandle]:
-        box: list = []
-        expert_x = _Dispatch.apply(x, experts, weights, self.core, box)
-        return expert_x, TorchHandle(box[0], weights)
+    def collect_stats(self) -> _moe.DispatchStats:
+        return self.core.collect_stats()
+
+    def dispatch(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                 quantize: Optional[str] = None,
+                 dequantize: bool = False) -> Tuple[Any, TorchHandle]:
+        return self.dispatch_async(x, experts, weights, quantize, dequantize).wait()
+
+    def dispatch_async(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                       quantize: Optional[str] = None, dequantize: bool = False) -> _Started:
+        pending = self.core.dispatch_async(x.detach(), experts, weights.detach(), quantize,
+                                           dequantize)
+        if quantize is not None and not dequantize:
+            def finish():
+                values_scales, handle = pending.wait()
+                return values_scales, TorchHandle(handle, weights)
+            return _Started(finish)
+
+        def finish():
+            box: list = []
+            expert_x = _Dispatch.apply(x, weights, self.core, pending, box)
+            return expert_x, TorchHandle(box[0], weights)
+        return _Started(finish)
 
     def combine(self, expert_y: torch.Tensor, handle: TorchHandle) -> torch.Tensor:
-        return _Combine.apply(expert_y, handle.weights, self.core, handle.core)
+        return self.combine_async(expert_y, handle).wait()
+
+    def combine_async(self, expert_y: torch.Tensor, handle: TorchHandle) -> _Started:
+        pending = self.core.combine_async(expert_y.detach(), handle.core)
+        return _Started(lambda: _Combine.apply(expert_y, handle.weights, self.core, handle.core,
+                                               pending))

@@ -461,9 +461,9 @@ class Communicator:
         as the communicator, and give up on it, telling the peers: the next
         call raises instead of hanging."""
         self._watchdog.hold(*in_flight)
-        self._watchdog.give_up(f"a {op} started asynchronously was dropped before its "
-                               f"wait() (an exception in between, or a handle never waited "
-                               f"on); its transfer may still be in flight")
+        self._watchdog.give_up(f"an asynchronous {op} was dropped before its wait() (an "
+                               f"exception in between, or a handle never waited on); its "
+                               f"transfer may still be in flight")
 
     def allgather(self, x: Any, axis: int = 0) -> Any:
         """Every rank's ``x`` (same shape everywhere), concatenated along

@@ -1,11 +1,12 @@
 """Expert parallelism: routing (top-k, node-limited, bias balancing),
-deduplicated dispatch and combine (flat or two-hop), capacity and load
-statistics. Expert e of E lives on rank e // (E // P)."""
+deduplicated dispatch and combine (flat or two-hop; counted, or a sync-free
+fixed capacity; FP8 rows; overlap handles), capacity and load statistics.
+Expert e of E lives on rank e // (E // P)."""
 
 from .balance import BiasBalancer
-from .dispatch import DROP_POLICIES, Dispatcher, DispatchHandle
+from .dispatch import DROP_POLICIES, QUANTIZE, Dispatcher, DispatchHandle, PendingMoE
 from .routing import route
 from .stats import DispatchStats
 
-__all__ = ["route", "Dispatcher", "DispatchHandle", "DispatchStats", "BiasBalancer",
-           "DROP_POLICIES"]
+__all__ = ["route", "Dispatcher", "DispatchHandle", "PendingMoE", "DispatchStats",
+           "BiasBalancer", "DROP_POLICIES", "QUANTIZE"]

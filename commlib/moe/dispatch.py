@@ -20,6 +20,26 @@ Capacity: each expert takes at most ``ceil(T * k / E * capacity_factor)``
 assignments from each source rank; the rest are dropped (by lowest weight or
 latest position), contribute nothing, and are counted.
 
+Fixed capacity (``max_tokens_per_rank`` C, DeepEP's low-latency layout):
+every hop's block to a rank has a fixed number of rows, known from C, the
+capacity factor and the topology alone; empty slots carry the id -1, so the
+counts travel inside the payload and a dispatch or combine is one exchange
+per hop with known sizes, no count exchange and no read of the device.
+``expert_x`` is [local experts, P * per-source cap, H], each expert's rows
+first, padding after (``tokens_per_expert`` on the device says how many).
+What does not fit (more than C tokens, or an expert named twice in a token)
+is dropped and counted; the counts stay on the device until
+``collect_stats()``.
+
+FP8 (``quantize="fp8"``): the sender quantizes each row to e4m3 with a
+float32 scale per 128 channels (``commlib.moe.quantize``); the owner gets
+(values, scales), or x's dtype back with ``dequantize=True``. Combine
+travels in expert_y's dtype.
+
+Overlap: ``dispatch_async`` / ``combine_async`` return once the first hop
+is in flight; ``wait()`` finishes it. Over MPI the progress thread moves
+the bytes meanwhile (``commlib.progress``).
+
 Everything runs in the caller's framework, on its device (torch ops for torch
 tensors, ``jax.numpy`` for JAX arrays, NumPy for NumPy): permutations,
 metadata, expansion and sums. Only the rows cross into the transport, in
@@ -27,7 +47,7 @@ their own dtype (bfloat16 stays bfloat16 on the wire), each with its
 token's expert ids and weights (float32) in the same message; weights and
 sums are float32.
 
-The host waits for the device once per dispatch: one ``to_host`` of a small
+Without a fixed capacity the host waits for the device once per dispatch: one ``to_host`` of a small
 vector holding the counts the transport must know (rows per destination
 rank; for two hops, also the rows each forwarder will pass on), the
 per-expert counts and drops the stats report, and the smallest and largest
@@ -42,7 +62,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import array_api_extra as xpx
 import numpy as np
@@ -64,9 +84,11 @@ from ..namespace import (
     take_rows,
     to_host,
 )
+from .quantize import dequantize_fp8, quantize_fp8
 from .stats import DispatchStats
 
 DROP_POLICIES = ("probs", "position")
+QUANTIZE = (None, "fp8")
 # expert ids travel as float32 beside the weights (in each row's message);
 # float32 holds every integer below 2**24 exactly
 MAX_EXPERTS = 2 ** 24
@@ -74,7 +96,8 @@ MAX_EXPERTS = 2 ** 24
 
 @dataclass
 class _Hop:
-    """One all-to-all hop: the source rows sent (rank-major) and the counts."""
+    """One all-to-all hop: the source rows sent (rank-major) and the counts.
+    Under a fixed capacity a sent row equal to ``sources`` is an empty slot."""
 
     send_rows: Any           # caller's framework: source row of each sent row, in send order
     send_counts: np.ndarray  # host int64 [P]
@@ -86,33 +109,72 @@ class _Hop:
 class DispatchHandle:
     """What combine needs to undo a dispatch, and what the dispatch saw.
 
-    ``tokens_per_expert[e]`` (host int64): rows of ``expert_x`` for this
-    rank's local expert e. ``stats``: the global picture of this dispatch.
-    The index arrays are in the caller's framework, on its device."""
+    ``tokens_per_expert[e]``: rows of ``expert_x`` for this rank's local
+    expert e: host int64, or, under a fixed capacity, an array in x's
+    framework on its device (the dispatch reads nothing back). ``stats``:
+    the global picture of this dispatch (None under a fixed capacity:
+    ``Dispatcher.collect_stats()`` gathers those). The index arrays are in
+    the caller's framework, on its device."""
 
-    tokens_per_expert: np.ndarray
-    stats: DispatchStats
+    tokens_per_expert: Any
+    stats: Optional[DispatchStats]
     hops: List[_Hop] = field(repr=False)
-    arrival_rows: Any = field(repr=False)     # received row of each expert_x row
+    arrival_rows: Any = field(repr=False)     # received row of each expert row (padding: R)
     arrival_slots: Any = field(repr=False)    # which of the token's k slots it is
-    arrival_weights: Any = field(repr=False)  # its routing weight (float32)
+    arrival_weights: Any = field(repr=False)  # its routing weight (float32; padding: 0)
     received_rows: int = field(repr=False)
+    expert_shape: Tuple[int, ...] = field(default=(), repr=False)  # fixed: (local experts, slots)
+
+
+class PendingMoE:
+    """A dispatch or combine in flight: ``wait()`` gives its result, once.
+    Dropped without a wait, its transfer fails the communicator, so the
+    next call raises on every rank instead of hanging."""
+
+    def __init__(self, finish: Callable[[], Any]):
+        self._finish: Optional[Callable[[], Any]] = finish
+
+    def wait(self) -> Any:
+        if self._finish is None:
+            raise RuntimeError("this dispatch or combine was already waited on")
+        finish, self._finish = self._finish, None
+        return finish()
 
 
 @dataclass
 class _Plan:
     """This rank's side of a dispatch, worked out on its device before
-    anything moves; the host parts come from the dispatch's one copy."""
+    anything moves; the host parts come from the dispatch's one copy (none
+    under a fixed capacity)."""
 
     ids: Any                  # [T, k] expert ids after capacity (-1: none)
     gate: Any                 # [T, k] float32 weights
     keys: Any                 # hop 1: sorted destination * T + row, one per slot
     first: Any                # keys that start a (destination, row) copy
-    send_counts: np.ndarray   # host int64 [P]: rows to each rank on hop 1
-    forward: Optional[np.ndarray]  # two hops: rows each owner will get [P]
-    requested: np.ndarray     # host int64 [E]: assignments after capacity
-    dropped: np.ndarray       # host int64 [E]: assignments over capacity
-    id_range: Tuple[int, int]  # the smallest and largest expert id given
+    dropped: Any              # [E] on the device: assignments over capacity (None: no cap)
+    invalid: Any              # [1] on the device: ids outside [-1, E)
+    extremes: Any             # [2] on the device: the smallest and largest id given
+
+
+@dataclass
+class _Counts:
+    """The host counts of a dispatch without a fixed capacity."""
+
+    send: np.ndarray              # rows to each rank on hop 1
+    forward: Optional[np.ndarray]  # two hops: rows each owner will get
+    requested: np.ndarray         # assignments per expert after capacity
+    dropped: np.ndarray           # assignments per expert over capacity
+    id_range: Tuple[int, int]
+
+
+@dataclass
+class _Wire:
+    """How x's rows travel: their bytes [T, n], and how the owner reads
+    received bytes back into expert rows (plain, or FP8 values and scales)."""
+
+    payload: Any
+    decode: Callable[[Any], Tuple[Any, ...]]
+    deliver: Callable[[Tuple[Any, ...]], Any]
 
 
 def _require_one_place(named: List[Tuple[str, Any]]) -> None:
@@ -148,12 +210,44 @@ def _lookup(table: Any, ids: Any) -> Any:
     return xp.where(valid, xp.reshape(found, ids.shape), -1)
 
 
+def _slots(keys: Any, first: Any, sources: int, caps: Any, starts: Any,
+           total: int) -> Tuple[Any, Any, Any]:
+    """Fixed capacity: each (destination, row) copy's place in the send
+    buffer, whose block for destination d holds ``caps[d]`` rows from
+    ``starts[d]`` on. Returns (the source row of each of the ``total``
+    sent rows, ``sources`` for an empty slot; the copies that did not fit,
+    per key; rows sent to each destination). Fixed sizes, on the device."""
+    xp = namespace(keys)
+    kind = keys.dtype
+    dest = xp.where(first, keys // max(sources, 1), 0)
+    copy = xp.cumulative_sum(xp.astype(first, kind)) - 1  # rank-major, over all copies
+    per_dest = bincount(xp.where(first, dest, -1), caps.shape[0])
+    slot = copy - xp.take(xp.cumulative_sum(per_dest) - per_dest, dest)
+    fits = first & (slot < xp.take(caps, dest))
+    target = xp.where(fits, xp.take(starts, dest) + slot, total)  # total: a spare slot
+    rows = xp.full(total + 1, sources, dtype=kind, device=device(keys))
+    rows = xpx.at(rows)[target].set(keys % max(sources, 1))[:total]
+    return rows, first & ~fits, xp.minimum(per_dest, caps)
+
+
+def _take_sent(rows: Any, send_rows: Any, sources: int) -> Any:
+    """``rows[send_rows]`` where an index ``sources`` (an empty slot) takes
+    any row: what such a slot carries is never read."""
+    xp = namespace(send_rows)
+    if sources == 0:
+        return xp.zeros((send_rows.shape[0],) + tuple(rows.shape[1:]), dtype=rows.dtype,
+                        device=device(rows))
+    return take_rows(rows, xp.where(send_rows < sources, send_rows, 0))
+
+
 class Dispatcher:
     """Expert-parallel dispatch and combine over ``comm``: expert e of
-    ``num_experts`` lives on rank ``e // (num_experts // comm.size)``."""
+    ``num_experts`` lives on rank ``e // (num_experts // comm.size)``.
+    ``max_tokens_per_rank`` selects the fixed-capacity mode."""
 
     def __init__(self, comm, num_experts: int, capacity_factor: Optional[float] = None,
-                 drop_policy: str = "probs", hierarchical: bool = False):
+                 drop_policy: str = "probs", hierarchical: bool = False,
+                 max_tokens_per_rank: Optional[int] = None):
         problem = None
         try:
             if isinstance(num_experts, bool) or not isinstance(num_experts, int) \
@@ -173,81 +267,180 @@ class Dispatcher:
             if hierarchical and not comm.topology.is_uniform:
                 raise ValueError("two-hop dispatch needs the same number of ranks on every "
                                  "node")
+            if max_tokens_per_rank is not None and (
+                    isinstance(max_tokens_per_rank, bool)
+                    or not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1):
+                raise ValueError(f"max_tokens_per_rank must be a positive integer (the most "
+                                 f"tokens any rank dispatches at once) or None, got "
+                                 f"{max_tokens_per_rank!r}")
         except ValueError as error:
             problem = error
         comm.agree("moe.Dispatcher", num_experts, capacity_factor, drop_policy, hierarchical,
-                   problem=problem)
+                   max_tokens_per_rank, problem=problem)
         self.comm = comm
         self.num_experts = num_experts
         self.local_experts = num_experts // comm.size
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
         self.hierarchical = hierarchical
+        self.max_tokens_per_rank = max_tokens_per_rank
         self.stats = DispatchStats.zeros(num_experts, comm.size)
         self._hop_maps = self._destination_maps()
-        self._maps_on_device: Dict[Tuple[str, str, str], List[Any]] = {}
+        self._on_device: Dict[tuple, Any] = {}
+        self._unreported: Dict[Tuple[str, str], Any] = {}  # fixed capacity: counts on devices
 
     # -- dispatch ---------------------------------------------------------------
-    def dispatch(self, x: Any, experts: Any, weights: Any) -> Tuple[Any, DispatchHandle]:
+    def dispatch(self, x: Any, experts: Any, weights: Any, quantize: Optional[str] = None,
+                 dequantize: bool = False) -> Tuple[Any, DispatchHandle]:
         """Send each token's row to the ranks of its experts. ``x`` [T, H];
         ``experts`` [T, k] int (-1: no expert); ``weights`` [T, k]; all three
-        of one framework, on one device. Returns ``expert_x`` [rows, H]
-        grouped by local expert, in x's framework and dtype, and the handle
-        for ``combine``."""
-        problem = self._problem(x, experts, weights)
-        plan = None
+        of one framework, on one device. Returns ``expert_x`` grouped by
+        local expert, in x's framework, and the handle for ``combine``:
+        [rows, H] in x's dtype, or under a fixed capacity [local experts,
+        slots, H] whose first ``tokens_per_expert[e]`` rows of expert e are
+        real (the rest is padding, never read back). ``quantize="fp8"``:
+        the rows travel as e4m3 with a float32 scale per 128 channels, and
+        ``expert_x`` is (values, scales), or x's dtype with ``dequantize``."""
+        return self.dispatch_async(x, experts, weights, quantize, dequantize).wait()
+
+    def dispatch_async(self, x: Any, experts: Any, weights: Any,
+                       quantize: Optional[str] = None, dequantize: bool = False) -> PendingMoE:
+        """``dispatch``, returned as soon as its first hop is in flight:
+        ``.wait()`` gives (expert_x, handle). Computation in between (another
+        micro-batch's experts) overlaps the transfer; over MPI a progress
+        thread moves it meanwhile. x must not change until the wait."""
+        problem = self._problem(x, experts, weights, quantize)
+        plan = counts = None
         if problem is None:
             plan = self._plan(x, experts, weights)
-            problem = self._range_problem(plan)
-        facts = self._facts(x, experts) if problem is None else ()
+            if self.max_tokens_per_rank is None:
+                counts = self._host_counts(plan)
+                problem = self._range_problem(counts.id_range)
+        facts = self._facts(x, experts, quantize, dequantize) if problem is None else ()
         self.comm.agree("moe.dispatch", *facts, problem=problem)
+        wire = self._wire(x, quantize, dequantize)
         xp = namespace(x)
-        maps = self._device_maps(x)
-        k = plan.ids.shape[1]
-        meta_bytes = 8 * k  # k ids and k weights, float32, ahead of the row's bytes
-        meta = xp.concat([xp.astype(plan.ids, xp.float32), plan.gate], axis=1)
-        message = xp.concat([as_bytes(meta), as_bytes(contiguous(x))], axis=1)
-        send_counts = [plan.send_counts]
+        meta = as_bytes(xp.concat([xp.astype(plan.ids, xp.float32), plan.gate], axis=1))
+        if self.max_tokens_per_rank is None:
+            return self._dispatch_counted(plan, counts, meta, wire)
+        return self._dispatch_fixed(plan, meta, wire)
+
+    def _dispatch_counted(self, plan: _Plan, counts: _Counts, meta: Any,
+                          wire: _Wire) -> PendingMoE:
+        """Counts known on the host: each hop's rows are exactly the copies."""
+        xp = namespace(meta)
+        message = xp.concat([meta, wire.payload], axis=1)
+        send_counts = [counts.send]
         recv_counts: List[Optional[np.ndarray]] = [None]
         if self.hierarchical:
-            recv_first, forward = self._exchange_forward_counts(plan)
+            recv_first, forward = self._exchange_forward_counts(counts)
             send_counts.append(forward)
             recv_counts = [recv_first, None]
         traffic = np.zeros((self.comm.size, self.comm.size), np.int64)
-        row_bytes = x.itemsize * math.prod(x.shape[1:])
-        hops = []
-        keys, first = plan.keys, plan.first
-        for hop_index, counts in enumerate(send_counts):
-            if hop_index:  # forward what arrived: the experts of this rank's node
-                keys, first = _copy_keys(_lookup(maps[hop_index],
-                                                 self._served(message, k, maps[hop_index - 1])))
-            sources = int(message.shape[0])
-            send_rows = compact(keys % max(sources, 1), first, int(counts.sum()))
-            message, received = self.comm.alltoallv(xp.take(message, send_rows, axis=0),
-                                                    counts, recv_counts[hop_index])
-            hops.append(_Hop(send_rows, counts, received, sources))
-            traffic[self.comm.rank] += counts * row_bytes
-        ids = self._served(message, k, maps[-1])
-        gate = from_bytes(message[:, 4 * k:meta_bytes], xp.float32, (k,))
-        rows = from_bytes(message[:, meta_bytes:], x.dtype, tuple(x.shape[1:]))
-        stats = DispatchStats.gather(self.comm, plan.requested, plan.dropped, traffic)
+        traffic[self.comm.rank] = sum(send_counts) * wire.payload.shape[1]
+        stats = DispatchStats.gather(self.comm, counts.requested, counts.dropped, traffic)
         self.stats = self.stats + stats
         first_expert = self.comm.rank * self.local_experts
         per_expert = stats.tokens_per_expert[first_expert:first_expert
                                              + self.local_experts].copy()
-        expert_x, arrival_rows, arrival_slots, arrival_weights = \
-            self._expand(rows, ids, gate, int(per_expert.sum()))
-        handle = DispatchHandle(per_expert, stats, hops, arrival_rows, arrival_slots,
-                                arrival_weights, int(rows.shape[0]))
-        return expert_x, handle
+        maps = self._device_maps(meta)
+        k = plan.ids.shape[1]
+
+        def send(hop_index: int, message: Any, keys: Any, first: Any):
+            sources, hop_counts = int(message.shape[0]), send_counts[hop_index]
+            send_rows = compact(keys % max(sources, 1), first, int(hop_counts.sum()))
+            pending = self.comm.alltoallv_async(xp.take(message, send_rows, axis=0),
+                                                hop_counts, recv_counts[hop_index])
+            return pending, _Hop(send_rows, hop_counts, pending.recv_counts, sources)
+
+        pending, hop = send(0, message, plan.keys, plan.first)
+
+        def finish():
+            arrived, hops = pending.wait(), [hop]
+            if self.hierarchical:  # forward what arrived: the experts of this rank's node
+                keys, first = _copy_keys(_lookup(maps[1], self._served(arrived, k, maps[0])))
+                forwarded, second = send(1, arrived, keys, first)
+                arrived = forwarded.wait()
+                hops.append(second)
+            ids = self._served(arrived, k, maps[-1])
+            arrival, slot, pair = self._expand(ids, int(per_expert.sum()))
+            expert_x = wire.deliver(tuple(take_rows(a, arrival) for a in
+                                          wire.decode(arrived[:, 8 * k:])))
+            gate = from_bytes(arrived[:, 4 * k:8 * k], xp.float32, (k,))
+            handle = DispatchHandle(per_expert, stats, hops, arrival, slot,
+                                    xp.take(xp.reshape(gate, (-1,)), pair),
+                                    int(arrived.shape[0]))
+            return expert_x, handle
+        return PendingMoE(finish)
+
+    def _dispatch_fixed(self, plan: _Plan, meta: Any, wire: _Wire) -> PendingMoE:
+        """Capacity known in advance: every hop's blocks have a fixed number
+        of rows per destination (empty slots carry the id -1), so no count
+        crosses the host and the device is never read."""
+        xp = namespace(meta)
+        k = plan.ids.shape[1]
+        layout = self._fixed_layout(meta, k)
+        maps = self._device_maps(meta)
+        blank = as_bytes(xp.concat([xp.full((1, k), -1.0, dtype=xp.float32, device=device(meta)),
+                                    xp.zeros((1, k), dtype=xp.float32, device=device(meta))],
+                                   axis=1))
+
+        def send(hop_index: int, meta: Any, payload: Any, keys: Any, first: Any):
+            caps, starts, total, host_caps = layout["hops"][hop_index]
+            sources = int(meta.shape[0])
+            send_rows, lost, sent = _slots(keys, first, sources, caps, starts, total)
+            empty = (send_rows >= sources)[:, None]
+            rows = xp.concat([xp.where(empty, blank, _take_sent(meta, send_rows, sources)),
+                              _take_sent(payload, send_rows, sources)], axis=1)
+            pending = self.comm.alltoallv_async(rows, host_caps, host_caps)
+            return pending, _Hop(send_rows, host_caps, host_caps, sources), lost, sent
+
+        pending, hop, lost, sent = send(0, meta, wire.payload, plan.keys, plan.first)
+        overflow = self._overflowed(plan, lost, maps[0])
+        kept = xp.where(overflow, -1, plan.ids)
+        row_bytes = int(wire.payload.shape[1])
+        counts = [bincount(kept, self.num_experts),
+                  bincount(xp.where(overflow, plan.ids, -1), self.num_experts)
+                  + (plan.dropped if plan.dropped is not None else 0),
+                  plan.invalid, sent * row_bytes]
+
+        def finish():
+            arrived, hops = pending.wait(), [hop]
+            if self.hierarchical:  # forward: never overflows (see _fixed_layout)
+                keys, first = _copy_keys(_lookup(maps[1], self._served(arrived, k, maps[0])))
+                forwarded, second, _, more = send(1, arrived[:, :8 * k], arrived[:, 8 * k:],
+                                                  keys, first)
+                counts[3] = counts[3] + more * row_bytes
+                arrived = forwarded.wait()
+                hops.append(second)
+            ids = self._served(arrived, k, maps[-1])
+            gate = xp.concat([xp.reshape(from_bytes(arrived[:, 4 * k:8 * k], xp.float32, (k,)),
+                                         (-1,)), xp.zeros(1, dtype=xp.float32,
+                                                          device=device(ids))])
+            arrival, slot, pair, per_expert, spilled = self._expand_fixed(ids, layout["slots"])
+            received = int(arrived.shape[0])
+            expert_x = wire.deliver(tuple(
+                xp.reshape(_take_sent(a, arrival, received),
+                           (self.local_experts, layout["slots"]) + tuple(a.shape[1:]))
+                for a in wire.decode(arrived[:, 8 * k:])))
+            counts[1] = counts[1] + spilled
+            counts[0] = counts[0] - spilled
+            self._note(xp.concat([xp.astype(c, index_dtype(ids)) for c in counts]))
+            handle = DispatchHandle(per_expert, None, hops, arrival, slot, xp.take(gate, pair),
+                                    received, (self.local_experts, layout["slots"]))
+            return expert_x, handle
+        return PendingMoE(finish)
 
     @staticmethod
-    def _facts(x: Any, experts: Any) -> Tuple[str, ...]:
+    def _facts(x: Any, experts: Any, quantize: Optional[str],
+               dequantize: bool) -> Tuple[str, ...]:
         """What every rank's dispatch must share."""
         return (f"k={experts.shape[-1] if experts.ndim == 2 else None}",
-                f"row shape {tuple(x.shape[1:])}", f"dtype {dtype_name(x)}")
+                f"row shape {tuple(x.shape[1:])}", f"dtype {dtype_name(x)}",
+                f"quantize={quantize}", f"dequantize={bool(dequantize)}")
 
-    def _problem(self, x: Any, experts: Any, weights: Any) -> Optional[Exception]:
+    def _problem(self, x: Any, experts: Any, weights: Any,
+                 quantize: Optional[str]) -> Optional[Exception]:
         """What is wrong with the shapes and kinds of this rank's input
         (None: nothing); the values are checked by ``_range_problem``.
         Raised on every rank by ``agree``, so no rank is left waiting in a
@@ -268,63 +461,106 @@ class Dispatcher:
                                  f"{tuple(experts.shape)}, got {tuple(weights.shape)}")
             if not dtype_name(experts).startswith(("int", "uint")):
                 raise ValueError(f"experts must be integers, got {dtype_name(experts)}")
-        except ValueError as error:
+            if quantize not in QUANTIZE:
+                raise ValueError(f"unknown quantize={quantize!r}; use None (rows travel in "
+                                 f"x's dtype) or 'fp8' (e4m3 with a scale per 128 channels)")
+            if quantize == "fp8" and x.ndim != 2:
+                raise ValueError(f"quantize='fp8' takes x of shape [tokens, hidden], got "
+                                 f"{tuple(x.shape)}")
+            if quantize == "fp8":
+                quantize_fp8(x[:0])  # the framework's and dtype's refusals, on no data
+        except (ValueError, TypeError) as error:
             return error
         return None
 
-    def _range_problem(self, plan: _Plan) -> Optional[Exception]:
+    def _range_problem(self, id_range: Tuple[int, int]) -> Optional[Exception]:
         """Expert ids outside [-1, E), seen in the plan's host copy."""
-        low, high = plan.id_range
+        low, high = id_range
         if low < -1 or high >= self.num_experts:
             return ValueError(f"expert indices must lie in [-1, {self.num_experts}) "
                               f"(-1: no expert), got values from {low} to {high}")
         return None
 
+    def _wire(self, x: Any, quantize: Optional[str], dequantize: bool) -> _Wire:
+        """x's rows as the bytes that travel and how the owner reads them:
+        x's dtype as is, or FP8 (the scales' bytes, then the values')."""
+        row_shape = tuple(x.shape[1:])
+        if quantize is None:
+            return _Wire(as_bytes(contiguous(x)),
+                         lambda raw: (from_bytes(raw, x.dtype, row_shape),), lambda parts: parts[0])
+        values, scales = quantize_fp8(x)
+        split, blocks = scales.shape[1] * 4, tuple(scales.shape[1:])
+        xp = namespace(x)
+
+        def decode(raw):
+            return (from_bytes(raw[:, split:], values.dtype, row_shape),
+                    from_bytes(raw[:, :split], xp.float32, blocks))
+
+        def deliver(parts):
+            if not dequantize:
+                return parts
+            flat = dequantize_fp8(xp.reshape(parts[0], (-1, row_shape[0])),
+                                  xp.reshape(parts[1], (-1, blocks[0])), x.dtype)
+            return xp.reshape(flat, tuple(parts[0].shape))
+        return _Wire(xp.concat([as_bytes(scales), as_bytes(values)], axis=1), decode, deliver)
+
     def _plan(self, x: Any, experts: Any, weights: Any) -> _Plan:
-        """Capacity, hop 1's copies and every count, on the device; then the
-        dispatch's one copy to the host: [rows per rank on hop 1 | (two
-        hops) rows per owner after forwarding | assignments per expert |
-        (capacity) drops per expert | smallest id, largest id]. Ids outside
-        [-1, E) are treated as -1 here, so that no gather reads out of
-        bounds before ``_range_problem`` refuses them."""
+        """Capacity and hop 1's copies, on the device. Ids outside [-1, E)
+        are treated as -1 here (counted in ``invalid``), so that no gather
+        reads out of bounds before they are refused (or, under a fixed
+        capacity, reported)."""
         xp = namespace(x)
         kind, where = index_dtype(x), device(x)
         maps = self._device_maps(x)
-        size, count = self.comm.size, self.num_experts
+        count = self.num_experts
         ids = xp.astype(experts, kind, copy=False)
         if math.prod(ids.shape):
-            extremes = [xp.reshape(xp.astype(xp.stack([xp.min(experts), xp.max(experts)]),
-                                             kind), (2,))]
+            extremes = xp.reshape(xp.astype(xp.stack([xp.min(experts), xp.max(experts)]),
+                                            kind), (2,))
         else:
-            extremes = [xp.asarray([-1, -1], dtype=kind, device=where)]
-        ids = xp.where((ids >= -1) & (ids < count), ids, -1)
+            extremes = xp.asarray([-1, -1], dtype=kind, device=where)
+        inside = (ids >= -1) & (ids < count)
+        invalid = xp.reshape(xp.sum(xp.astype(~inside, kind)), (1,))
+        ids = xp.where(inside, ids, -1)
         gate = float32(weights)
         ids, dropped = self._apply_capacity(ids, gate)
         keys, first = _copy_keys(_lookup(maps[0], ids))
-        tokens = max(ids.shape[0], 1)
-        parts = [bincount(xp.where(first, keys // tokens, -1), size)]
+        return _Plan(ids, gate, keys, first, dropped, invalid, extremes)
+
+    def _host_counts(self, plan: _Plan) -> _Counts:
+        """The dispatch's one copy to the host: [rows per rank on hop 1 |
+        (two hops) rows per owner after forwarding | assignments per expert
+        | (capacity) drops per expert | smallest id, largest id]."""
+        xp = namespace(plan.ids)
+        size, count = self.comm.size, self.num_experts
+        maps = self._device_maps(plan.ids)
+        tokens = max(plan.ids.shape[0], 1)
+        parts = [bincount(xp.where(plan.first, plan.keys // tokens, -1), size)]
         if self.hierarchical:  # distinct owners per token: the rows forwarded to each
-            owners = xp.sort(_lookup(maps[-1], ids), axis=1)
+            owners = xp.sort(_lookup(maps[-1], plan.ids), axis=1)
             starts = xp.concat([xp.ones((owners.shape[0], min(1, owners.shape[1])),
-                                        dtype=xp.bool, device=where),
+                                        dtype=xp.bool, device=device(owners)),
                                 owners[:, 1:] != owners[:, :-1]], axis=1)
             parts.append(bincount(xp.where(starts, owners, -1), size))
-        parts.append(bincount(ids, count))
-        if dropped is not None:
-            parts.append(dropped)
-        host = to_host(xp.concat(parts + extremes)).astype(np.int64)
+        parts.append(bincount(plan.ids, count))
+        if plan.dropped is not None:
+            parts.append(plan.dropped)
+        host = to_host(xp.concat(parts + [plan.extremes])).astype(np.int64)
         split = np.cumsum([size] + ([size] if self.hierarchical else []) + [count]
-                          + ([count] if dropped is not None else []))
+                          + ([count] if plan.dropped is not None else []))
         pieces = np.split(host, split)
         forward = pieces.pop(1) if self.hierarchical else None
-        send_counts, requested = pieces[0], pieces[1]
-        dropped_host = pieces[2] if dropped is not None else np.zeros(count, np.int64)
-        return _Plan(ids, gate, keys, first, send_counts, forward, requested, dropped_host,
-                     (int(pieces[-1][0]), int(pieces[-1][1])))
+        dropped = pieces[2] if plan.dropped is not None else np.zeros(count, np.int64)
+        return _Counts(pieces[0], forward, pieces[1], dropped,
+                       (int(pieces[-1][0]), int(pieces[-1][1])))
 
     def _capacity(self, tokens: int, k: int) -> Optional[int]:
+        """Assignments each expert takes from one rank: under a fixed
+        capacity at most what ``max_tokens_per_rank`` tokens would give."""
         if self.capacity_factor is None:
             return None
+        if self.max_tokens_per_rank is not None:
+            tokens = min(tokens, self.max_tokens_per_rank)
         return math.ceil(tokens * k / self.num_experts * self.capacity_factor)
 
     def _apply_capacity(self, ids: Any, gate: Any) -> Tuple[Any, Any]:
@@ -364,19 +600,55 @@ class Dispatcher:
                               for r in range(self.comm.size)])
         return [forwarder[owner], owner]
 
-    def _device_maps(self, like: Any) -> List[Any]:
-        """The hop maps beside ``like``, in its index dtype: copied to each
-        device once, not once per dispatch (a copy from host memory can
-        make the host wait)."""
-        key = (framework(like), str(device(like)), str(index_dtype(like)))
-        if key not in self._maps_on_device:
+    def _beside(self, like: Any, key: tuple, make: Callable[[], Any]) -> Any:
+        """``make()`` (host arrays, copied beside ``like`` in its index
+        dtype) cached per framework, device and ``key``: copied to each
+        device once, not once per dispatch (a copy from host memory can make
+        the host wait, and a CUDA graph cannot capture it)."""
+        full_key = (framework(like), str(device(like)), str(index_dtype(like))) + key
+        if full_key not in self._on_device:
             xp = namespace(like)
-            self._maps_on_device[key] = [xp.asarray(m, dtype=index_dtype(like),
-                                                    device=device(like))
-                                         for m in self._hop_maps]
-        return self._maps_on_device[key]
+            self._on_device[full_key] = make(
+                lambda host: xp.asarray(host, dtype=index_dtype(like), device=device(like)))
+        return self._on_device[full_key]
 
-    def _exchange_forward_counts(self, plan: _Plan) -> Tuple[np.ndarray, np.ndarray]:
+    def _device_maps(self, like: Any) -> List[Any]:
+        """The hop maps beside ``like``."""
+        return self._beside(like, ("maps",), lambda put: [put(m) for m in self._hop_maps])
+
+    def _fixed_layout(self, like: Any, k: int) -> dict:
+        """Fixed capacity: rows per destination on each hop and slots per
+        local expert, from ``max_tokens_per_rank`` C alone, so that every
+        rank sizes every buffer alike. Per source rank an expert takes at
+        most ``per_source`` = C (or the capacity factor's cap) of its
+        tokens; a block to a rank holds at most min(C, its experts *
+        per_source) rows. Two hops: hop 1 to each forwarder (the rank with
+        this local rank on each node), hop 2 from the forwarder to each
+        owner of its node, nodes * min(C, L * per_source) rows, which the
+        forwarder can never exceed. An expert's slots: P * per_source."""
+        C = self.max_tokens_per_rank
+        per_source = min(C, self._capacity(C, k) or C)
+        size, local = self.comm.size, self.local_experts
+        topology = self.comm.topology
+        mine = np.arange(size)
+        if not self.hierarchical:
+            hops = [np.full(size, min(C, local * per_source), np.int64)]
+        else:
+            node_ranks = len(topology.ranks_of(topology.node_of(self.comm.rank)))
+            same_local = np.array([topology.ranks_of(topology.node_of(r)).index(r)
+                                   == topology.local_rank for r in mine])
+            same_node = np.array([topology.node_of(r) == topology.node_of(self.comm.rank)
+                                  for r in mine])
+            first = min(C, local * node_ranks * per_source)
+            second = topology.num_nodes * min(C, local * per_source)
+            hops = [np.where(same_local, first, 0), np.where(same_node, second, 0)]
+
+        def make(put):
+            return {"hops": [(put(h), put(np.cumsum(h) - h), int(h.sum()), h) for h in hops],
+                    "slots": size * per_source}
+        return self._beside(like, ("fixed", k), make)
+
+    def _exchange_forward_counts(self, counts: _Counts) -> Tuple[np.ndarray, np.ndarray]:
         """Two hops: every rank tells each forwarder how many rows it sends
         it and how many of those go on to each owner of the forwarder's node
         (one host all-to-all, in place of hop 1's own count exchange).
@@ -385,8 +657,8 @@ class Dispatcher:
         topology, size = self.comm.topology, self.comm.size
         nodes = [list(topology.ranks_of(topology.node_of(r))) for r in range(size)]
         local = topology.local_rank  # this rank's forwarder on each node: the same local rank
-        table = np.array([[plan.send_counts[r]] + [plan.forward[o] if nodes[r][local] == r
-                                                   else 0 for o in nodes[r]]
+        table = np.array([[counts.send[r]] + [counts.forward[o] if nodes[r][local] == r
+                                              else 0 for o in nodes[r]]
                           for r in range(size)], dtype=np.int64)
         received = np.asarray(self.comm.alltoall(table))
         forward = np.zeros(size, np.int64)
@@ -402,18 +674,82 @@ class Dispatcher:
                         destination.dtype)
         return xp.where(_lookup(destination, ids) == self.comm.rank, ids, -1)
 
-    def _expand(self, rows: Any, ids: Any, gate: Any, total: int):
+    def _expand(self, ids: Any, total: int) -> Tuple[Any, Any, Any]:
         """One row per (arrival, local expert), grouped by local expert,
         arrivals in order within an expert; ``total`` such rows (known from
-        the stats). Returns (expert_x, arrival rows, slots, weights)."""
+        the stats). Returns (arrival rows, slots, (arrival, slot) pairs)."""
         xp = namespace(ids)
         k = ids.shape[1]
         flat = xp.reshape(ids, (-1,))
         # -1 (not served here) sorts first, then this rank's experts in order
-        order = xp.argsort(flat, stable=True)
-        pairs = order[flat.shape[0] - total:]
-        arrival, slot = pairs // k, pairs % k
-        return (take_rows(rows, arrival), arrival, slot, xp.take(xp.reshape(gate, (-1,)), pairs))
+        pairs = xp.argsort(flat, stable=True)[flat.shape[0] - total:]
+        return pairs // k, pairs % k, pairs
+
+    def _expand_fixed(self, ids: Any, slots: int) -> Tuple[Any, ...]:
+        """Fixed capacity: expert e's rows are the ``slots`` rows from
+        ``e * slots``, its arrivals first in order, padding after. Returns
+        (arrival row per expert row, ``received`` for padding; its slot;
+        its (arrival, slot) pair, R*k for padding; rows per local expert;
+        assignments per global expert that found no slot)."""
+        xp = namespace(ids)
+        kind, where = ids.dtype, device(ids)
+        received, k = ids.shape
+        local, pairs = self.local_experts, ids.shape[0] * ids.shape[1]
+        flat = xp.reshape(ids, (-1,))
+        expert = xp.where(flat >= 0, flat - self.comm.rank * local, local)  # local: none
+        order = xp.argsort(expert, stable=True)
+        grouped = xp.take(expert, order)
+        position = xp.arange(pairs, dtype=kind, device=where) - xp.searchsorted(grouped, grouped)
+        served = grouped < local
+        fits = served & (position < slots)
+        target = xp.where(fits, grouped * slots + position, local * slots)
+        pair = xpx.at(xp.full(local * slots + 1, pairs, dtype=kind, device=where))[target] \
+            .set(order)[:local * slots]
+        padding = pair >= pairs
+        return (xp.where(padding, received, pair // max(k, 1)),
+                xp.where(padding, 0, pair % max(k, 1)), pair,
+                bincount(xp.where(fits, grouped, -1), local),
+                bincount(xp.where(served & ~fits, grouped + self.comm.rank * local, -1),
+                         self.num_experts))
+
+    def _overflowed(self, plan: _Plan, lost: Any, destination: Any) -> Any:
+        """[T, k]: the assignments whose (destination, token) copy found no
+        slot on hop 1 (more than ``max_tokens_per_rank`` tokens here)."""
+        xp = namespace(plan.ids)
+        tokens = plan.ids.shape[0]
+        if not math.prod(plan.ids.shape):
+            return plan.ids >= 0
+        dest = _lookup(destination, plan.ids)
+        row = xp.arange(tokens, dtype=dest.dtype, device=device(dest))[:, None]
+        key = xp.reshape(xp.where(dest >= 0, dest * tokens + row, -1), (-1,))
+        at = xp.clip(xp.searchsorted(plan.keys, key), 0, plan.keys.shape[0] - 1)
+        return xp.reshape(xp.take(lost, at) & (key >= 0), plan.ids.shape)
+
+    def _note(self, counts: Any) -> None:
+        """Fixed capacity: add a dispatch's counts [requested E | dropped E |
+        invalid | bytes to each rank P] to those not yet collected, on
+        their device (reading them would make the host wait)."""
+        key = (framework(counts), str(device(counts)))
+        held = self._unreported.get(key)
+        self._unreported[key] = counts if held is None else held + counts
+
+    def collect_stats(self) -> DispatchStats:
+        """Fixed capacity: the global stats of every dispatch since the last
+        collection (one copy from each device, one allreduce), also added
+        to ``stats``. Collective: every rank calls it. Expert ids outside
+        [-1, E), which this mode cannot refuse without reading the device,
+        are counted in ``invalid``."""
+        count, size = self.num_experts, self.comm.size
+        local = np.zeros(2 * count + 1 + size, np.int64)
+        for counts in self._unreported.values():
+            local += to_host(counts).astype(np.int64)
+        self._unreported.clear()
+        traffic = np.zeros((size, size), np.int64)
+        traffic[self.comm.rank] = local[2 * count + 1:]
+        stats = DispatchStats.gather(self.comm, local[:count], local[count:2 * count], traffic,
+                                     invalid=int(local[2 * count]))
+        self.stats = self.stats + stats
+        return stats
 
     # -- combine --------------------------------------------------------------
     @staticmethod
@@ -424,10 +760,10 @@ class Dispatcher:
                                 ("the dispatch's arrays", handle.arrival_rows)])
         except ValueError as error:
             return error
-        expected = int(handle.arrival_rows.shape[0])
-        if expert_y.ndim < 1 or expert_y.shape[0] != expected:
-            return ValueError(f"expert_y must have one row per expert_x row ({expected}), "
-                              f"got shape {tuple(expert_y.shape)}")
+        lead = handle.expert_shape or (int(handle.arrival_rows.shape[0]),)
+        if tuple(expert_y.shape[:len(lead)]) != lead:
+            return ValueError(f"expert_y must have one row per expert_x row (leading shape "
+                              f"{lead}), got shape {tuple(expert_y.shape)}")
         return None
 
     def combine(self, expert_y: Any, handle: DispatchHandle) -> Any:
@@ -435,8 +771,14 @@ class Dispatcher:
         summed where the experts are and sent back once per rank visited;
         zero for a token with no (kept) expert. In expert_y's framework and
         dtype; the sums are float32, the rows travel in expert_y's dtype."""
+        return self.combine_async(expert_y, handle).wait()
+
+    def combine_async(self, expert_y: Any, handle: DispatchHandle) -> PendingMoE:
+        """``combine``, returned as soon as the way back is in flight;
+        ``.wait()`` gives y."""
         problem = self._combine_problem(expert_y, handle)
-        facts = (f"dtype {dtype_name(expert_y)}", f"row shape {tuple(expert_y.shape[1:])}") \
+        facts = (f"dtype {dtype_name(expert_y)}",
+                 f"row shape {tuple(expert_y.shape[len(handle.expert_shape) or 1:])}") \
             if problem is None else ()
         self.comm.agree("moe.combine", *facts, problem=problem)
         return self._to_tokens(expert_y, handle, handle.arrival_weights)
@@ -445,7 +787,7 @@ class Dispatcher:
     def dispatch_backward(self, d_expert_x: Any, handle: DispatchHandle) -> Any:
         """d x from d expert_x (the dispatch's framework): each expert row's
         gradient summed back to its token along the combine path."""
-        return self._to_tokens(d_expert_x, handle)
+        return self._to_tokens(d_expert_x, handle).wait()
 
     def combine_backward(self, expert_y: Any, d_y: Any, handle: DispatchHandle,
                          k: int) -> Tuple[Any, Any]:
@@ -454,47 +796,76 @@ class Dispatcher:
         d expert_y = w * d y and each slot's d w = <d y, expert_y> travels
         back to its token."""
         xp = namespace(expert_y)
-        arrived = float32(xp.take(self.send_rows(d_y, handle), handle.arrival_rows, axis=0))
+        rows = self._expert_rows(expert_y, handle)
+        arrived = float32(_take_sent(self.send_rows(d_y, handle), handle.arrival_rows,
+                                     handle.received_rows))
         weights = xp.reshape(handle.arrival_weights, (-1,) + (1,) * (arrived.ndim - 1))
-        d_expert_y = xp.astype(arrived * weights, expert_y.dtype)
-        dots = xp.sum(arrived * float32(expert_y), axis=tuple(range(1, arrived.ndim)))
-        slots = handle.arrival_rows * k + handle.arrival_slots
-        per_slot = scatter_add(xp.zeros(handle.received_rows * k, dtype=xp.float32,
+        d_expert_y = xp.reshape(xp.astype(arrived * weights, expert_y.dtype), expert_y.shape)
+        dots = xp.sum(arrived * float32(rows), axis=tuple(range(1, arrived.ndim)))
+        slots = handle.arrival_rows * k + handle.arrival_slots  # padding: the spare R * k
+        per_slot = scatter_add(xp.zeros(handle.received_rows * k + 1, dtype=xp.float32,
                                         device=device(expert_y)), slots, dots)
-        return d_expert_y, self.return_rows(xp.reshape(per_slot, (handle.received_rows, k)),
-                                            handle)
+        per_slot = xp.reshape(per_slot[:handle.received_rows * k], (handle.received_rows, k))
+        return d_expert_y, self.return_rows(per_slot, handle)
 
-    def _to_tokens(self, expert_rows: Any, handle: DispatchHandle, weights: Any = None) -> Any:
-        """Expert rows (optionally weighted) summed in float32 per arrival,
-        then back to their tokens: combine's path, and dispatch's adjoint."""
+    @staticmethod
+    def _expert_rows(expert_rows: Any, handle: DispatchHandle) -> Any:
+        """Expert rows as [rows, ...] (a fixed capacity's [L, slots, ...]
+        flattened)."""
+        if not handle.expert_shape:
+            return expert_rows
         xp = namespace(expert_rows)
-        rows = xp.zeros((handle.received_rows,) + tuple(expert_rows.shape[1:]),
-                        dtype=xp.float32, device=device(expert_rows))
-        rows = scatter_add(rows, handle.arrival_rows, expert_rows, scale=weights)
-        return self.return_rows(rows, handle, expert_rows.dtype)
+        return xp.reshape(expert_rows, (-1,) + tuple(expert_rows.shape[2:]))
+
+    def _to_tokens(self, expert_rows: Any, handle: DispatchHandle,
+                   weights: Any = None) -> PendingMoE:
+        """Expert rows (optionally weighted) summed in float32 per arrival,
+        then back to their tokens: combine's path, and dispatch's adjoint.
+        Padding rows land on a spare row that is cut off."""
+        xp = namespace(expert_rows)
+        rows = self._expert_rows(expert_rows, handle)
+        summed = xp.zeros((handle.received_rows + 1,) + tuple(rows.shape[1:]),
+                          dtype=xp.float32, device=device(rows))
+        summed = scatter_add(summed, handle.arrival_rows, rows, scale=weights)
+        return self._return_async(summed[:handle.received_rows], handle, rows.dtype)
 
     # -- the two directions of the dispatch path ---------------------------------
     def return_rows(self, rows: Any, handle: DispatchHandle, dtype: Any = None) -> Any:
         """Per-arrival rows [received, ...] back along the dispatch path to
         the tokens [T, ...], summing the copies of a token in float32 (the
         adjoint of ``send_rows``). Travels as ``dtype`` (default: as is)."""
+        return self._return_async(rows, handle, rows.dtype if dtype is None else dtype).wait()
+
+    def _return_async(self, rows: Any, handle: DispatchHandle, wire: Any) -> PendingMoE:
+        """``return_rows`` with its first hop in flight."""
         xp = namespace(rows)
-        wire = rows.dtype if dtype is None else dtype
         width = tuple(rows.shape[1:])
-        for hop in reversed(handle.hops):
-            back, _ = self.comm.alltoallv(xp.astype(rows, wire, copy=False), hop.recv_counts,
-                                          hop.send_counts)
-            rows = scatter_add(xp.zeros((hop.sources,) + width, dtype=xp.float32,
-                                        device=device(rows)), hop.send_rows, back)
-        return xp.astype(rows, wire, copy=False)
+        hops = list(reversed(handle.hops))
+
+        def start(hop: _Hop, rows: Any):
+            return self.comm.alltoallv_async(xp.astype(rows, wire, copy=False),
+                                             hop.recv_counts, hop.send_counts)
+
+        def land(hop: _Hop, back: Any) -> Any:  # empty slots land on a spare row
+            summed = xp.zeros((hop.sources + 1,) + width, dtype=xp.float32,
+                              device=device(back))
+            return scatter_add(summed, hop.send_rows, back)[:hop.sources]
+
+        pending = start(hops[0], rows)
+
+        def finish():
+            back = land(hops[0], pending.wait())
+            for hop in hops[1:]:
+                back = land(hop, start(hop, back).wait())
+            return xp.astype(back, wire, copy=False)
+        return PendingMoE(finish)
 
     def send_rows(self, tokens: Any, handle: DispatchHandle) -> Any:
         """Per-token rows [T, ...] along the dispatch path to the arrivals
         [received, ...], one copy per rank a token visits (the adjoint of
         ``return_rows``)."""
-        xp = namespace(tokens)
         rows = tokens
         for hop in handle.hops:
-            rows, _ = self.comm.alltoallv(xp.take(rows, hop.send_rows, axis=0),
+            rows, _ = self.comm.alltoallv(_take_sent(rows, hop.send_rows, hop.sources),
                                           hop.send_counts, hop.recv_counts)
         return rows

@@ -16,13 +16,16 @@ class DispatchStats:
     ``traffic[i, j]``: token payload bytes rank i sent to rank j (every hop;
     the 8k bytes of routing metadata per row are not counted);
     ``inter_node_bytes`` / ``intra_node_bytes``: traffic between ranks on
-    different nodes / on the same node (a rank's copy to itself excluded)."""
+    different nodes / on the same node (a rank's copy to itself excluded).
+    ``invalid``: expert ids outside [-1, E) treated as no expert (the
+    fixed-capacity mode counts them; the other refuses them)."""
 
     tokens_per_expert: np.ndarray
     dropped: np.ndarray
     traffic: np.ndarray
     inter_node_bytes: int
     intra_node_bytes: int
+    invalid: int = 0
 
     @property
     def imbalance(self) -> float:
@@ -37,21 +40,23 @@ class DispatchStats:
 
     @classmethod
     def gather(cls, comm, kept: np.ndarray, dropped: np.ndarray,
-               traffic: np.ndarray) -> "DispatchStats":
+               traffic: np.ndarray, invalid: int = 0) -> "DispatchStats":
         """Sum every rank's part (one small allreduce) and split the traffic
         by the topology."""
         experts, size = kept.size, comm.size
-        local = np.concatenate([kept, dropped, traffic.reshape(-1)]).astype(np.int64)
+        local = np.concatenate([kept, dropped, traffic.reshape(-1), [invalid]]).astype(np.int64)
         total = np.asarray(comm.allreduce(local))
-        matrix = total[2 * experts:].reshape(size, size)
+        matrix = total[2 * experts:-1].reshape(size, size)
         nodes = np.array([comm.topology.node_of(r) for r in range(size)])
         across = nodes[:, None] != nodes[None, :]
         elsewhere = ~np.eye(size, dtype=bool)
         return cls(total[:experts], total[experts:2 * experts], matrix,
-                   int(matrix[across].sum()), int(matrix[~across & elsewhere].sum()))
+                   int(matrix[across].sum()), int(matrix[~across & elsewhere].sum()),
+                   int(total[-1]))
 
     def __add__(self, other: "DispatchStats") -> "DispatchStats":
         return DispatchStats(self.tokens_per_expert + other.tokens_per_expert,
                              self.dropped + other.dropped, self.traffic + other.traffic,
                              self.inter_node_bytes + other.inter_node_bytes,
-                             self.intra_node_bytes + other.intra_node_bytes)
+                             self.intra_node_bytes + other.intra_node_bytes,
+                             self.invalid + other.invalid)

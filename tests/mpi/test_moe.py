@@ -38,6 +38,16 @@ def run_experts(comm, expert_x, handle, maps, impl=NUMPY, dtype="float32"):
     return impl.asarray(np.einsum("th,thg->tg", rows, maps[owner]), dtype)
 
 
+def run_fixed_experts(comm, expert_x, handle, maps, impl=NUMPY, dtype="float32"):
+    """The local experts on every slot of a fixed capacity's [L, slots, H]
+    (padding included: combine must ignore it), as ``impl``'s ``dtype``
+    array."""
+    rows = impl.to_numpy(expert_x).astype(np.float64)
+    local = rows.shape[0]
+    owned = maps[comm.rank * local:(comm.rank + 1) * local]
+    return impl.asarray(np.einsum("lsh,lhg->lsg", rows, owned), dtype)
+
+
 def kept_by_capacity(experts, weights, num_experts, factor, policy):
     """Independent capacity rule: per expert, the cap heaviest (or earliest)
     assignments of this rank survive; ties go to the earlier assignment."""
@@ -171,10 +181,12 @@ def frameworks_and_dtypes():
     return cases
 
 
+@pytest.mark.parametrize("fixed", [False, True], ids=["counted", "fixed"])
 @pytest.mark.parametrize("impl, dtype", frameworks_and_dtypes())
-def test_combine_of_dispatch_in_every_framework(comm, impl, dtype):
+def test_combine_of_dispatch_in_every_framework(comm, impl, dtype, fixed):
     """Computed and returned in the caller's framework and dtype, within the
-    dtype's rounding of the float32 per-token loop."""
+    dtype's rounding of the float32 per-token loop; under a fixed capacity
+    the counts stay on the caller's device too."""
     world = commlib.init(ranks_per_node=2 if comm.size % 2 == 0 else 1)
     try:
         num_experts = 4 * comm.size
@@ -182,15 +194,18 @@ def test_combine_of_dispatch_in_every_framework(comm, impl, dtype):
         x, experts, weights = make_routing(comm, "minus_one", num_experts, seed=8)
         # JAX compiles each operation for each new shape: one hop halves that
         d = Dispatcher(world, num_experts, capacity_factor=0.6,
-                       hierarchical=impl.framework != "jax")
+                       hierarchical=impl.framework != "jax",
+                       max_tokens_per_rank=16 if fixed else None)
         expert_x, handle = d.dispatch(impl.asarray(x, dtype), impl.asarray(experts),
                                       impl.asarray(weights))
-        y = d.combine(run_experts(world, expert_x, handle, maps, impl, dtype), handle)
+        run = run_fixed_experts if fixed else run_experts
+        y = d.combine(run(world, expert_x, handle, maps, impl, dtype), handle)
         expected = per_token_reference(
             x, kept_by_capacity(experts, weights, num_experts, 0.6, "probs"), weights, maps)
         error = np.abs(impl.to_numpy(y) - expected).max(initial=0)
         scale = max(1.0, np.abs(expected).max(initial=0))
         assert all_ranks(impl.is_native(expert_x) and impl.is_native(y)
+                         and (not fixed or impl.is_native(handle.tokens_per_expert))
                          and impl.dtype_name(expert_x) == impl.dtype_name(y) == dtype
                          and y.shape == (x.shape[0], HIDDEN)
                          and error <= TOLERANCE[dtype] * scale), (error, scale)

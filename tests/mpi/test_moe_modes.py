@@ -1,0 +1,327 @@
+"""The DeepEP-level modes of MoE dispatch: the sync-free fixed capacity
+(against the counted dispatch and an independent overflow rule), FP8 rows
+(against e4m3's bound and the unquantized dispatch), and overlap handles
+(against the synchronous calls, whatever the order of the waits)."""
+
+import math
+
+import numpy as np
+import pytest
+from test_moe import (
+    CASES,
+    HIDDEN,
+    expert_maps,
+    make_routing,
+    per_token_reference,
+    run_experts,
+    run_fixed_experts,
+)
+
+import commlib
+from commlib.moe.dispatch import Dispatcher
+
+import arrayimpl
+from conftest import all_ranks, raises_everywhere
+
+
+def world_for(comm):
+    return commlib.init(ranks_per_node=2 if comm.size % 2 == 0 else 1)
+
+
+def most_tokens(comm, tokens):
+    return int(comm.allreduce(np.array([tokens]), op="max")[0])
+
+
+@pytest.mark.parametrize("hierarchical", [False, True], ids=["flat", "two-hop"])
+@pytest.mark.parametrize("capacity", [None, 0.6])
+# "hot" repeats an expert within a token: more rows than a token can give
+# an expert, which the fixed capacity counts as dropped
+@pytest.mark.parametrize("case", [c for c in CASES if c != "hot"])
+def test_fixed_capacity_equals_the_counted_dispatch(comm, case, capacity, hierarchical):
+    """With room for every token: the same expert rows in the same order,
+    the same counts, the same y, and the same stats once collected."""
+    world = world_for(comm)
+    try:
+        num_experts = 4 * comm.size
+        maps = expert_maps(num_experts)
+        x, experts, weights = make_routing(comm, case, num_experts)
+        options = dict(capacity_factor=capacity, hierarchical=hierarchical)
+        counted = Dispatcher(world, num_experts, **options)
+        fixed = Dispatcher(world, num_experts, max_tokens_per_rank=max(
+            1, most_tokens(world, x.shape[0])), **options)
+        expert_x, handle = counted.dispatch(x, experts, weights)
+        slots_x, slots = fixed.dispatch(x, experts, weights)
+        y = counted.combine(run_experts(world, expert_x, handle, maps), handle)
+        y_fixed = fixed.combine(run_fixed_experts(world, slots_x, slots, maps), slots)
+        stats = fixed.collect_stats()
+        per_expert = np.asarray(slots.tokens_per_expert)
+        starts = np.cumsum(handle.tokens_per_expert) - handle.tokens_per_expert
+        same_rows = all(np.array_equal(slots_x[e, :n], expert_x[s:s + n])
+                        for e, (s, n) in enumerate(zip(starts, per_expert)))
+        assert all_ranks(
+            slots.stats is None and per_expert.tolist() == handle.tokens_per_expert.tolist()
+            and same_rows and np.array_equal(y, y_fixed)
+            and stats.tokens_per_expert.tolist() == handle.stats.tokens_per_expert.tolist()
+            and stats.dropped.tolist() == handle.stats.dropped.tolist()
+            and np.array_equal(stats.traffic, handle.stats.traffic) and stats.invalid == 0
+            and fixed.stats.tokens_per_expert.tolist() == stats.tokens_per_expert.tolist())
+    finally:
+        world.free()
+
+
+def kept_under_fixed_capacity(experts, limit, per_rank):
+    """Independent overflow rule: a rank's block to each destination holds
+    ``limit`` tokens, the earliest ones; the assignments of later tokens to
+    that destination are dropped."""
+    kept = experts.copy()
+    for dest in set((experts[experts >= 0] // per_rank).tolist()):
+        tokens = [t for t in range(len(experts)) if (experts[t] // per_rank == dest).any()
+                  and (experts[t] >= 0).any()]
+        for t in tokens[limit:]:
+            kept[t][experts[t] // per_rank == dest] = -1
+    return kept
+
+
+def test_overflow_beyond_the_capacity_is_dropped_and_counted(comm):
+    """Rank 0 dispatches more tokens than max_tokens_per_rank: the later
+    copies to each rank are dropped, y is the per-token loop without them,
+    and every assignment is either received or counted as dropped."""
+    num_experts = 4 * comm.size
+    maps = expert_maps(num_experts)
+    x, experts, weights = make_routing(comm, "plain", num_experts, seed=11)
+    limit = 5
+    if comm.rank != 0:
+        x, experts, weights = x[:limit], experts[:limit], weights[:limit]
+    d = Dispatcher(comm, num_experts, max_tokens_per_rank=limit)
+    expert_x, handle = d.dispatch(x, experts, weights)
+    y = d.combine(run_fixed_experts(comm, expert_x, handle, maps), handle)
+    kept = kept_under_fixed_capacity(experts, limit, num_experts // comm.size)
+    stats = d.collect_stats()
+    sent = comm.allreduce(np.array([(experts >= 0).sum()]))[0]
+    received = comm.allreduce(np.array([np.asarray(handle.tokens_per_expert).sum()]))[0]
+    lost = comm.allreduce(np.array([(kept != experts).sum()]))[0]
+    assert all_ranks(np.allclose(y, per_token_reference(x, kept, weights, maps), atol=1e-4)
+                     and sent == received + stats.dropped.sum()
+                     and stats.dropped.sum() == lost > 0
+                     and received == stats.tokens_per_expert.sum())
+
+
+def test_fixed_capacity_counts_expert_ids_it_cannot_refuse(comm):
+    """Refusing an id outside [-1, E) would mean reading the device: the
+    fixed mode treats it as no expert and counts it."""
+    num_experts = 4 * comm.size
+    maps = expert_maps(num_experts)
+    x, experts, weights = make_routing(comm, "plain", num_experts, seed=12)
+    bad = experts.copy()
+    bad[0, 0] = num_experts + 3
+    bad[-1, -1] = -7
+    d = Dispatcher(comm, num_experts, max_tokens_per_rank=most_tokens(comm, x.shape[0]))
+    expert_x, handle = d.dispatch(x, bad, weights)
+    y = d.combine(run_fixed_experts(comm, expert_x, handle, maps), handle)
+    cleaned = np.where((bad >= 0) & (bad < num_experts), bad, -1)
+    stats = d.collect_stats()
+    assert all_ranks(stats.invalid == 2 * comm.size
+                     and np.allclose(y, per_token_reference(x, cleaned, weights, maps),
+                                     atol=1e-4))
+
+
+# -- FP8 ------------------------------------------------------------------------
+FP8_HIDDEN = 200  # two blocks of 128 channels, the second one short
+
+
+def fp8_routing(comm, num_experts, seed):
+    rng = np.random.default_rng([seed, comm.rank])
+    tokens = 6 + comm.rank
+    x = (rng.standard_normal((tokens, FP8_HIDDEN))
+         * np.logspace(-3, 2, FP8_HIDDEN)).astype(np.float32)  # blocks of uneven magnitude
+    experts = np.stack([rng.choice(num_experts, 3, replace=False) for _ in range(tokens)])
+    return x, experts.astype(np.int64), rng.random((tokens, 3)).astype(np.float32)
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["counted", "fixed"])
+def test_fp8_rows_are_within_e4m3s_bound_with_exact_scales(comm, fixed):
+    """Each expert row arrives as e4m3 values and float32 scales: the
+    scales are the sender's block amax / 448, the values within half an
+    e4m3 ulp (2**-4 relative) or its subnormal floor; dequantize=True gives
+    the same numbers in x's dtype; the payload counted is H + 4 bytes per
+    block instead of 4H."""
+    num_experts = 4 * comm.size
+    x, experts, weights = fp8_routing(comm, num_experts, seed=14)
+    limit = dict(max_tokens_per_rank=most_tokens(comm, x.shape[0])) if fixed else {}
+    d = Dispatcher(comm, num_experts, **limit)
+    plain, handle = d.dispatch(x, experts, weights)
+    (values, scales), _ = d.dispatch(x, experts, weights, quantize="fp8")
+    rows, _ = d.dispatch(x, experts, weights, quantize="fp8", dequantize=True)
+    if fixed:
+        counts = np.asarray(handle.tokens_per_expert)
+        real = np.concatenate([np.arange(n) + e * plain.shape[1] for e, n in enumerate(counts)])
+        plain, values, scales, rows = (a.reshape((-1,) + a.shape[2:])[real]
+                                       for a in (plain, values, scales, rows))
+    blocks = math.ceil(FP8_HIDDEN / 128)
+    padded = np.zeros((plain.shape[0], blocks * 128), np.float64)
+    padded[:, :FP8_HIDDEN] = plain
+    amax = np.abs(padded.reshape(-1, blocks, 128)).max(axis=2)
+    expected_scales = np.where(amax == 0, 1, (amax / 448).astype(np.float32))
+    per_channel = np.repeat(scales, 128, axis=1)[:, :FP8_HIDDEN]
+    restored = values.astype(np.float32) * per_channel
+    bound = 2.0 ** -4 * np.abs(plain) + 2.0 ** -10 * per_channel
+    ok = (str(values.dtype) == "float8_e4m3fn" and np.array_equal(scales, expected_scales)
+          and bool((np.abs(restored - plain) <= bound).all()) and rows.dtype == np.float32
+          and np.array_equal(rows, restored))
+    if not fixed:
+        d.dispatch(x, experts, weights)  # the stats of a dispatch in x's dtype...
+        wide = d.stats.traffic.sum()
+        d.dispatch(x, experts, weights, quantize="fp8")  # ...and in FP8, by difference
+        narrow = d.stats.traffic.sum() - wide
+        rows_sent = handle.stats.traffic.sum() // (4 * FP8_HIDDEN)
+        ok = ok and narrow == rows_sent * (FP8_HIDDEN + 4 * blocks)
+    assert all_ranks(ok)
+
+
+@pytest.mark.parametrize("impl", arrayimpl.params())
+def test_fp8_dispatch_then_combine_is_the_loop_within_the_bound(comm, impl):
+    """The experts compute on the dequantized rows (x's framework and
+    dtype) and combine returns y within e4m3's rounding of the loop; CuPy,
+    which has no float8, is refused on every rank."""
+    num_experts = 4 * comm.size
+    x, experts, weights = fp8_routing(comm, num_experts, seed=15)
+    maps = np.stack([np.random.default_rng(e).standard_normal((FP8_HIDDEN, HIDDEN))
+                     for e in range(num_experts)]) / FP8_HIDDEN
+    d = Dispatcher(comm, num_experts)
+    args = (impl.asarray(x), impl.asarray(experts), impl.asarray(weights))
+    if impl.framework == "cupy":
+        raises_everywhere(commlib.CollectiveMismatchError,
+                          lambda: d.dispatch(*args, quantize="fp8"), match="CuPy has no float8")
+        return
+    rows, handle = d.dispatch(*args, quantize="fp8", dequantize=True)
+    y = d.combine(run_experts(comm, rows, handle, maps, impl), handle)
+    expected = np.zeros((x.shape[0], HIDDEN))
+    for t in range(x.shape[0]):
+        for j in range(3):
+            expected[t] += weights[t, j] * (x[t].astype(np.float64) @ maps[experts[t, j]])
+    error = np.abs(impl.to_numpy(y) - expected).max()
+    # each row's error is at most 2**-4 of each |x| element (plus the floor)
+    budget = 2.0 ** -4 * max(float((np.abs(x) @ np.abs(m)).max()) for m in maps) * 1.01
+    assert all_ranks(impl.is_native(y) and error <= budget), (error, budget)
+
+
+# -- overlap handles --------------------------------------------------------------
+@pytest.mark.parametrize("fixed", [False, True], ids=["counted", "fixed"])
+@pytest.mark.parametrize("hierarchical", [False, True], ids=["flat", "two-hop"])
+def test_two_micro_batches_in_flight_equal_the_synchronous_calls(comm, fixed, hierarchical):
+    """DualPipe's pairing: B's dispatch starts before A's is waited on, A's
+    combine before B's; the waits come in every order, and each result is
+    the synchronous one."""
+    world = world_for(comm)
+    try:
+        num_experts = 4 * comm.size
+        maps = expert_maps(num_experts)
+        batches = [make_routing(comm, "plain", num_experts, seed=20 + i) for i in range(2)]
+        limit = dict(max_tokens_per_rank=most_tokens(world, batches[0][0].shape[0])) \
+            if fixed else {}
+        d = Dispatcher(world, num_experts, hierarchical=hierarchical, **limit)
+        run = run_fixed_experts if fixed else run_experts
+        expected = []
+        for batch in batches:
+            expert_x, handle = d.dispatch(*batch)
+            expected.append(d.combine(run(world, expert_x, handle, maps), handle))
+        for order in ([0, 1], [1, 0]):
+            started = [d.dispatch_async(*batch) for batch in batches]
+            dispatched = {i: started[i].wait() for i in order}
+            combining = [d.combine_async(run(world, *dispatched[i], maps), dispatched[i][1])
+                         for i in range(2)]
+            results = {i: combining[i].wait() for i in reversed(order)}
+            assert all_ranks(all(np.array_equal(results[i], expected[i]) for i in range(2)))
+    finally:
+        world.free()
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["counted", "fixed"])
+def test_a_handle_never_waited_on_is_an_error_at_the_next_call(comm, fixed):
+    c = commlib.init(timeout=60)
+    try:
+        num_experts = 4 * c.size
+        x, experts, weights = make_routing(c, "plain", num_experts, seed=30)
+        limit = dict(max_tokens_per_rank=most_tokens(c, x.shape[0])) if fixed else {}
+        d = Dispatcher(c, num_experts, **limit)
+
+        def forget_then_dispatch():
+            pending = d.dispatch_async(x, experts, weights)
+            if c.rank == 0:
+                del pending  # forgotten
+            else:
+                pending.wait()  # completes, or hears of rank 0 giving up
+            d.dispatch(x, experts, weights)
+        error = raises_everywhere(commlib.CommlibError, forget_then_dispatch)
+        assert "never waited on" in str(error), str(error)
+    finally:
+        c.free()
+
+
+# -- autograd -------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mode", ["fixed", "fp8", "fixed-fp8"])
+def test_torch_gradients_through_fixed_capacity_and_fp8(comm, mode, dtype):
+    """x, weights and the expert weights get the counted dispatch's
+    gradients: equal under a fixed capacity, within e4m3's rounding with
+    FP8 rows (the quantization passed straight through)."""
+    torch = pytest.importorskip("torch")
+    from commlib.bindings.torch import Dispatcher as TorchDispatcher
+
+    num_experts = 4 * comm.size
+    x_np, experts_np, weights_np = fp8_routing(comm, num_experts, seed=40)
+    x_np /= np.abs(x_np).max()
+    kind = getattr(torch, dtype)
+    w_all = torch.from_numpy(np.stack([np.random.default_rng(e).standard_normal(
+        (FP8_HIDDEN, HIDDEN)) for e in range(num_experts)]).astype(np.float32) / 16)
+    local = num_experts // comm.size
+
+    def run(**options):
+        quantize = options.pop("quantize", None)
+        x = torch.from_numpy(x_np).to(kind).requires_grad_()
+        weights = torch.from_numpy(weights_np).requires_grad_()
+        mine = w_all[comm.rank * local:(comm.rank + 1) * local].to(kind).requires_grad_()
+        d = TorchDispatcher(comm, num_experts, **options)
+        expert_x, handle = d.dispatch(x, torch.from_numpy(experts_np), weights,
+                                      quantize=quantize, dequantize=quantize is not None)
+        if expert_x.ndim == 3:
+            expert_y = torch.einsum("lsh,lhg->lsg", expert_x, mine)
+        else:
+            owner = torch.repeat_interleave(torch.arange(local),
+                                            torch.as_tensor(handle.tokens_per_expert))
+            expert_y = torch.einsum("th,thg->tg", expert_x, mine[owner])
+        y = d.combine(expert_y, handle)
+        (y.float() ** 2).sum().backward()
+        return [t.grad.float().numpy() for t in (x, weights, mine)]
+
+    reference = run()
+    limit = most_tokens(comm, x_np.shape[0])
+    options = {"fixed": dict(max_tokens_per_rank=limit), "fp8": dict(quantize="fp8"),
+               "fixed-fp8": dict(max_tokens_per_rank=limit, quantize="fp8")}[mode]
+    grads = run(**options)
+    tolerance = (2e-5 if mode == "fixed" else 0.15) if dtype == "float32" else 0.15
+    errors = [np.abs(g - r).max() / max(np.abs(r).max(), 1e-6)
+              for g, r in zip(grads, reference)]
+    assert all_ranks(max(errors) <= tolerance), errors
+
+
+# -- bad input ----------------------------------------------------------------
+def test_bad_modes_raise_on_every_rank(comm):
+    with pytest.raises(commlib.CollectiveMismatchError, match="max_tokens_per_rank"):
+        Dispatcher(comm, comm.size, max_tokens_per_rank=0 if comm.rank == 0 else 4)
+    num_experts = 4 * comm.size
+    x, experts, weights = make_routing(comm, "plain", num_experts, seed=50)
+    d = Dispatcher(comm, num_experts)
+    raises_everywhere(commlib.CollectiveMismatchError,
+                      lambda: d.dispatch(x, experts, weights,
+                                         quantize="int4" if comm.rank == 0 else None),
+                      match="unknown quantize='int4'")
+    raises_everywhere(commlib.CollectiveMismatchError,
+                      lambda: d.dispatch(x.astype(np.int32) if comm.rank == 0 else x, experts,
+                                         weights, quantize="fp8"),
+                      match="floating-point")
+    if comm.size > 1:
+        raises_everywhere(commlib.CollectiveMismatchError,
+                          lambda: d.dispatch(x, experts, weights, quantize="fp8",
+                                             dequantize=comm.rank == 0),
+                          match="different arguments")
