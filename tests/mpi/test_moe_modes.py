@@ -69,6 +69,35 @@ def test_fixed_capacity_equals_the_counted_dispatch(comm, case, capacity, hierar
         world.free()
 
 
+@pytest.mark.parametrize("hierarchical", [False, True], ids=["flat", "two-hop"])
+def test_fixed_capacity_never_reads_the_device(comm, monkeypatch, hierarchical):
+    """Dispatch, combine and both backwards with torch tensors, FP8 rows
+    and a capacity: not one ``to_host`` (the counted mode makes one per
+    dispatch); the counts reach the host at ``collect_stats`` only."""
+    torch = pytest.importorskip("torch")
+    import commlib.moe.dispatch as module
+
+    reads = []
+    original = module.to_host
+    monkeypatch.setattr(module, "to_host", lambda x: reads.append(1) or original(x))
+    world = world_for(comm)
+    try:
+        num_experts = 4 * comm.size
+        x, experts, weights = make_routing(comm, "no_tokens", num_experts, seed=16)
+        d = Dispatcher(world, num_experts, capacity_factor=0.8, hierarchical=hierarchical,
+                       max_tokens_per_rank=16)
+        rows, handle = d.dispatch(*(torch.from_numpy(a) for a in (x, experts, weights)),
+                                  quantize="fp8", dequantize=True)
+        y = d.combine(rows * 2, handle)
+        d.dispatch_backward(rows, handle)
+        d.combine_backward(rows, y, handle, experts.shape[1])
+        before = len(reads)
+        d.collect_stats()
+        assert all_ranks(before == 0 and len(reads) == 1), reads
+    finally:
+        world.free()
+
+
 def kept_under_fixed_capacity(experts, limit, per_rank):
     """Independent overflow rule: a rank's block to each destination holds
     ``limit`` tokens, the earliest ones; the assignments of later tokens to

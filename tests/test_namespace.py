@@ -1,0 +1,40 @@
+"""The framework-neutral kernels of ``commlib.namespace`` against NumPy's
+own slow but plain definitions."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from commlib.namespace import scatter_add
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 40), targets=st.integers(1, 6), width=st.integers(1, 5),
+       spare=st.integers(0, 200), scaled=st.booleans(), seed=st.integers(0, 2**16))
+def test_scatter_add_is_np_add_at_even_when_one_row_takes_hundreds(rows, targets, width,
+                                                                     spare, scaled, seed):
+    """Repeated indices accumulate, whatever their number: a fixed
+    capacity's padding sends ``spare`` rows to one spare index, which the
+    NumPy path sums at once past its first rounds."""
+    rng = np.random.default_rng(seed)
+    index = np.r_[rng.integers(0, targets, rows), np.full(spare, targets)]
+    rng.shuffle(index)
+    values = rng.standard_normal((index.size, width)).astype(np.float32)
+    scale = rng.random(index.size).astype(np.float32) if scaled else None
+    expected = np.zeros((targets + 1, width), np.float64)
+    np.add.at(expected, index, values.astype(np.float64)
+              * (1.0 if scale is None else scale[:, None]))
+    out = scatter_add(np.zeros((targets + 1, width), np.float32), index, values, scale)
+    assert np.allclose(out, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_scatter_add_in_torch_matches_numpy():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(1)
+    index = np.r_[rng.integers(0, 3, 50), np.full(300, 3)]
+    values = rng.standard_normal((index.size, 4)).astype(np.float32)
+    numpy_sum = scatter_add(np.zeros((4, 4), np.float32), index, values)
+    torch_sum = scatter_add(torch.zeros(4, 4), torch.from_numpy(index),
+                            torch.from_numpy(values).bfloat16())
+    assert np.allclose(torch_sum.numpy(), numpy_sum, atol=0.5)  # bfloat16 inputs
