@@ -3,12 +3,14 @@ under mpiexec at 2 and 4 ranks on emulated nodes, and the requirement that
 ties them: simulate predicts the inter-node bytes diag moe measures."""
 
 import json
+import math
 import sys
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from commlib.moe import quantize
 from commlib.tools import diag_moe, simulate
 
 from launch import run
@@ -101,11 +103,67 @@ def test_diag_moe_in_one_rank_reports_and_writes_json(tmp_path):
     assert doc["dropped"] > 0 and doc["imbalance"] > 1
     assert doc["tokens_per_s"] > 0
     assert "tokens/s" in result.output and "dropped" in result.output
+    assert doc["quantize"] is None and doc["fixed_capacity"] is False
+    assert doc["slots_per_expert"] is None and doc["payload_bytes_per_row"] == 4 * 64
+    assert 0 < doc["time_us_p50"] <= doc["time_us_p99"]
+    assert doc["time_us_p50"] == pytest.approx(doc["seconds_per_iter"] * 1e6)
+
+
+def fp8_row_bytes(hidden):
+    """An e4m3 byte per channel and a float32 scale per 128 channels."""
+    return hidden + 4 * math.ceil(hidden / 128)
+
+
+def diag_json(tmp_path, *args):
+    path = tmp_path / "moe.json"
+    result = invoke(diag_moe.moe, *SMALL, "--hidden", "200", "--iters", "2", *args,
+                    "--json", str(path))
+    assert result.exit_code == 0, result.output
+    return json.loads(path.read_text()), result.output
+
+
+@pytest.mark.parametrize("cap, slots", [([], 256), (["--capacity-factor", "1.0"], 64)])
+@pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8"])
+def test_diag_moe_fp8_and_fixed_capacity_in_one_rank(tmp_path, fp8, cap, slots):
+    """Against the counted, unquantized run of the same routing: the same
+    load and drops per dispatch (a fixed capacity of --tokens overflows
+    nothing; its stats, summed over the loop, come back per dispatch) and
+    every routed token's row once on the diagonal, at FP8's row size."""
+    counted, _ = diag_json(tmp_path, *cap)
+    flags = ["--fixed-capacity"] + (["--fp8"] if fp8 else [])
+    doc, out = diag_json(tmp_path, *flags, *cap)
+    assert doc["fixed_capacity"] is True and doc["quantize"] == ("fp8" if fp8 else None)
+    # P * per-source cap: --tokens without a capacity factor, else ceil(T*k/E*cf)
+    assert doc["slots_per_expert"] == slots
+    row = fp8_row_bytes(200) if fp8 else 4 * 200
+    assert doc["payload_bytes_per_row"] == row
+    assert doc["traffic"] == [[counted["traffic"][0][0] // (4 * 200) * row]]
+    assert doc["tokens_per_expert"] == counted["tokens_per_expert"]
+    assert doc["dropped"] == counted["dropped"] and doc["imbalance"] == counted["imbalance"]
+    assert f"{slots} slots per local expert" in out and f"{row} B/row" in out
+    assert ("fp8 (e4m3" in out) == fp8
+
+
+def test_diag_moe_fp8_rows_are_the_formula_times_the_tokens(tmp_path):
+    doc, out = diag_json(tmp_path, "--fp8")
+    assert doc["quantize"] == "fp8" and doc["fixed_capacity"] is False
+    assert doc["slots_per_expert"] is None
+    # top-4 without a cap: every token travels once, to the one rank
+    assert doc["traffic"] == [[256 * (200 + 4 * 2)]]
+    assert doc["payload_bytes_per_row"] == 208 and "208 B/row" in out
+    assert "dequantized to float32 for the experts" in out and "counted" in out
+
+
+def test_every_dtype_choice_quantizes_to_fp8():
+    """--fp8 refuses no --dtype: each choice is one FP8 quantizes from (were
+    an integer type added, --fp8 would need a usage error for it)."""
+    assert set(simulate.DTYPES) <= set(quantize.INPUT_DTYPES)
 
 
 @pytest.mark.parametrize("args, hint", [
     (["--topk", "65"], "--topk"),
     (["--topk-groups", "2"], "--topk-groups"),
+    (["--fixed-capacity", "--tokens", "0"], "--fixed-capacity"),
     (["--plot", "traffic.png"], "matplotlib"),
 ])
 def test_diag_moe_usage_errors_exit_2(args, hint, monkeypatch):
@@ -154,3 +212,22 @@ def test_diag_moe_usage_error_exits_2_on_every_rank(tmp_path):
                env={"COMMLIB_RANKS_PER_NODE": "1"})
     assert proc.returncode == 2, proc.stdout
     assert proc.stdout.count("Invalid value for '--experts'") == 2
+
+
+def test_fp8_fixed_capacity_sends_the_counted_tokens_at_fp8_row_size(tmp_path):
+    """Two emulated nodes: the same seed's counted, unquantized run sends
+    each (token, rank) copy as itemsize * H bytes; --fp8 --fixed-capacity
+    sends the same copies, each H + 4 * ceil(H / 128) bytes."""
+    hidden = ["--hidden", "200"]
+    counted, _ = launch_diag(tmp_path, 2, 1, *hidden)
+    doc, out = launch_diag(tmp_path, 2, 1, *hidden, "--fp8", "--fixed-capacity")
+    assert out.count("inter_node_bytes") == 1
+    assert doc["quantize"] == "fp8" and doc["fixed_capacity"] is True
+    assert doc["slots_per_expert"] == 2 * 256
+    assert counted["inter_node_bytes"] > 0
+    for key in ("inter_node_bytes", "intra_node_bytes"):
+        assert doc[key] == counted[key] // (4 * 200) * fp8_row_bytes(200)
+    assert (np.asarray(doc["traffic"]) * 4 * 200
+            == np.asarray(counted["traffic"]) * fp8_row_bytes(200)).all()
+    assert doc["tokens_per_expert"] == counted["tokens_per_expert"]
+    assert doc["dropped"] == counted["dropped"] == 0

@@ -10,21 +10,29 @@ ids, softmax score), then dispatches host rows through
 times are the communication path alone. Rank 0 prints tokens/s and, from the
 dispatch's ``DispatchStats``, the bytes between and inside nodes. With the
 same configuration, ``commlib simulate`` predicts those bytes exactly.
+
+``--fp8`` sends the rows as e4m3 with a float32 scale per 128 channels (the
+experts get them dequantized to x's dtype); ``--fixed-capacity`` dispatches
+sync-free into fixed slots (``max_tokens_per_rank=--tokens``), its stats
+collected after the timed loop. Both move the same tokens, so the bytes
+differ from the plain run's only by the row size.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import time
-from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Dict, List, Optional, Tuple
 
 import click
 import numpy as np
 
 import commlib
 from commlib.moe import Dispatcher, DispatchStats
+from commlib.moe.quantize import BLOCK
 from commlib.tools.simulate import DTYPES, SCORE, parse_dtype, synthetic_routing
 from commlib.tools.world import world
 
@@ -42,8 +50,34 @@ class Settings:
     topk_groups: Optional[int]
     capacity_factor: Optional[float]
     hierarchical: bool
+    fp8: bool
+    fixed_capacity: bool
     iters: int
     seed: int
+
+    @property
+    def quantize(self) -> Optional[str]:
+        """The Dispatcher's ``quantize`` argument."""
+        return "fp8" if self.fp8 else None
+
+    @property
+    def row_bytes(self) -> int:
+        """Payload bytes of one row on the wire: x's dtype, or an e4m3 byte
+        per channel plus a float32 scale per ``BLOCK`` channels."""
+        if self.fp8:
+            return self.hidden + 4 * math.ceil(self.hidden / BLOCK)
+        return parse_dtype(self.dtype).itemsize * self.hidden
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What the timed loop saw: each iteration's seconds on the slowest
+    rank, one dispatch's stats, and (fixed capacity) expert_x's slots per
+    local expert."""
+
+    times: np.ndarray
+    stats: DispatchStats
+    slots_per_expert: Optional[int]
 
 
 def check_usage(settings: Settings, size: int, nodes: int) -> None:
@@ -58,6 +92,9 @@ def check_usage(settings: Settings, size: int, nodes: int) -> None:
         raise click.BadParameter(f"top-{settings.topk} is impossible with {settings.experts} "
                                  f"experts; use at most {settings.experts}",
                                  param_hint="'--topk'")
+    if settings.fixed_capacity and settings.tokens == 0:
+        raise click.BadParameter("needs --tokens of at least 1 (it is max_tokens_per_rank, "
+                                 "which sizes the slots)", param_hint="'--fixed-capacity'")
     if settings.topk_groups is None:
         return
     if settings.topk_groups > nodes:
@@ -79,32 +116,60 @@ def check_plot_available(plot: Optional[str]) -> None:
 
 
 def time_dispatch(comm: commlib.Communicator, dispatcher: Dispatcher, x: np.ndarray,
-                  experts: np.ndarray, weights: np.ndarray, iters: int):
-    """(median seconds of dispatch + combine on the slowest rank, the stats
-    of one dispatch). One untimed round first warms the buffers; each timed
-    one starts at a barrier so it measures the exchange, not rank skew."""
-    _, handle = dispatcher.dispatch(x, experts, weights)
+                  experts: np.ndarray, weights: np.ndarray, iters: int,
+                  quantize: Optional[str]) -> Measurement:
+    """Time dispatch + combine. One untimed round first warms the buffers;
+    each timed one starts at a barrier so it measures the exchange, not rank
+    skew. Identity experts: combine takes expert_x as it arrives (FP8 rows
+    dequantized to x's dtype; a fixed capacity's [L, slots, H] as is)."""
+    def round_trip() -> Tuple[Any, Any]:
+        expert_x, handle = dispatcher.dispatch(x, experts, weights, quantize, dequantize=True)
+        dispatcher.combine(expert_x, handle)
+        return expert_x, handle
+
+    round_trip()
     times = np.empty(iters, dtype=np.float64)
     for i in range(iters):
         comm.barrier()
         start = time.perf_counter()
-        expert_x, handle = dispatcher.dispatch(x, experts, weights)
-        dispatcher.combine(expert_x, handle)  # identity experts
+        expert_x, handle = round_trip()
         times[i] = time.perf_counter() - start
     slowest = comm.allreduce(times, op="max")
-    return float(np.median(slowest)), handle.stats
+    if handle.stats is not None:
+        return Measurement(slowest, handle.stats, None)
+    # fixed capacity: the stats wait on the device until collected, outside
+    # the timed loop
+    return Measurement(slowest, per_dispatch(dispatcher.collect_stats(), iters + 1),
+                       int(expert_x.shape[1]))
 
 
-def report(settings: Settings, comm: commlib.Communicator, seconds: float,
-           stats: DispatchStats) -> Dict[str, Any]:
+def per_dispatch(total: DispatchStats, dispatches: int) -> DispatchStats:
+    """One dispatch's stats from ``collect_stats``' sum over ``dispatches``
+    of them, as the counted mode reports: every dispatch here sends the same
+    rows, so each field divides exactly."""
+    return DispatchStats(*(getattr(total, field.name) // dispatches
+                           for field in fields(total)))
+
+
+def report(settings: Settings, comm: commlib.Communicator,
+           measured: Measurement) -> Dict[str, Any]:
     """The numbers rank 0 prints and writes: totals over all ranks for one
-    dispatch; bytes per token is payload sent (both links) per routed token."""
+    dispatch; bytes per token is payload sent (both links) per routed token;
+    times of the slowest rank per iteration (seconds_per_iter: the median)."""
     total_tokens = settings.tokens * comm.size
+    stats = measured.stats
     sent = stats.inter_node_bytes + stats.intra_node_bytes
     topology = comm.topology
+    seconds, p99 = (float(t) for t in np.percentile(measured.times, [50, 99]))
     return {
         "tokens_per_s": total_tokens / seconds if seconds > 0 else float("inf"),
         "seconds_per_iter": seconds,
+        "time_us_p50": seconds * 1e6,
+        "time_us_p99": p99 * 1e6,
+        "quantize": settings.quantize,
+        "fixed_capacity": settings.fixed_capacity,
+        "slots_per_expert": measured.slots_per_expert,
+        "payload_bytes_per_row": settings.row_bytes,
         "inter_node_bytes": stats.inter_node_bytes,
         "intra_node_bytes": stats.intra_node_bytes,
         "bytes_per_token": sent / total_tokens if total_tokens else 0.0,
@@ -125,6 +190,11 @@ def summary_lines(result: Dict[str, Any]) -> List[str]:
     routing = (f"node-limited ({config['topk_groups']} of {config['nodes']} nodes)"
                if config["topk_groups"] else "top-k")
     path = "two-hop" if config["hierarchical"] else "flat"
+    rows = (f"fp8 (e4m3 + float32 scale per {BLOCK} channels, dequantized to "
+            f"{config['dtype']} for the experts)" if result["quantize"] else config["dtype"])
+    layout = (f"fixed capacity, {result['slots_per_expert']} slots per local expert, "
+              f"stats collected after the loop" if result["fixed_capacity"]
+              else "counted (the host reads the counts every dispatch)")
     return [
         f"# commlib diag moe: {_plural(config['world_size'], 'rank')}, "
         f"{_plural(config['nodes'], 'node')}{' (emulated)' if config['emulated_nodes'] else ''}"
@@ -132,8 +202,10 @@ def summary_lines(result: Dict[str, Any]) -> List[str]:
         f"# experts {config['experts']} top-{config['topk']} {routing}, {path} dispatch, "
         f"{config['tokens']} tokens/rank, hidden {config['hidden']} {config['dtype']}, "
         f"skew {config['skew']}, capacity factor {config['capacity_factor']}",
+        f"# rows {rows}, {result['payload_bytes_per_row']} B/row; {layout}",
         f"time per dispatch+combine  {result['seconds_per_iter'] * 1e3:.3f} ms "
-        f"(median of {config['iters']}, slowest rank)",
+        f"(median of {config['iters']}, slowest rank; p99 "
+        f"{result['time_us_p99'] / 1e3:.3f} ms)",
         f"tokens/s                   {result['tokens_per_s']:.4g}",
         f"inter_node_bytes           {result['inter_node_bytes']}",
         f"intra_node_bytes           {result['intra_node_bytes']}",
@@ -179,6 +251,12 @@ def plot_traffic(traffic: np.ndarray, path: str) -> None:
 @click.option("--capacity-factor", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Cap each expert at ceil(T*k/E*cf) tokens per source. Default: no cap.")
 @click.option("--hierarchical", is_flag=True, help="Two-hop dispatch (node, then rank).")
+@click.option("--fp8", is_flag=True,
+              help=f"Rows travel as e4m3 + a float32 scale per {BLOCK} channels (the experts "
+                   f"get them dequantized).")
+@click.option("--fixed-capacity", is_flag=True,
+              help="Sync-free fixed slots (max_tokens_per_rank = --tokens); stats collected "
+                   "after the timed loop.")
 @click.option("--iters", type=click.IntRange(min=1), default=5, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True),
@@ -188,7 +266,8 @@ def plot_traffic(traffic: np.ndarray, path: str) -> None:
 def moe(json_path: Optional[str], plot: Optional[str], **options: Any) -> None:
     """Time MoE dispatch + combine (identity experts) on seeded synthetic
     routing and report tokens/s, bytes between and inside nodes, imbalance
-    and drops for one dispatch. `commlib simulate` predicts the same bytes."""
+    and drops for one dispatch. `commlib simulate` predicts the same bytes
+    (with --fp8, scaled to FP8's row size)."""
     settings = Settings(**options)
     check_plot_available(plot)
     with world() as comm:
@@ -213,9 +292,12 @@ def run(comm: commlib.Communicator, settings: Settings) -> Dict[str, Any]:
     x = rng.standard_normal((settings.tokens, settings.hidden), dtype=np.float32)
     x = x.astype(parse_dtype(settings.dtype))
     dispatcher = Dispatcher(comm, settings.experts, capacity_factor=settings.capacity_factor,
-                            hierarchical=settings.hierarchical)
-    seconds, stats = time_dispatch(comm, dispatcher, x, experts, weights, settings.iters)
-    return report(settings, comm, seconds, stats)
+                            hierarchical=settings.hierarchical,
+                            max_tokens_per_rank=settings.tokens if settings.fixed_capacity
+                            else None)
+    measured = time_dispatch(comm, dispatcher, x, experts, weights, settings.iters,
+                             settings.quantize)
+    return report(settings, comm, measured)
 
 
 if __name__ == "__main__":
