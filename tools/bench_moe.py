@@ -1,22 +1,33 @@
-"""MoE dispatch + combine on this machine, against a hand-written mpi4py
-dispatcher that sends every token-expert pair (the Megatron-style path), in
-the same launch, interleaved.
+"""MoE dispatch + combine on this machine, every timing against a baseline
+run in the same launch, interleaved, the slowest rank's time per iteration,
+the median reported.
 
-    mpiexec -n 4 python -m commlib.tools.bench_moe --ranks-per-node 2
+    mpiexec -n 4 python -m commlib.tools.bench_moe throughput --ranks-per-node 2
+    mpiexec -bind-to core -n 2 python -m commlib.tools.bench_moe modes
+    mpiexec -bind-to core -n 2 python -m commlib.tools.bench_moe latency
+    mpiexec -bind-to core -n 2 python -m commlib.tools.bench_moe decode
+    mpiexec -bind-to core -n 2 python -m commlib.tools.bench_moe overlap
 
-Experts are the identity, so the times are the communication path: routing
-layout, permutation, all-to-alls, expansion, weighted combine. Reported per
-contender: time per dispatch+combine (slowest rank, median), tokens/s over
-all ranks, payload bytes sent per token, and (for commlib) bytes between and
-inside nodes.
+``throughput``: commlib (flat, two-hop) against a hand-written mpi4py
+dispatcher that sends every token-expert pair (the Megatron-style path),
+identity experts. ``modes``: FP8 against the input dtype, the fixed capacity
+against the counted dispatch (DeepSeek-V3's 7168 hidden, top-8 of 64, torch
+bfloat16). ``latency``: the fixed cost of ``alltoall``/``alltoallv`` against
+mpi4py's ``Alltoall`` and count exchange + ``Alltoallv``. ``decode``: a
+dispatch + combine pair of 1 to 128 tokens against the bare mpi4py
+exchange of the same bytes. ``overlap``: two micro-batches with an expert
+MLP between dispatch and combine, sequential against overlapped with the
+async handles: how much of the communication the overlap hides.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import time
-from typing import Callable, Dict, Optional
+from itertools import accumulate
+from typing import Any, Callable, Dict, List, Optional
 
 import click
 import numpy as np
@@ -73,7 +84,51 @@ def _slowest(world, call) -> float:
     return world.allreduce(time.perf_counter() - start, op=MPI.MAX)
 
 
-@click.command()
+def _slowest(world, call) -> float:
+    world.Barrier()
+    start = time.perf_counter()
+    call()
+    return world.allreduce(time.perf_counter() - start, op=MPI.MAX)
+
+
+def interleaved(world, contenders: Dict[str, Callable[[], Any]], iters: int,
+                warmup: int = 1) -> Dict[str, List[float]]:
+    """Each contender ``iters`` times, in turns, after ``warmup`` untimed
+    rounds: the slowest rank's seconds per call."""
+    for _ in range(warmup):
+        for call in contenders.values():
+            call()
+    times: Dict[str, List[float]] = {name: [] for name in contenders}
+    for _ in range(iters):
+        for name, call in contenders.items():
+            times[name].append(_slowest(world, call))
+    return times
+
+
+def _loop(call: Callable[[], Any], repeat: int) -> Callable[[], None]:
+    """``call`` ``repeat`` times: one timed unit for microsecond calls."""
+    def run() -> None:
+        for _ in range(repeat):
+            call()
+    return run
+
+
+def _report(say, rows: List[dict], json_path: Optional[str], rank: int) -> None:
+    if json_path and rank == 0:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+@click.group()
+def main() -> None:
+    """MoE benchmarks (see the module docstring)."""
+
+
+_json_option = click.option("--json", "json_path", type=click.Path(dir_okay=False),
+                            default=None, help="Write the rows here (rank 0).")
+
+
+@main.command()
 @click.option("--tokens", default=4096, show_default=True, help="Tokens per rank.")
 @click.option("--hidden", default=1024, show_default=True)
 @click.option("--experts", "num_experts", default=64, show_default=True)
@@ -81,9 +136,9 @@ def _slowest(world, call) -> float:
 @click.option("--ranks-per-node", type=int, default=None,
               help="Emulate nodes of this many ranks (two-hop needs 2+ nodes).")
 @click.option("--iters", default=5, show_default=True)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-def main(tokens: int, hidden: int, num_experts: int, topk: int, ranks_per_node: Optional[int],
-         iters: int, json_path: Optional[str]) -> None:
+@_json_option
+def throughput(tokens: int, hidden: int, num_experts: int, topk: int,
+               ranks_per_node: Optional[int], iters: int, json_path: Optional[str]) -> None:
     """Dispatch + combine: commlib (flat, two-hop) vs every-pair mpi4py."""
     world = MPI.COMM_WORLD
     comm = commlib.init(backend="mpi", ranks_per_node=ranks_per_node, abort_on_error=True)
@@ -104,12 +159,11 @@ def main(tokens: int, hidden: int, num_experts: int, topk: int, ranks_per_node: 
         y, _ = run(x, experts, weights)
         if not np.allclose(y, reference, atol=1e-4):
             raise AssertionError(f"{name} disagrees with the every-pair reference")
-    times = {name: [] for name in contenders}
-    for _ in range(iters):
-        for name, run in contenders.items():
-            times[name].append(_slowest(world, functools.partial(run, x, experts, weights)))
-    say(f"bench_moe: {comm.size} ranks, {comm.topology.num_nodes} nodes; {tokens} tokens x "
-        f"{hidden} float32 per rank, {num_experts} experts, top-{topk}; identity experts")
+    times = interleaved(world, {name: functools.partial(run, x, experts, weights)
+                                for name, run in contenders.items()}, iters, warmup=0)
+    say(f"bench_moe throughput: {comm.size} ranks, {comm.topology.num_nodes} nodes; {tokens} "
+        f"tokens x {hidden} float32 per rank, {num_experts} experts, top-{topk}; identity "
+        f"experts")
     rows = []
     base = float(np.median(times["mpi4py every pair"]))
     for name, run in contenders.items():
@@ -129,10 +183,296 @@ def main(tokens: int, hidden: int, num_experts: int, topk: int, ranks_per_node: 
         say(f"{name:>18}: {seconds * 1e3:8.1f} ms ({row['ratio_to_every_pair']:.2f}x), "
             f"{row['tokens_per_s'] / 1e3:7.1f} k tokens/s, {row['bytes_per_token']:7.0f} "
             f"payload B/token dispatched{nodes}", flush=True)
-    if json_path and comm.rank == 0:
-        with open(json_path, "w") as f:
-            json.dump(rows, f, indent=1)
+    _report(say, rows, json_path, comm.rank)
     raw.Free()
+    comm.free()
+
+
+def _torch_routing(comm, tokens: int, hidden: int, num_experts: int, topk: int, seed: int = 0):
+    """bf16 torch rows and a top-k softmax routing, this rank's own."""
+    import torch
+
+    torch.set_num_threads(1)
+    rng = np.random.default_rng([seed, comm.rank])
+    x = torch.from_numpy(rng.standard_normal((tokens, hidden), dtype=np.float32)).bfloat16()
+    experts, weights = moe.route(torch.from_numpy(rng.standard_normal(
+        (tokens, num_experts)).astype(np.float32)), topk)
+    return x, experts, weights
+
+
+def _pair(d: moe.Dispatcher, x, experts, weights, quantize: Optional[str] = None):
+    """Dispatch + combine with identity experts (FP8 rows dequantized)."""
+    def run():
+        expert_x, handle = d.dispatch(x, experts, weights, quantize=quantize,
+                                      dequantize=quantize is not None)
+        return d.combine(expert_x, handle)
+    return run
+
+
+@main.command()
+@click.option("--tokens", default=4096, show_default=True, help="Tokens per rank.")
+@click.option("--small-tokens", default=8, show_default=True,
+              help="The fixed capacity's home ground: a decode step's tokens per rank.")
+@click.option("--hidden", default=7168, show_default=True)
+@click.option("--experts", "num_experts", default=64, show_default=True)
+@click.option("--topk", default=8, show_default=True)
+@click.option("--capacity-factor", default=1.25, show_default=True,
+              help="Both modes; it also sizes the fixed capacity's expert slots (without "
+                   "one they would be P x tokens per expert).")
+@click.option("--iters", default=5, show_default=True)
+@_json_option
+def modes(tokens: int, small_tokens: int, hidden: int, num_experts: int, topk: int,
+          capacity_factor: float, iters: int, json_path: Optional[str]) -> None:
+    """FP8 vs bfloat16 rows, fixed capacity vs counted: dispatch alone and
+    the dispatch + combine pair, and the payload bytes."""
+    world = MPI.COMM_WORLD
+    comm = commlib.init(backend="mpi", abort_on_error=True)
+    say = print if comm.rank == 0 else (lambda *a, **k: None)
+    say(f"bench_moe modes: {comm.size} ranks; {hidden} bfloat16 channels, {num_experts} "
+        f"experts, top-{topk}, capacity factor {capacity_factor}; identity experts; torch")
+    rows = []
+    for count in (tokens, small_tokens):
+        x, experts, weights = _torch_routing(comm, count, hidden, num_experts, topk)
+        counted = moe.Dispatcher(comm, num_experts, capacity_factor=capacity_factor)
+        fixed = moe.Dispatcher(comm, num_experts, capacity_factor=capacity_factor,
+                               max_tokens_per_rank=count)
+        contenders = {}
+        for mode, d in (("counted", counted), ("fixed", fixed)):
+            for quantize in (None, "fp8"):
+                name = f"{mode} {'fp8' if quantize else 'bf16'}"
+                contenders[f"{name} dispatch"] = functools.partial(
+                    d.dispatch, x, experts, weights, quantize=quantize)
+                contenders[f"{name} pair"] = _pair(d, x, experts, weights, quantize)
+        times = interleaved(world, contenders, iters)
+        counted.stats = moe.DispatchStats.zeros(num_experts, comm.size)
+        counted.dispatch(x, experts, weights)
+        wide = int(counted.stats.traffic.sum())
+        counted.dispatch(x, experts, weights, quantize="fp8")
+        narrow = int(counted.stats.traffic.sum()) - wide
+        fixed.collect_stats()
+        blocks = fixed._fixed_layout(x, topk)["hops"][0][3]  # rows per destination, padded
+        wire = {None: hidden * 2 + 8 * topk, "fp8": hidden + 4 * -(-hidden // 128) + 8 * topk}
+        say(f"-- {count} tokens per rank: payload per dispatch (all ranks) bf16 "
+            f"{wide / 2**20:.2f} MiB, fp8 {narrow / 2**20:.2f} MiB ({narrow / wide:.3f}); "
+            f"the fixed capacity sends {int(blocks.sum())} rows a rank a hop whatever the "
+            f"routing (bf16 {int(blocks.sum()) * wire[None] * comm.size / 2**20:.2f} MiB, "
+            f"fp8 {int(blocks.sum()) * wire['fp8'] * comm.size / 2**20:.2f} MiB on the wire)")
+        base = {kind: float(np.median(times[f"counted bf16 {kind}"])) for kind in
+                ("dispatch", "pair")}
+        for name, seconds in times.items():
+            kind = name.rsplit(" ", 1)[1]
+            median = float(np.median(seconds))
+            rows.append({"tokens": count, "contender": name, "seconds": median,
+                         "ratio_to_counted_bf16": median / base[kind],
+                         "payload_bytes": narrow if "fp8" in name else wide})
+            say(f"{name:>22}: {median * 1e3:9.3f} ms ({median / base[kind]:.2f}x counted "
+                f"bf16)", flush=True)
+    _report(say, rows, json_path, comm.rank)
+    comm.free()
+
+
+def _alltoallv_bytes(raw, rows: np.ndarray, send: List[int], recv: List[int]) -> np.ndarray:
+    """mpi4py's ``Alltoallv`` of whole rows, in bytes, counts as Python
+    lists (the leanest spelling for a handful of ranks)."""
+    row = rows.itemsize * math.prod(rows.shape[1:])
+    result = np.empty((sum(recv),) + rows.shape[1:], rows.dtype)
+    send_bytes, recv_bytes = [n * row for n in send], [n * row for n in recv]
+    raw.Alltoallv([rows, (send_bytes, list(accumulate(send_bytes[:-1], initial=0))), MPI.BYTE],
+                  [result, (recv_bytes, list(accumulate(recv_bytes[:-1], initial=0))),
+                   MPI.BYTE])
+    return result
+
+
+def _counted_exchange(raw, x: np.ndarray, counts: np.ndarray) -> Callable[[], np.ndarray]:
+    """What a careful mpi4py caller writes for a variable all-to-all: the
+    count exchange (typed, into a buffer kept across calls), the output,
+    ``Alltoallv``."""
+    received = np.empty_like(counts)
+
+    def run() -> np.ndarray:
+        raw.Alltoall([counts, MPI.INT64_T], [received, MPI.INT64_T])
+        return _alltoallv_bytes(raw, x, counts.tolist(), received.tolist())
+    return run
+
+
+def _there_and_back(raw, rows: np.ndarray, counts: np.ndarray) -> Callable[[], None]:
+    """The bare exchange of a dispatch + combine's bytes: the count
+    exchange, ``rows`` out, and what arrived straight back (its counts
+    known)."""
+    received = np.empty_like(counts)
+
+    def run() -> None:
+        raw.Alltoall([counts, MPI.INT64_T], [received, MPI.INT64_T])
+        there, back = counts.tolist(), received.tolist()
+        _alltoallv_bytes(raw, _alltoallv_bytes(raw, rows, there, back), back, there)
+    return run
+
+
+@main.command()
+@click.option("--sizes", default="1K,64K", show_default=True,
+              help="Bytes per destination, comma-separated (K = 1024).")
+@click.option("--repeat", default=200, show_default=True, help="Calls per timed unit.")
+@click.option("--iters", default=15, show_default=True)
+@_json_option
+def latency(sizes: str, repeat: int, iters: int, json_path: Optional[str]) -> None:
+    """The fixed cost of a call: commlib's alltoall / alltoallv against
+    mpi4py's Alltoall / count exchange + Alltoallv, same bytes."""
+    world = MPI.COMM_WORLD
+    comm = commlib.init(backend="mpi", abort_on_error=True)
+    raw = world.Dup()
+    size = comm.size
+    say = print if comm.rank == 0 else (lambda *a, **k: None)
+    say(f"bench_moe latency: {size} ranks, {repeat} calls a unit, median of {iters} units, "
+        f"slowest rank")
+    rows = []
+    for text in sizes.split(","):
+        per_peer = int(text.upper().replace("K", "")) * (1024 if "K" in text.upper() else 1)
+        x = np.ones((size, per_peer // 4), np.float32)
+        out = np.empty_like(x)
+        counts = np.full(size, 1, np.int64)
+
+        contenders = {
+            "mpi4py Alltoall": _loop(functools.partial(raw.Alltoall, x, out), repeat),
+            "commlib alltoall": _loop(functools.partial(comm.alltoall, x), repeat),
+            "mpi4py counts + Alltoallv": _loop(_counted_exchange(raw, x, counts), repeat),
+            "commlib alltoallv": _loop(functools.partial(comm.alltoallv, x, counts), repeat),
+            "commlib alltoallv (recv counts given)":
+                _loop(functools.partial(comm.alltoallv, x, counts, counts), repeat),
+        }
+        times = {name: float(np.median(t)) / repeat * 1e6
+                 for name, t in interleaved(world, contenders, iters).items()}
+        gaps = {"commlib alltoall": "mpi4py Alltoall",
+                "commlib alltoallv": "mpi4py counts + Alltoallv",
+                "commlib alltoallv (recv counts given)": "mpi4py counts + Alltoallv"}
+        say(f"-- {text} per destination")
+        for name, micros in times.items():
+            baseline = gaps.get(name)
+            gap = f"  (+{micros - times[baseline]:.1f} us over {baseline})" if baseline else ""
+            rows.append({"bytes_per_destination": per_peer, "contender": name, "us": micros,
+                         "gap_us": micros - times[baseline] if baseline else 0.0})
+            say(f"{name:>38}: {micros:7.1f} us{gap}", flush=True)
+    _report(say, rows, json_path, comm.rank)
+    raw.Free()
+    comm.free()
+
+
+@main.command()
+@click.option("--tokens", default="1,8,32,128", show_default=True,
+              help="Tokens per rank, comma-separated.")
+@click.option("--hidden", default=7168, show_default=True)
+@click.option("--experts", "num_experts", default=64, show_default=True)
+@click.option("--topk", default=8, show_default=True)
+@click.option("--repeat", default=20, show_default=True, help="Pairs per timed unit.")
+@click.option("--iters", default=9, show_default=True)
+@_json_option
+def decode(tokens: str, hidden: int, num_experts: int, topk: int, repeat: int, iters: int,
+           json_path: Optional[str]) -> None:
+    """A decode step's dispatch + combine (torch bfloat16) against the bare
+    mpi4py exchange of the same bytes there and back: a count exchange and
+    ``Alltoallv`` each way, nothing else."""
+    world = MPI.COMM_WORLD
+    comm = commlib.init(backend="mpi", abort_on_error=True)
+    raw = world.Dup()
+    say = print if comm.rank == 0 else (lambda *a, **k: None)
+    say(f"bench_moe decode: {comm.size} ranks; {hidden} bfloat16 channels, {num_experts} "
+        f"experts, top-{topk}; identity experts; microseconds per pair, slowest rank")
+    rows = []
+    for count in (int(t) for t in tokens.split(",")):
+        x, experts, weights = _torch_routing(comm, count, hidden, num_experts, topk, seed=1)
+        counted = moe.Dispatcher(comm, num_experts)
+        fixed = moe.Dispatcher(comm, num_experts, max_tokens_per_rank=count)
+        _, handle = counted.dispatch(x, experts, weights)
+        there = handle.hops[0].send_counts.astype(np.int64)
+        row_bytes = hidden * 2 + 8 * topk
+        bare = _there_and_back(raw, np.zeros((int(there.sum()), row_bytes), np.uint8), there)
+        contenders = {"mpi4py bare exchange": _loop(bare, repeat),
+                      "commlib counted": _loop(_pair(counted, x, experts, weights), repeat),
+                      "commlib fixed": _loop(_pair(fixed, x, experts, weights), repeat)}
+        times = {name: float(np.median(t)) / repeat * 1e6
+                 for name, t in interleaved(world, contenders, iters).items()}
+        say(f"-- {count} tokens per rank")
+        for name, micros in times.items():
+            ratio = micros / times["mpi4py bare exchange"]
+            rows.append({"tokens": count, "contender": name, "us_per_pair": micros,
+                         "ratio_to_bare": ratio})
+            say(f"{name:>22}: {micros:9.1f} us per pair ({ratio:.2f}x bare)", flush=True)
+        fixed.collect_stats()
+    _report(say, rows, json_path, comm.rank)
+    raw.Free()
+    comm.free()
+
+
+@main.command()
+@click.option("--tokens", default=1024, show_default=True, help="Tokens per micro-batch.")
+@click.option("--hidden", default=2048, show_default=True)
+@click.option("--ffn", default=1024, show_default=True, help="The expert MLP's inner width.")
+@click.option("--experts", "num_experts", default=16, show_default=True)
+@click.option("--topk", default=4, show_default=True)
+@click.option("--fixed", is_flag=True, help="The fixed-capacity mode.")
+@click.option("--iters", default=5, show_default=True)
+@_json_option
+def overlap(tokens: int, hidden: int, ffn: int, num_experts: int, topk: int, fixed: bool,
+            iters: int, json_path: Optional[str]) -> None:
+    """Two micro-batches, an expert MLP (torch float32, one thread) between
+    dispatch and combine. Sequential: A's dispatch, MLP, combine, then B's.
+    Overlapped (DualPipe's pairing): both dispatches started, A's MLP while
+    B's dispatch is in flight, A's combine started before B's MLP. Hidden =
+    (sequential - overlapped) / (sequential - MLP alone)."""
+    import torch
+
+    world = MPI.COMM_WORLD
+    comm = commlib.init(backend="mpi", abort_on_error=True)
+    say = print if comm.rank == 0 else (lambda *a, **k: None)
+    torch.set_num_threads(1)
+    local = num_experts // comm.size
+    generator = torch.Generator().manual_seed(comm.rank)
+    w_in = torch.randn(local, hidden, ffn, generator=generator) / hidden ** 0.5
+    w_out = torch.randn(local, ffn, hidden, generator=generator) / ffn ** 0.5
+    batches = []
+    for seed in (0, 1):
+        x, experts, weights = _torch_routing(comm, tokens, hidden, num_experts, topk, seed)
+        batches.append((x.float(), experts, weights))
+    d = moe.Dispatcher(comm, num_experts, max_tokens_per_rank=tokens if fixed else None)
+
+    def mlp(expert_x, handle):
+        if expert_x.ndim == 3:  # fixed capacity: every slot, padding included
+            return torch.bmm(torch.relu(torch.bmm(expert_x, w_in)), w_out)
+        chunks = torch.split(expert_x, handle.tokens_per_expert.tolist())
+        return torch.cat([torch.relu(c @ w_in[e]) @ w_out[e] for e, c in enumerate(chunks)])
+
+    dispatched = [d.dispatch(*b) for b in batches]
+
+    def sequential():
+        for batch in batches:
+            expert_x, handle = d.dispatch(*batch)
+            d.combine(mlp(expert_x, handle), handle)
+
+    def overlapped():
+        started = [d.dispatch_async(*b) for b in batches]
+        first = started[0].wait()
+        combining = d.combine_async(mlp(*first), first[1])  # B's dispatch in flight
+        second = started[1].wait()
+        last = d.combine_async(mlp(*second), second[1])  # A's combine in flight
+        combining.wait()
+        last.wait()
+
+    def compute_alone():
+        for expert_x, handle in dispatched:
+            mlp(expert_x, handle)
+    times = {name: float(np.median(t)) for name, t in interleaved(
+        world, {"sequential": sequential, "overlapped": overlapped,
+                "expert MLP alone": compute_alone}, iters).items()}
+    communication = times["sequential"] - times["expert MLP alone"]
+    hidden_fraction = (times["sequential"] - times["overlapped"]) / communication
+    say(f"bench_moe overlap: {comm.size} ranks; 2 micro-batches of {tokens} tokens x {hidden} "
+        f"float32, {num_experts} experts top-{topk}, MLP {hidden}->{ffn}->{hidden}; "
+        f"{'fixed capacity' if fixed else 'counted'}")
+    for name, seconds in times.items():
+        say(f"{name:>18}: {seconds * 1e3:8.1f} ms")
+    say(f"communication (sequential - MLP): {communication * 1e3:.1f} ms; hidden by the "
+        f"overlap: {hidden_fraction * 100:.0f}%")
+    _report(say, [dict(times, communication=communication, hidden_fraction=hidden_fraction,
+                       fixed=fixed)], json_path, comm.rank)
     comm.free()
 
 
