@@ -124,6 +124,8 @@ class DispatchHandle:
     arrival_weights: Any = field(repr=False)  # its routing weight (float32; padding: 0)
     received_rows: int = field(repr=False)
     expert_shape: Tuple[int, ...] = field(default=(), repr=False)  # fixed: (local experts, slots)
+    slot_rows: Any = field(default=None, repr=False)     # fixed: expert row of each (arrival, slot)
+    slot_weights: Any = field(default=None, repr=False)  # fixed: its weight, 0 where none
 
 
 class PendingMoE:
@@ -417,7 +419,8 @@ class Dispatcher:
             gate = xp.concat([xp.reshape(from_bytes(arrived[:, 4 * k:8 * k], xp.float32, (k,)),
                                          (-1,)), xp.zeros(1, dtype=xp.float32,
                                                           device=device(ids))])
-            arrival, slot, pair, per_expert, spilled = self._expand_fixed(ids, layout["slots"])
+            arrival, slot, pair, slot_rows, per_expert, spilled = \
+                self._expand_fixed(ids, layout["slots"])
             received = int(arrived.shape[0])
             expert_x = wire.deliver(tuple(
                 xp.reshape(_take_sent(a, arrival, received),
@@ -426,8 +429,11 @@ class Dispatcher:
             counts[1] = counts[1] + spilled
             counts[0] = counts[0] - spilled
             self._note(xp.concat([xp.astype(c, index_dtype(ids)) for c in counts]))
+            slot_weights = xp.where(slot_rows < self.local_experts * layout["slots"],
+                                    gate[:-1], 0.0)
             handle = DispatchHandle(per_expert, None, hops, arrival, slot, xp.take(gate, pair),
-                                    received, (self.local_experts, layout["slots"]))
+                                    received, (self.local_experts, layout["slots"]),
+                                    slot_rows, slot_weights)
             return expert_x, handle
         return PendingMoE(finish)
 
@@ -689,7 +695,8 @@ class Dispatcher:
         """Fixed capacity: expert e's rows are the ``slots`` rows from
         ``e * slots``, its arrivals first in order, padding after. Returns
         (arrival row per expert row, ``received`` for padding; its slot;
-        its (arrival, slot) pair, R*k for padding; rows per local expert;
+        its (arrival, slot) pair, R*k for padding; the inverse: the expert
+        row of each pair, L * slots for none; rows per local expert;
         assignments per global expert that found no slot)."""
         xp = namespace(ids)
         kind, where = ids.dtype, device(ids)
@@ -706,8 +713,11 @@ class Dispatcher:
         pair = xpx.at(xp.full(local * slots + 1, pairs, dtype=kind, device=where))[target] \
             .set(order)[:local * slots]
         padding = pair >= pairs
+        rows = xp.arange(local * slots, dtype=kind, device=where)
+        slot_rows = xpx.at(xp.full(pairs + 1, local * slots, dtype=kind, device=where))[pair] \
+            .set(rows)[:pairs]
         return (xp.where(padding, received, pair // max(k, 1)),
-                xp.where(padding, 0, pair % max(k, 1)), pair,
+                xp.where(padding, 0, pair % max(k, 1)), pair, slot_rows,
                 bincount(xp.where(fits, grouped, -1), local),
                 bincount(xp.where(served & ~fits, grouped + self.comm.rank * local, -1),
                          self.num_experts))
@@ -820,14 +830,32 @@ class Dispatcher:
     def _to_tokens(self, expert_rows: Any, handle: DispatchHandle,
                    weights: Any = None) -> PendingMoE:
         """Expert rows (optionally weighted) summed in float32 per arrival,
-        then back to their tokens: combine's path, and dispatch's adjoint.
-        Padding rows land on a spare row that is cut off."""
+        then back to their tokens: combine's path, and dispatch's adjoint."""
         xp = namespace(expert_rows)
         rows = self._expert_rows(expert_rows, handle)
-        summed = xp.zeros((handle.received_rows + 1,) + tuple(rows.shape[1:]),
-                          dtype=xp.float32, device=device(rows))
-        summed = scatter_add(summed, handle.arrival_rows, rows, scale=weights)
-        return self._return_async(summed[:handle.received_rows], handle, rows.dtype)
+        if handle.expert_shape:
+            summed = self._gather_slots(rows, handle, weighted=weights is not None)
+        else:
+            summed = xp.zeros((handle.received_rows,) + tuple(rows.shape[1:]),
+                              dtype=xp.float32, device=device(rows))
+            summed = scatter_add(summed, handle.arrival_rows, rows, scale=weights)
+        return self._return_async(summed, handle, rows.dtype)
+
+    @staticmethod
+    def _gather_slots(rows: Any, handle: DispatchHandle, weighted: bool) -> Any:
+        """Fixed capacity: each arrival's sum over its k slots, gathered from
+        the expert rows that hold them: work in arrivals * k, not in the
+        padded L * slots rows, which are never read (a masked expert may
+        leave them uninitialized, NaN included)."""
+        xp = namespace(rows)
+        received = handle.received_rows
+        trailing = tuple(rows.shape[1:])
+        valid = handle.slot_rows < rows.shape[0]
+        picked = float32(take_rows(rows, xp.where(valid, handle.slot_rows, 0)))
+        factor = handle.slot_weights if weighted else xp.astype(valid, xp.float32)
+        shape = (-1,) + (1,) * len(trailing)
+        picked = xp.where(xp.reshape(valid, shape), picked * xp.reshape(factor, shape), 0.0)
+        return xp.sum(xp.reshape(picked, (received, -1) + trailing), axis=1)
 
     # -- the two directions of the dispatch path ---------------------------------
     def return_rows(self, rows: Any, handle: DispatchHandle, dtype: Any = None) -> Any:

@@ -39,7 +39,8 @@ def most_tokens(comm, tokens):
 @pytest.mark.parametrize("case", [c for c in CASES if c != "hot"])
 def test_fixed_capacity_equals_the_counted_dispatch(comm, case, capacity, hierarchical):
     """With room for every token: the same expert rows in the same order,
-    the same counts, the same y, and the same stats once collected."""
+    the same counts, the same y (up to the order of the float32 sums), and
+    the same stats once collected."""
     world = world_for(comm)
     try:
         num_experts = 4 * comm.size
@@ -60,7 +61,7 @@ def test_fixed_capacity_equals_the_counted_dispatch(comm, case, capacity, hierar
                         for e, (s, n) in enumerate(zip(starts, per_expert)))
         assert all_ranks(
             slots.stats is None and per_expert.tolist() == handle.tokens_per_expert.tolist()
-            and same_rows and np.array_equal(y, y_fixed)
+            and same_rows and np.allclose(y, y_fixed, rtol=1e-6, atol=1e-6)
             and stats.tokens_per_expert.tolist() == handle.stats.tokens_per_expert.tolist()
             and stats.dropped.tolist() == handle.stats.dropped.tolist()
             and np.array_equal(stats.traffic, handle.stats.traffic) and stats.invalid == 0
