@@ -171,8 +171,10 @@ class _Counts:
 
 @dataclass
 class _Wire:
-    """How x's rows travel: their bytes [T, n], and how the owner reads
-    received bytes back into expert rows (plain, or FP8 values and scales)."""
+    """How x's rows travel: their bytes [T, n]; how the owner reads the
+    received bytes back (x's rows, FP8 values and scales, or those already
+    dequantized: once per received row, before the rows are expanded into
+    one per expert); and how the expanded parts make ``expert_x``."""
 
     payload: Any
     decode: Callable[[Any], Tuple[Any, ...]]
@@ -491,24 +493,21 @@ class Dispatcher:
         """x's rows as the bytes that travel and how the owner reads them:
         x's dtype as is, or FP8 (the scales' bytes, then the values')."""
         row_shape = tuple(x.shape[1:])
+        def single(parts):
+            return parts[0]
         if quantize is None:
             return _Wire(as_bytes(contiguous(x)),
-                         lambda raw: (from_bytes(raw, x.dtype, row_shape),), lambda parts: parts[0])
+                         lambda raw: (from_bytes(raw, x.dtype, row_shape),), single)
         values, scales = quantize_fp8(x)
         split, blocks = scales.shape[1] * 4, tuple(scales.shape[1:])
         xp = namespace(x)
 
         def decode(raw):
-            return (from_bytes(raw[:, split:], values.dtype, row_shape),
-                    from_bytes(raw[:, :split], xp.float32, blocks))
-
-        def deliver(parts):
-            if not dequantize:
-                return parts
-            flat = dequantize_fp8(xp.reshape(parts[0], (-1, row_shape[0])),
-                                  xp.reshape(parts[1], (-1, blocks[0])), x.dtype)
-            return xp.reshape(flat, tuple(parts[0].shape))
-        return _Wire(xp.concat([as_bytes(scales), as_bytes(values)], axis=1), decode, deliver)
+            parts = (from_bytes(raw[:, split:], values.dtype, row_shape),
+                     from_bytes(raw[:, :split], xp.float32, blocks))
+            return (dequantize_fp8(*parts, x.dtype),) if dequantize else parts
+        return _Wire(xp.concat([as_bytes(scales), as_bytes(values)], axis=1), decode,
+                     single if dequantize else tuple)
 
     def _plan(self, x: Any, experts: Any, weights: Any) -> _Plan:
         """Capacity and hop 1's copies, on the device. Ids outside [-1, E)
@@ -830,15 +829,20 @@ class Dispatcher:
     def _to_tokens(self, expert_rows: Any, handle: DispatchHandle,
                    weights: Any = None) -> PendingMoE:
         """Expert rows (optionally weighted) summed in float32 per arrival,
-        then back to their tokens: combine's path, and dispatch's adjoint."""
+        then back to their tokens: combine's path, and dispatch's adjoint.
+        Under a fixed capacity, whichever touches fewer rows: a gather of
+        each arrival's k slots, or a scatter of every expert row whose
+        padding lands on a spare row, cut off."""
         xp = namespace(expert_rows)
         rows = self._expert_rows(expert_rows, handle)
-        if handle.expert_shape:
+        if handle.expert_shape and handle.slot_rows.shape[0] <= rows.shape[0]:
             summed = self._gather_slots(rows, handle, weighted=weights is not None)
         else:
-            summed = xp.zeros((handle.received_rows,) + tuple(rows.shape[1:]),
+            spare = 1 if handle.expert_shape else 0
+            summed = xp.zeros((handle.received_rows + spare,) + tuple(rows.shape[1:]),
                               dtype=xp.float32, device=device(rows))
-            summed = scatter_add(summed, handle.arrival_rows, rows, scale=weights)
+            summed = scatter_add(summed, handle.arrival_rows, rows,
+                                 scale=weights)[:handle.received_rows]
         return self._return_async(summed, handle, rows.dtype)
 
     @staticmethod
