@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from . import progress
 from . import topology as _topology
 from .abort import abort_on_exception
 from .backends.mpi import MpiBackend
@@ -53,6 +54,7 @@ def init(backend: str = "auto", *, mpi_comm=None, ranks_per_node: Optional[int] 
     try:
         shared_rank, leader, shared_size = _shared_memory_domain(comm)
         share_cores(shared_size)
+        progress.share_cores(shared_size)
         topology = _discover_topology(comm, leader, ranks_per_node)
     except BaseException:
         comm.Free()
