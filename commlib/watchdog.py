@@ -7,12 +7,12 @@ communicator by which a rank that gives up on a call (bad input found after
 the count exchange, a timeout, memory it refuses to allocate) tells its
 peers, so that they raise too instead of waiting forever.
 
-MPI has no timed wait, so waiting is a loop of ``Test`` calls. A rank with
-a core to itself first spins a few dozen polls (a small message arrives
-within microseconds, and a yield costs about as much); then the loop yields
-the processor between polls (``os.sched_yield``): on a machine with more
-ranks than cores a rank spinning in Python would otherwise starve the very
-peer it waits for, so there it yields from the first poll.
+MPI has no timed wait, so waiting is a loop of ``Test`` calls, each of
+which also moves large transfers along. Where the node has a core per rank
+the loop just polls (a yield between polls cost 20% at 16 MiB); with more
+ranks than cores it yields the processor between polls
+(``os.sched_yield``), or a rank spinning in Python would starve the very
+peer it waits for.
 """
 
 from __future__ import annotations
@@ -39,15 +39,16 @@ ROLL_CALL_S = 2.0
 DRAIN_S = 5.0
 # polls between clock reads: reading the clock costs as much as a poll
 _POLLS_PER_CLOCK = 32
-# polls before the first yield where ranks have a core each (~0.3 us a poll)
+# polls before a wait sets up its deadline, where ranks have a core each
+# (~0.3 us a poll: a small message is there within them)
 SPIN_POLLS = 64
 _spin_polls = SPIN_POLLS
 
 
 def share_cores(ranks_on_node: int) -> None:
     """Told by ``init``: with more ranks on this node than it has cores,
-    waits yield from the first poll; otherwise they spin ``SPIN_POLLS``
-    first. For the whole process: it is a property of the node."""
+    waits yield between polls from the first; otherwise they poll without
+    yielding. For the whole process: it is a property of the node."""
     global _spin_polls
     _spin_polls = SPIN_POLLS if ranks_on_node <= (os.cpu_count() or 1) else 0
 
@@ -183,7 +184,8 @@ class Watchdog:
                 self._fail_from_notice()
             if polls % _POLLS_PER_CLOCK == 0 and time.monotonic() > deadline:
                 self._time_out(pending())
-            os.sched_yield()
+            if not _spin_polls:  # ranks share cores
+                os.sched_yield()
 
     # -- failure -----------------------------------------------------------------
     def give_up(self, reason: str) -> None:

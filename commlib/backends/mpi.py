@@ -49,6 +49,8 @@ def _reduction_type(dtype: np.dtype):
     return predefined, dtype
 
 
+# bytes per peer up to which equal chunks take MPI's Ialltoall
+IALLTOALL_MAX_BYTES = 1 << 20
 # the control plane's usual all-to-alls: one int64 per peer (agreement) and
 # two (alltoallv's row count and signature)
 HEADER_WIDTHS = (1, 2)
@@ -149,8 +151,14 @@ class MpiBackend:
         return lambda: self.watchdog.wait_requests(requests, peers)
 
     def alltoall(self, send, out) -> None:
-        """Equal chunks: MPI's own all-to-all, one request (a third of the
-        pairwise loop's cost at 1 KiB per rank, and no slower at 64 KiB)."""
+        """Equal chunks: MPI's own all-to-all, one request, up to
+        ``IALLTOALL_MAX_BYTES`` a peer (a third of the pairwise loop's cost
+        at 1 KiB, 10% less at 1 MiB); the pairwise loop above (17% less at
+        16 MiB; measured at 2 ranks, MPICH)."""
+        chunk = send.nbytes // self.size
+        if chunk > IALLTOALL_MAX_BYTES:
+            self.alltoallv(send, [chunk] * self.size, out, [chunk] * self.size)
+            return
         self._wait(self.comm.Ialltoall([byte_view(send), MPI.BYTE], [byte_view(out), MPI.BYTE]))
 
     def start_sendrecv(self, send, dest, out, source) -> Callable[[], None]:
