@@ -213,7 +213,9 @@ class Communicator:
         return Communicator(host, topology, device, self._check)
 
     def free(self) -> None:
-        """Release the underlying communicators."""
+        """Release the underlying communicators (collective). Where a call
+        failed, MPI's are kept, unfreed: late messages of that call must
+        never reach a later communicator (``Watchdog.close``)."""
         if self._device is not None:
             self._device.free()
         self._host.free()

@@ -53,6 +53,9 @@ def share_cores(ranks_on_node: int) -> None:
     _spin_polls = SPIN_POLLS if ranks_on_node <= (os.cpu_count() or 1) else 0
 
 
+# communicators that failed or did not drain, with their abandoned requests
+# and buffers: never freed (see Watchdog.close)
+_retired: List[tuple] = []
 # watchdogs whose notice receive is still posted (held, so that a forgotten
 # communicator's receive is still withdrawn): cancelled at exit, before
 # mpi4py finalizes MPI (atexit runs handlers last-registered first)
@@ -266,14 +269,14 @@ class Watchdog:
             self._notice.Wait()
         _listening.discard(self)
 
-    def drain(self) -> None:
+    def drain(self) -> bool:
         """Receive every notice the peers sent on this communicator (they
         say how many) before it is freed: a notice still on its way would
         otherwise be matched against a later communicator that reuses the
         freed one's context, and fail that one. Collective; gives up after
-        DRAIN_S (a dead peer's count never comes)."""
+        DRAIN_S (a dead peer's count never comes). True when it settled."""
         if self.size == 1:
-            return
+            return True
         MPI = self._mpi
         sent = np.array(self._sent_to, np.int64)
         owed = np.zeros(self.size, np.int64)
@@ -286,13 +289,32 @@ class Watchdog:
                 return False
             return exchange.Test() and all(
                 heard >= due for heard, due in zip(self._heard_from, owed.tolist()))
-        while not settled() and time.monotonic() < deadline:
+        while not settled():
+            if time.monotonic() > deadline:
+                self.hold(exchange, sent, owed)
+                return False
             os.sched_yield()
+        return True
 
-    def free(self) -> None:
-        self.drain()
+    def close(self, *comms) -> None:
+        """Free the control communicator and ``comms`` (the payload's) once
+        nothing more can arrive on them: drained, and no call failed on any
+        rank (none given up here, no notice heard).
+        Otherwise keep them, unfreed, for the life of the process: a call
+        given up on may still have messages on their way (a late peer's
+        payload, its notice, its half of the drain), and MPI would deliver
+        those to whichever later communicator reuses the freed context,
+        corrupting it or, under Open MPI, aborting the job. A few handles
+        per failure is the price; collective."""
+        drained = self.drain()
         self.stop_listening()
-        self.control.Free()
+        everything = (self.control, *comms)
+        if drained and self.failure is None and not any(self._heard_from) \
+                and not self._abandoned:
+            for comm in everything:
+                comm.Free()
+        else:
+            _retired.append((everything, self._abandoned, self._sent))
 
 
 def _pending_peers(requests: Sequence, peers: Optional[Sequence[int]]) -> Optional[List[int]]:

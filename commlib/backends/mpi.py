@@ -113,11 +113,14 @@ class MpiBackend:
         self._headers = {width: _PersistentExchange(comm, width) for width in HEADER_WIDTHS}
 
     def free(self) -> None:
-        if self.watchdog.failure is None:  # a failed call may have left one active
+        """Collective. The communicators are freed only where nothing more
+        can arrive on them (``Watchdog.close``)."""
+        if self.watchdog.failure is None:
             for exchange in self._headers.values():
                 exchange.free()
-        self.watchdog.free()
-        self.comm.Free()
+        else:  # a failed call may have left one active, writing into its buffers
+            self.watchdog.hold(*self._headers.values())
+        self.watchdog.close(self.comm)
 
     # -- payload ---------------------------------------------------------
     def alltoallv(self, send, send_bytes, out, recv_bytes) -> None:

@@ -138,3 +138,95 @@ def test_notices_in_flight_never_reach_a_later_communicator(comm):
         assert all_ranks(last.allreduce(np.ones(1))[0] == comm.size)
     finally:
         last.free()
+
+
+
+def _raw(c):
+    """The MPI communicators under ``c``: payload and control."""
+    return c._host.comm, c._host.watchdog.control
+
+
+def test_free_keeps_a_failed_communicator_and_frees_a_healthy_one(comm):
+    """A call given up on may still send late (a peer's abandoned
+    nonblocking collective progresses whenever that peer calls MPI), so a
+    failed communicator is retired: kept unfreed, on every rank, the one
+    that gave up and those that heard. A healthy one is freed."""
+    from mpi4py import MPI
+
+    if comm.size == 1:
+        pytest.skip("needs peers to tell")
+    healthy = commlib.init(timeout=60)
+    healthy.allreduce(np.ones(1))
+    raw = _raw(healthy)
+    healthy.free()
+    assert all_ranks(all(r == MPI.COMM_NULL for r in raw)), "a healthy communicator was kept"
+
+    failed = commlib.init(timeout=60)
+    comm.barrier()  # every rank is out of init before rank 0 gives up
+    if failed.rank == 0:
+        failed._watchdog.give_up("planted")
+    raw = _raw(failed)
+    failed.free()
+    assert all_ranks(all(r != MPI.COMM_NULL and r.Get_size() == comm.size for r in raw)), \
+        "a failed communicator was freed while its traffic could still arrive"
+
+
+def test_free_keeps_a_communicator_whose_drain_gave_up(comm):
+    """free() waits min(timeout, 5 s) for the peers' notice counts; a rank
+    that stops waiting cannot know what is still coming, so it keeps the
+    communicator."""
+    import time
+
+    from mpi4py import MPI
+
+    if comm.size == 1:
+        pytest.skip("needs a peer to wait for")
+    c = commlib.init(timeout=0.2)
+    raw = _raw(c)
+    if c.rank == 0:
+        time.sleep(1.0)  # the others' drain gives up on rank 0
+    c.free()
+    kept = all(r != MPI.COMM_NULL for r in raw)
+    assert all_ranks(kept or c.rank == 0), "freed although the drain never heard rank 0"
+
+
+def test_late_rounds_of_an_abandoned_collective_never_reach_a_later_communicator(comm):
+    """Open MPI aborted the job ("PML OB1 received a message from a rank
+    outside the valid range of the communicator") in the Comm_dup of a
+    one-rank split. Cause: rank 0 gives up; rank 1 had entered a barrier
+    before the notice came, late; rank 2's abandoned barrier, woken by rank
+    1's message inside MPI, sends its next round to rank 0 after rank 0 has
+    freed the communicator, and the one-rank communicator that takes the
+    freed context finds a message from rank 2. Under Open MPI at 4 ranks on
+    2 cores, 4 launches of 6 aborted before the fix, 0 of 8 after: the
+    context is never freed. Needs the dissemination barrier's second round
+    (4 ranks or more)."""
+    import time
+
+    from mpi4py import MPI
+
+    if comm.size < 4:
+        pytest.skip("the late round needs 4 ranks")
+    for round in range(6):
+        c = commlib.init(timeout=60)
+        comm.barrier()
+        try:
+            if c.rank == 0:
+                time.sleep(0.3)
+                c._watchdog.give_up(f"planted in round {round}")
+            elif c.rank == 1:  # in the barrier before the notice, but slow
+                time.sleep(1.0)
+                c._watchdog.hold(c._host.comm.Ibarrier())
+            else:
+                c.barrier()
+        except commlib.PeerFailedError:
+            pass
+        c.free()
+        if c.rank == 0:
+            time.sleep(0.5)  # the late round arrives
+        # one-rank communicators take the lowest free contexts (split, then Comm_dup)
+        alone = [comm.split(comm.rank) for _ in range(3)]
+        stray = any(raw.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG) for a in alone for raw in _raw(a))
+        for a in alone:
+            a.free()
+        assert all_ranks(not stray), f"round {round}: a one-rank communicator got a message"

@@ -9,6 +9,7 @@ up as wrong bytes. Every result is compared with the host backend's
 (MpiBackend) on the same data. The ``gpu`` tests run the real CuPy path
 where a device exists."""
 
+import contextlib
 from collections import deque
 
 import ml_dtypes
@@ -288,17 +289,15 @@ def test_the_path_is_named():
 
 
 # -- faults: never a hang --------------------------------------------------------
-# Communicators failed on purpose are kept, never freed: failure notices may
-# still be in flight to them, and MPI could deliver those to a later
-# communicator that reuses a freed one's context.
-_failed = []
 
-
+@contextlib.contextmanager
 def _failing_communicator(timeout):
     c = commlib.init(timeout=timeout)
-    _failed.append(c)
     MPI.COMM_WORLD.Barrier()  # every rank is out of init before anyone fails
-    return c
+    try:
+        yield c
+    finally:
+        c.free()  # kept, not freed, by MPI (Watchdog.close): it failed
 
 
 class StuckDevice(LazyDevice):
@@ -310,12 +309,12 @@ class StuckDevice(LazyDevice):
 
 @pytest.mark.parametrize("path", ["staged", "cuda-aware"])
 def test_a_copy_that_never_finishes_times_out(path):
-    c = _failing_communicator(timeout=1)
-    backend = StagedBackend(c._host, device=StuckDevice(), cuda_aware=path == "cuda-aware")
-    x = np.ones(c.size * 4, np.uint8)
-    # the first rank to time out tells the others, which may hear of it first
-    raises_everywhere(commlib.CommlibError,
-                      lambda: backend.alltoall(x, np.empty_like(x)), match="timed out")
+    with _failing_communicator(timeout=1) as c:
+        backend = StagedBackend(c._host, device=StuckDevice(), cuda_aware=path == "cuda-aware")
+        x = np.ones(c.size * 4, np.uint8)
+        # the first rank to time out tells the others, which may hear of it first
+        raises_everywhere(commlib.CommlibError,
+                          lambda: backend.alltoall(x, np.empty_like(x)), match="timed out")
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -325,21 +324,21 @@ def test_a_peer_that_gives_up_is_heard_while_waiting(path):
     deadline."""
     if MPI.COMM_WORLD.Get_size() == 1:
         pytest.skip("needs a peer")
-    c = _failing_communicator(timeout=60)
     error = None
-    if c.rank == 0:
-        c._watchdog.give_up("deliberate failure for the test")
-    else:
-        backend = _backend(c, path)
-        recv = np.zeros(c.size, np.int64)
-        recv[0] = 10 * CHUNK
-        try:
-            backend.alltoallv(np.empty(0, np.uint8), np.zeros(c.size, np.int64),
-                              np.empty(10 * CHUNK, np.uint8), recv)
-        except commlib.CommlibError as caught:
-            error = caught
-    assert all_ranks(c.rank == 0 or (isinstance(error, commlib.PeerFailedError)
-                                     and "deliberate" in str(error))), error
+    with _failing_communicator(timeout=60) as c:
+        if c.rank == 0:
+            c._watchdog.give_up("deliberate failure for the test")
+        else:
+            backend = _backend(c, path)
+            recv = np.zeros(c.size, np.int64)
+            recv[0] = 10 * CHUNK
+            try:
+                backend.alltoallv(np.empty(0, np.uint8), np.zeros(c.size, np.int64),
+                                  np.empty(10 * CHUNK, np.uint8), recv)
+            except commlib.CommlibError as caught:
+                error = caught
+        assert all_ranks(c.rank == 0 or (isinstance(error, commlib.PeerFailedError)
+                                         and "deliberate" in str(error))), error
 
 
 # -- the real thing: CuPy on a GPU ----------------------------------------------
