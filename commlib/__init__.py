@@ -15,6 +15,7 @@ from .errors import (
                      CollectiveMismatchError,
                      CommlibError,
                      CommTimeoutError,
+                     LaunchError,
                      PeerFailedError,
 )
 from .topology import Topology
@@ -24,6 +25,6 @@ __version__ = "0.1.0"
 __all__ = [
     "init", "abort_on_exception", "Communicator", "Topology", "SupportsDLPack",
     "CommlibError", "CollectiveMismatchError", "CommTimeoutError", "PeerFailedError",
-    "AllocationRefusedError", "BackendUnavailableError",
+    "AllocationRefusedError", "BackendUnavailableError", "LaunchError",
     "__version__",
 ]

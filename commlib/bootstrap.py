@@ -12,6 +12,7 @@ from .backends.mpi import MpiBackend
 from .communicator import Communicator
 from .consistency import check_from_env
 from .errors import BackendUnavailableError
+from .launcher import check_world_size
 from .watchdog import share_cores, timeout_from_env
 
 BACKENDS = ("auto", "mpi", "nccl")
@@ -37,6 +38,8 @@ def init(backend: str = "auto", *, mpi_comm=None, ranks_per_node: Optional[int] 
     bounds every wait; ``check`` (default ``COMMLIB_CHECK``) makes every
     collective first check that all ranks agree on its arguments.
     ``abort_on_error`` installs ``commlib.abort_on_exception()``.
+    Raises ``LaunchError`` where the launcher started several processes but
+    MPI made each a world of one (``srun`` without ``--mpi``).
     Collective: every rank of ``mpi_comm`` calls it.
     """
     if backend not in BACKENDS:
@@ -50,6 +53,8 @@ def init(backend: str = "auto", *, mpi_comm=None, ranks_per_node: Optional[int] 
         abort_on_exception()
     from mpi4py import MPI
 
+    if mpi_comm is None:
+        check_world_size(MPI.COMM_WORLD.Get_size())
     comm = (mpi_comm if mpi_comm is not None else MPI.COMM_WORLD).Dup()
     try:
         shared_rank, leader, shared_size = _shared_memory_domain(comm)

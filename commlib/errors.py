@@ -36,3 +36,9 @@ class PeerFailedError(CommlibError):
 class AllocationRefusedError(CommlibError, MemoryError):
     """Receiving what the peers announced would need more memory than this
     rank has available; refused before allocating."""
+
+
+class LaunchError(CommlibError):
+    """The launcher started several processes, but MPI made each a world of
+    its own: the launcher and the MPI library do not talk (``srun`` without
+    ``--mpi``, another MPI's ``mpiexec``)."""
