@@ -1,21 +1,27 @@
 """Launch commands under mpiexec with a hard time limit, so that a hang is a
-failed test and never a stuck CI run."""
+failed test and never a stuck CI run. ``COMMLIB_TEST_LAUNCHER`` picks
+another launcher (Open MPI's ``mpirun``, ``srun``) for every launch."""
 
 from __future__ import annotations
 
+import functools
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 TESTS = Path(__file__).resolve().parent
 
 
+LAUNCHER_ENV = "COMMLIB_TEST_LAUNCHER"
+
+
 def mpiexec() -> str:
-    """The mpiexec beside this Python (the mpich wheel's), else on PATH."""
+    """The mpiexec beside this Python (the MPI wheel's), else on PATH."""
     local = Path(sys.executable).parent / "mpiexec"
     found = str(local) if local.exists() else shutil.which("mpiexec")
     if found is None:
@@ -23,12 +29,34 @@ def mpiexec() -> str:
     return found
 
 
+@functools.lru_cache(maxsize=None)
+def launcher() -> Tuple[str, ...]:
+    """The command that starts ranks, before ``-n P``: ``COMMLIB_TEST_LAUNCHER``
+    (say ``mpirun``, or ``srun -K -O --mpi=pmi2``), else ``mpiexec()``.
+    Open MPI's launcher gets ``--oversubscribe``: the suite runs more
+    ranks than a CI machine has cores, on purpose."""
+    chosen = os.environ.get(LAUNCHER_ENV, "").strip()
+    command = shlex.split(chosen) if chosen else [mpiexec()]
+    if Path(command[0]).name in ("mpiexec", "mpirun") and _is_open_mpi(command[0]):
+        command.append("--oversubscribe")
+    return tuple(command)
+
+
+def _is_open_mpi(program: str) -> bool:
+    try:
+        version = subprocess.run([program, "--version"], capture_output=True, text=True,
+                                 timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "Open MPI" in version
+
+
 def run(nprocs: int, argv: List[str], timeout: float,
         env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
-    """``mpiexec -n nprocs argv...``; on timeout the whole process group is
+    """``launcher() -n nprocs argv...``; on timeout the whole process group is
     killed and ``subprocess.TimeoutExpired`` raised."""
     full_env = dict(os.environ, **(env or {}))
-    proc = subprocess.Popen([mpiexec(), "-n", str(nprocs), *argv], env=full_env,
+    proc = subprocess.Popen([*launcher(), "-n", str(nprocs), *argv], env=full_env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
