@@ -299,15 +299,14 @@ class Watchdog:
     def close(self, *comms) -> None:
         """Free the control communicator and ``comms`` (the payload's) once
         nothing more can arrive on them: drained, and no call failed on any
-        rank (none given up here, no notice heard).
-        Otherwise keep them, unfreed, for the life of the process: a call
-        given up on may still have messages on their way (the late rounds
-        of a peer's abandoned nonblocking collective, which MPI progresses
-        whenever that peer calls it; a late notice; a late peer's half of
-        the drain), and MPI would deliver
-        those to whichever later communicator reuses the freed context,
-        corrupting it or, under Open MPI, aborting the job. A few handles
-        per failure is the price; collective."""
+        rank (none given up here, no notice heard). Otherwise keep them,
+        unfreed, for the life of the process: a call given up on may still
+        have messages on their way (the late rounds of a peer's abandoned
+        nonblocking collective, which MPI progresses whenever that peer
+        calls it; a late notice; a late peer's half of the drain), and MPI
+        would deliver those to whichever later communicator reuses the freed
+        context, corrupting it or, under Open MPI, aborting the job. A few
+        handles per failure is the price; collective."""
         drained = self.drain()
         self.stop_listening()
         everything = (self.control, *comms)
