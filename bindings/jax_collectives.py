@@ -54,8 +54,8 @@ def traced(comm) -> "TracedComm":
     if isinstance(comm, TracedComm):
         return comm
     if comm not in _traced:
-        _traced[comm] = TracedComm(comm.split(0, comm.rank), comm.split(0, comm.rank),
-                                   _Chain())
+        _traced[comm] = TracedComm(comm.split(0, comm.rank, cache_key="jax.runtime"),
+                                   comm.split(0, comm.rank, cache_key="jax.checks"), _Chain())
     return _traced[comm]
 
 
@@ -134,11 +134,11 @@ class TracedComm:
         finally:
             self._chain.token = outer
 
-    def split(self, color: int, key: int = 0) -> "TracedComm":
-        """Sub-communicators, made when tracing; their transfers join the
-        same chain."""
-        return TracedComm(self.runtime.split(color, key), self.checks.split(color, key),
-                          self._chain)
+    def split(self, color: int, key: int = 0, *, cache_key: Any = None) -> "TracedComm":
+        """Sub-communicators, made when tracing (with a ``cache_key``: once,
+        owned by the communicator); their transfers join the same chain."""
+        return TracedComm(self.runtime.split(color, key, cache_key=cache_key),
+                          self.checks.split(color, key, cache_key=cache_key), self._chain)
 
     def agree(self, op: str, *facts: Any, problem: Optional[Exception] = None) -> None:
         self.checks.agree(op, *facts, problem=problem)

@@ -7,7 +7,7 @@ Three lines::
 
     commlib.bindings.transformers.register(comm)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="commlib_ring")
-    batch = commlib.bindings.transformers.shard_batch(batch, comm)
+    batch = commlib.bindings.transformers.shard_batch(batch, comm, attn_implementation=model)
 
 then ``expert_parallel(model, comm)`` for MoE models and
 ``allreduce_gradients(model, comm)`` after ``backward()``. The pieces:

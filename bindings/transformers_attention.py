@@ -22,22 +22,25 @@ from __future__ import annotations
 
 import functools
 import reprlib
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 
 from commlib import hybrid
+from commlib.documents import packing_for, positions_of
 from commlib.hybrid.attention import check_degree
 from commlib.ulysses.relayout import check_heads
 
 from .torch import hybrid_attention, ring_attention, ulysses_attention
 
-__all__ = ["register_attention", "LAYOUTS"]
+__all__ = ["register_attention", "layout_of", "LAYOUTS"]
 
-# the sequence layout each implementation expects (shard_batch's ``layout``)
+# the sequence layout of each implementation (shard_batch shards in it): the
+# ring and the hybrid balance causal work with zigzag shards; Ulysses gathers
+# the whole sequence, so contiguous shards cost it least
 LAYOUTS = {"commlib_ring": "zigzag", "commlib_ring_docs": "zigzag_docs",
-           "commlib_ulysses": "contiguous", "commlib_hybrid": "contiguous"}
+           "commlib_ulysses": "contiguous", "commlib_hybrid": "zigzag"}
 
 # Keyword arguments transformers passes down to every attention call that do
 # not change the attention's math: the batch's own bookkeeping (the loss
@@ -81,14 +84,14 @@ def register_attention(comm, ulysses_size: Optional[int] = None) -> None:
     implementations["commlib_ulysses"] = _ulysses(comm)
     implementations["commlib_hybrid"] = _hybrid(comm, ulysses_size)
     for name, attend in implementations.items():
-        AttentionInterface.register(name, _attention_function(name, attend, comm.size))
+        AttentionInterface.register(name, _attention_function(name, attend, comm))
         AttentionMaskInterface.register(name, _mask_function(name, comm))
 
 
 def _ulysses(comm) -> Attend:
     def attend(q, k, v, **settings):
         _check_ulysses_heads("commlib_ulysses", q.shape[2], k.shape[2], comm.size)
-        return ulysses_attention(q, k, v, comm, **settings)
+        return ulysses_attention(q, k, v, comm, layout=LAYOUTS["commlib_ulysses"], **settings)
     return attend
 
 
@@ -110,7 +113,8 @@ def _hybrid(comm, ulysses_size: Optional[int]) -> Attend:
                                              head_dim, q.element_size(), causal)
             degree, method = planned[shape].ulysses_size, planned[shape].method
         _check_ulysses_heads("commlib_hybrid", heads, kv_heads, degree)
-        return hybrid_attention(q, k, v, comm, degree, method=method, **settings)
+        return hybrid_attention(q, k, v, comm, degree, layout=LAYOUTS["commlib_hybrid"],
+                                method=method, **settings)
     return attend
 
 
@@ -127,10 +131,26 @@ def _check_ulysses_heads(name: str, heads: int, kv_heads: int, degree: int) -> N
                          f"ulysses_size") from None
 
 
-def _attention_function(name: str, attend: Attend, world_size: int) -> Callable:
+def layout_of(attn_implementation: Union[str, torch.nn.Module]) -> str:
+    """The sequence layout of a commlib attention implementation, named or
+    read from a model's config."""
+    name = attn_implementation
+    if isinstance(attn_implementation, torch.nn.Module):
+        name = getattr(getattr(attn_implementation, "config", None), "_attn_implementation", None)
+    if name not in LAYOUTS:
+        raise ValueError(f"attn_implementation {name!r} is not one of commlib's; use one of "
+                         f"{', '.join(LAYOUTS)} (register them with register(comm)), or pass "
+                         f"the model that uses one")
+    return LAYOUTS[name]
+
+
+def _attention_function(name: str, attend: Attend, comm) -> Callable:
     """The function transformers calls: checks the call, reads the packed
-    documents and the window, moves the heads axis where commlib wants it
+    documents and the window, checks that the shard is in this
+    implementation's layout, moves the heads axis where commlib wants it
     ([b, s, h, d]), attends."""
+    world_size = comm.size
+    checked = _PositionCheck(name, LAYOUTS[name], comm)
 
     def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, attention_mask: Optional[torch.Tensor],
@@ -141,6 +161,7 @@ def _attention_function(name: str, attend: Attend, world_size: int) -> Callable:
         cu_seqlens = _documents(name, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
         global_length = cu_seqlens[-1] if cu_seqlens is not None else query.shape[2] * world_size
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        checked(kwargs.get("position_ids"), cu_seqlens, query.shape[2])
         out = attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                      causal=causal, softmax_scale=scaling, cu_seqlens=cu_seqlens,
                      window=_window(name, sliding_window, global_length, causal))
@@ -148,6 +169,39 @@ def _attention_function(name: str, attend: Attend, world_size: int) -> Callable:
 
     attention.__name__ = attention.__qualname__ = name
     return attention
+
+
+class _PositionCheck:
+    """Checks, once per ``position_ids`` tensor (every layer of a forward
+    gets the same one), that they are the positions this rank's shard has
+    in the implementation's layout (shard_batch makes them so), on every
+    rank together: a batch sharded in another layout would attend over the
+    wrong tokens."""
+
+    def __init__(self, name: str, layout: str, comm):
+        self.name, self.layout, self.comm = name, layout, comm
+        self.last: Any = None
+
+    def __call__(self, position_ids: Optional[torch.Tensor], cu_seqlens: Optional[List[int]],
+                 local_length: int) -> None:
+        if position_ids is None or position_ids is self.last:
+            return
+        self.last = position_ids
+        problem = None
+        try:
+            packing = packing_for(cu_seqlens, self.layout, self.comm.size, local_length)
+            want = torch.as_tensor(positions_of(packing, self.comm.rank))
+            given = position_ids.detach().reshape(-1, local_length)[0].cpu()
+            if not torch.equal(given, want.to(given.dtype)):
+                problem = ValueError(
+                    f"{self.name} reads shards in the {self.layout} layout, but this rank's "
+                    f"position_ids {reprlib.repr(given.tolist())} are not its positions in "
+                    f"that layout {reprlib.repr(want.tolist())}: the batch was sharded for "
+                    f"another layout. Make it with shard_batch(batch, comm, "
+                    f"attn_implementation={self.name!r}) (or pass the model)")
+        except ValueError as error:
+            problem = error
+        self.comm.agree(f"{self.name} positions", problem=problem)
 
 
 def _check_call(name: str, attention_mask: Optional[torch.Tensor], dropout: float,

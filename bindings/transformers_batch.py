@@ -23,12 +23,14 @@ call.
 from __future__ import annotations
 
 import reprlib
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Union
 
 import torch
 
 from commlib.documents import as_offsets, cu_seqlens_from_position_ids
 from commlib.ring import shard_sequence
+
+from .transformers_attention import layout_of
 
 __all__ = ["shard_batch"]
 
@@ -38,8 +40,15 @@ _SHARDED = ("input_ids", "labels", "attention_mask", "position_ids")
 _DOCUMENTS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
-def shard_batch(batch: Dict[str, Any], comm, layout: str = "zigzag") -> Dict[str, Any]:
-    """This rank's shard of ``batch``, the same global batch on every rank.
+def shard_batch(batch: Dict[str, Any], comm, *,
+                attn_implementation: Union[str, torch.nn.Module]) -> Dict[str, Any]:
+    """This rank's shard of ``batch``, the same global batch on every rank,
+    in the sequence layout of ``attn_implementation``: one of commlib's
+    registered names (``LAYOUTS``) or the model, whose
+    ``config._attn_implementation`` names it. The attention checks the
+    shard's ``position_ids`` against its own layout, so a batch sharded for
+    another implementation raises instead of attending over the wrong
+    tokens.
 
     ``batch``: ``input_ids`` [b, s] (any s), optionally ``labels`` (default:
     the input ids, as transformers does), ``attention_mask`` (all ones:
@@ -64,12 +73,9 @@ def shard_batch(batch: Dict[str, Any], comm, layout: str = "zigzag") -> Dict[str
       ``max_length_q``/``max_length_k``: the longest document.
 
     The all-ones ``attention_mask`` is dropped: it carries nothing, and a
-    sharded one would mark the layout's padding. ``layout`` must be the
-    attention implementation's (``transformers_attention.LAYOUTS``):
-    ``"zigzag"`` for ``commlib_ring``, ``"zigzag_docs"`` for
-    ``commlib_ring_docs``, ``"contiguous"`` for ``commlib_ulysses`` and
-    ``commlib_hybrid``.
+    sharded one would mark the layout's padding.
     """
+    layout = layout_of(attn_implementation)
     unknown = sorted(set(batch) - set(_SHARDED) - set(_DOCUMENTS))
     if unknown:
         raise ValueError(f"shard_batch does not know how to shard {', '.join(unknown)}; it "
@@ -84,7 +90,7 @@ def shard_batch(batch: Dict[str, Any], comm, layout: str = "zigzag") -> Dict[str
     positions = _positions(batch, offsets, input_ids)
 
     def shard(x: torch.Tensor) -> torch.Tensor:
-        return shard_sequence(x, comm, layout, cu_seqlens=offsets)
+        return shard_sequence(x, comm, layout=layout, cu_seqlens=offsets)
 
     labels = batch.get("labels", input_ids)
     shift_labels = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)

@@ -1,22 +1,26 @@
-"""Checks of attention inputs shared by Ring, Ulysses and the hybrid.
+"""The facts of an attention call, checked and agreed once: shared by Ring,
+Ulysses and the hybrid.
 
-Each rank checks its own shards (arrays of any one framework); the
-algorithms then hand any problem to ``Communicator.agree`` through
-``agree_on_inputs``, so that all ranks raise together."""
+Each rank checks its own shards (arrays of any one framework) and hands any
+problem to ``Communicator.agree``, so that all ranks raise together; what
+the checks learned (``AttentionCall``) then travels with the call."""
 
 from __future__ import annotations
 
 import math
 import zlib
-from typing import Any, Callable, Optional, Tuple
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional, Tuple, Union
 
-from .documents import Packing, packing_for
-from .namespace import dtype_name, framework_of, on_cuda
-from .visibility import bounds
+from .documents import Grouped, Packing, Span, packing_for
+from .kernels import Kernel, kernel_for
+from .namespace import dtype_name, framework_of, namespace, on_cuda
+from .visibility import blocks, bounds
 
 Extra = Tuple[Tuple[str, Any, tuple], ...]
 
 ATTENTION_DTYPES = ("float32", "bfloat16", "float16", "float64")
+Placement = Union[Packing, Grouped]
 
 
 def check_qkv(q: Any, k: Any, v: Any, extra: Extra = ()) -> None:
@@ -61,37 +65,58 @@ def backward_extras(q: Any, dout: Any, out: Any, lse: Any) -> Extra:
             ("lse", lse, (b, h, s)))
 
 
-def problem_of(check: Callable[..., None], *args) -> Optional[Exception]:
-    """The ValueError ``check(*args)`` raises, or None."""
-    try:
-        check(*args)
-    except ValueError as error:
-        return error
-    return None
-
-
 def scale_of(q: Any, softmax_scale: Optional[float]) -> float:
     return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
-def prepare(comm, op: str, q: Any, k: Any, check: Callable[[], None], layout: str,
-            causal: bool, cu_seqlens: Any, window: Any, **settings: Any):
-    """Check the inputs on this rank (``check()``: the algorithm's own
-    checks, raising ValueError), agree on them and on every setting with
-    every rank (any problem raises on all), and return what decides which
-    pairs are visible: (packing, (lo, hi)) (``commlib.documents``,
-    ``commlib.visibility``)."""
+@dataclass(frozen=True)
+class AttentionCall:
+    """What one attention call is, read from its inputs once on this rank and
+    agreed by every rank: the arrays' namespace, the block kernel, the
+    softmax scale, where every rank's tokens sit in the documents
+    (``placement``: a ``commlib.documents.Packing``) and which query-key
+    distances are visible (``lo``, ``hi``). It travels with the call from
+    the checks to the schedule and the kernel, so nothing re-reads ``q``."""
+
+    xp: Any
+    kernel: Kernel
+    scale: float
+    placement: Placement
+    lo: int
+    hi: int
+
+    def blocks(self, q_spans: Tuple[Span, ...], k_spans: Tuple[Span, ...]):
+        """The visible blocks of queries ``q_spans`` against keys ``k_spans``."""
+        return blocks(q_spans, k_spans, self.lo, self.hi)
+
+    def over_groups(self, group_size: int) -> "AttentionCall":
+        """The same call as seen by a ring of groups of ``group_size``
+        consecutive ranks, each holding its members' shards one after the
+        other (the hybrid, after the Ulysses all-to-all in each group)."""
+        return replace(self, placement=Grouped(self.placement, group_size))
+
+
+def prepare(comm, op: str, q: Any, k: Any, v: Any, *, layout: str, causal: bool,
+            softmax_scale: Optional[float], cu_seqlens: Any, window: Any,
+            kernel: Optional[Kernel], extra: Extra = (),
+            check: Callable[[], None] = lambda: None, **settings: Any) -> AttentionCall:
+    """Check the inputs on this rank (q, k, v and ``extra``; then ``check()``,
+    the algorithm's own checks, raising ValueError), agree on them and on
+    every setting with every rank (any problem raises on all), and return
+    the call's facts."""
     packing = visible = None
     problem = None
     try:
+        check_qkv(q, k, v, extra)
         check()
         packing = packing_for(cu_seqlens, layout, comm.size, q.shape[1])
         visible = bounds(causal, window)
     except ValueError as error:
         problem = error
+    scale = None if problem else scale_of(q, softmax_scale)
     agree_on_inputs(comm, op, q, k, problem, causal=causal, layout=layout, window=window,
-                    documents=_documents(packing), **settings)
-    return packing, visible
+                    documents=_documents(packing), scale=scale, **settings)
+    return AttentionCall(namespace(q), kernel or kernel_for(q), scale, packing, *visible)
 
 
 def _documents(packing: Optional[Packing]) -> str:

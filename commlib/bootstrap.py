@@ -1,4 +1,8 @@
-"""``commlib.init``: from an MPI launch to a Communicator."""
+"""``commlib.init``: from an MPI launch to a Communicator.
+
+Every wait in it has the deadline: MPI's blocking setup calls run only
+after the ranks have confirmed, under ``COMMLIB_TIMEOUT``, that all of them
+arrived."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from .communicator import Communicator
 from .consistency import check_from_env
 from .errors import BackendUnavailableError
 from .launcher import check_world_size
-from .watchdog import share_cores, timeout_from_env
+from .watchdog import share_cores, timeout_from_env, wait_alone
 
 BACKENDS = ("auto", "mpi", "nccl")
 
@@ -35,8 +39,10 @@ def init(backend: str = "auto", *, mpi_comm=None, ranks_per_node: Optional[int] 
     ``ranks_per_node`` (or ``COMMLIB_RANKS_PER_NODE``) emulates nodes of that
     many consecutive ranks; by default nodes are the shared-memory domains.
     ``timeout`` (default ``COMMLIB_TIMEOUT``, else 600 s; 0 waits forever)
-    bounds every wait; ``check`` (default ``COMMLIB_CHECK``) makes every
-    collective first check that all ranks agree on its arguments.
+    bounds every wait, this call's own included (a rank that never calls
+    ``init`` makes the others raise ``CommTimeoutError``); ``check``
+    (default ``COMMLIB_CHECK``) makes every collective first check that all
+    ranks agree on its arguments.
     ``abort_on_error`` installs ``commlib.abort_on_exception()``.
     Raises ``LaunchError`` where the launcher started several processes but
     MPI made each a world of one (``srun`` without ``--mpi``).
@@ -55,17 +61,14 @@ def init(backend: str = "auto", *, mpi_comm=None, ranks_per_node: Optional[int] 
 
     if mpi_comm is None:
         check_world_size(MPI.COMM_WORLD.Get_size())
-    comm = (mpi_comm if mpi_comm is not None else MPI.COMM_WORLD).Dup()
+    seconds = math.inf if timeout == 0 else timeout
+    host = MpiBackend(_duplicate(mpi_comm if mpi_comm is not None else MPI.COMM_WORLD,
+                                 seconds), seconds)
     try:
-        shared_rank, leader, shared_size = _shared_memory_domain(comm)
+        shared_rank, leader, shared_size = _shared_memory_domain(host.comm)
         share_cores(shared_size)
         progress.share_cores(shared_size)
-        topology = _discover_topology(comm, leader, ranks_per_node)
-    except BaseException:
-        comm.Free()
-        raise
-    host = MpiBackend(comm, math.inf if timeout == 0 else timeout)
-    try:
+        topology = _discover_topology(host, leader, ranks_per_node)
         gpu = _device_backend(host, backend, shared_rank, leader, device) \
             if backend != "mpi" else None
     except BaseException:
@@ -74,10 +77,24 @@ def init(backend: str = "auto", *, mpi_comm=None, ranks_per_node: Optional[int] 
     return Communicator(host, topology, gpu, check)
 
 
+def _duplicate(parent, timeout: float):
+    """A private duplicate of the caller's communicator, under the deadline
+    (``MPI_Comm_dup`` has none): ``Idup``, then an ``Ibarrier`` on the
+    duplicate. A rank that finished both knows that every rank has the
+    duplicate, so the blocking calls that follow (the control
+    communicator's ``Dup``, ``Alltoall_init``, ``Split_type``) cannot wait
+    for a rank that gave up on the first."""
+    comm, request = parent.Idup()
+    wait_alone(request, timeout, "init (duplicating the MPI communicator)", comm)
+    wait_alone(comm.Ibarrier(), timeout, "init (checking that every rank has its duplicate)",
+               comm)
+    return comm
+
+
 def _shared_memory_domain(comm):
     """(this rank's index among the ranks sharing its memory, the lowest rank
     of ``comm`` among them, how many they are): the hardware's view of a
-    node."""
+    node. Every rank of ``comm`` is known to have arrived (``_duplicate``)."""
     from mpi4py import MPI
 
     shared = comm.Split_type(MPI.COMM_TYPE_SHARED)
@@ -88,12 +105,12 @@ def _shared_memory_domain(comm):
         shared.Free()
 
 
-def _discover_topology(comm, leader: int, ranks_per_node: Optional[int]) -> _topology.Topology:
-    rank, size = comm.Get_rank(), comm.Get_size()
+def _discover_topology(host: MpiBackend, leader: int,
+                        ranks_per_node: Optional[int]) -> _topology.Topology:
     emulate = _topology.ranks_per_node_from_env(ranks_per_node)
     if emulate is not None:
-        return _topology.emulated(rank, size, emulate)
-    return _topology.from_node_leaders(rank, comm.allgather(leader))
+        return _topology.emulated(host.rank, host.size, emulate)
+    return _topology.from_node_leaders(host.rank, host.allgather_object(leader))
 
 
 def _adopted_device(host: MpiBackend, leader: int) -> Optional[int]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -32,12 +32,24 @@ from .topology import Topology
 
 # alltoallv's count exchange sends each peer [rows, signature], or this
 _REJECTED = consistency.REJECTED
+_C_INT_LIMIT = 2**31
 
 
 def _normalize_axis(axis: int, ndim: int, what: str) -> int:
     if not -ndim <= axis < ndim:
         raise ValueError(f"{what}={axis} is out of range for an array with {ndim} dimensions")
     return axis % ndim
+
+
+def _split_problem(color: Any, key: Any) -> Optional[ValueError]:
+    """What is wrong with split's arguments, if anything: MPI takes C ints."""
+    for name, value, low, wanted in (
+            ("color", color, 0, "a non-negative integer below 2**31"),
+            ("key", key, -_C_INT_LIMIT, "an integer in [-2**31, 2**31)")):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
+                or not low <= value < _C_INT_LIMIT:
+            return ValueError(f"split: {name} must be {wanted}, got {value!r}")
+    return None
 
 
 def _concat_blocks(stacked, axis: int):
@@ -79,7 +91,8 @@ def _row_signature(dtype: np.dtype, row_shape: Tuple[int, ...], on_device: bool,
 class Communicator:
     """A group of ranks and the collectives they run together.
 
-    Create one with ``commlib.init()``; ``split`` makes sub-communicators.
+    Create one with ``commlib.init()``; ``split`` makes sub-communicators,
+    which belong to it and are freed with it.
     ``backend`` names the transport for CUDA arrays: "nccl", or "mpi" when
     they are staged through host memory over MPI; host arrays always travel
     over MPI. Every call has a deadline (``COMMLIB_TIMEOUT``); with
@@ -96,6 +109,8 @@ class Communicator:
         self._check = check
         self._context: consistency.Context = ()
         self.topology = topology
+        self._children: List[Communicator] = []  # made by split, freed with this one
+        self._cached: Dict[Hashable, Tuple[int, int, Communicator]] = {}  # split's cache_key
 
     @property
     def rank(self) -> int:
@@ -200,25 +215,67 @@ class Communicator:
             self._staged = StagedBackend(self._host)
         return self._staged
 
-    def split(self, color: int, key: int = 0) -> "Communicator":
-        """Ranks with the same ``color`` form a new communicator, ordered by
-        ``key`` then by rank. Nodes of the topology are kept."""
-        if isinstance(color, bool) or not isinstance(color, (int, np.integer)) or color < 0:
-            raise ValueError(f"color must be a non-negative integer, got {color!r}")
-        self._begin("split")
+    def split(self, color: int, key: int = 0, *,
+              cache_key: Optional[Hashable] = None) -> "Communicator":
+        """Ranks with the same ``color`` (a non-negative integer) form a new
+        communicator, ordered by ``key`` then by rank; nodes of the topology
+        are kept. Collective, under the deadline: the ranks first confirm
+        that all of them arrived with valid arguments
+        (``consistency.rendezvous``; a bad ``color`` or ``key`` on any rank
+        raises ``CollectiveMismatchError`` on every rank), and only then
+        enter MPI's split, which has no deadline of its own.
+
+        The new communicator belongs to this one: this one's ``free()``
+        frees it too, unless it was freed before. ``cache_key`` (any
+        hashable, e.g. ``("hybrid.ring", 4)``) keeps it under that key:
+        later calls with the key return it without communicating, until it
+        is freed. For algorithms that need the same sub-communicators at
+        every call; all ranks use the same keys, each with one color and
+        key."""
+        if cache_key is not None and cache_key in self._cached:
+            cached_color, cached_key, child = self._cached[cache_key]
+            if child._watchdog.freed is None:
+                if (cached_color, cached_key) != (color, key):
+                    raise ValueError(f"cache_key {cache_key!r} holds the split of color "
+                                     f"{cached_color} and key {cached_key}, not of color "
+                                     f"{color!r} and key {key!r}: give each split its own "
+                                     f"cache_key")
+                return child
+        problem = _split_problem(color, key)
+        self._watchdog.begin("split")
+        rows = consistency.rendezvous(
+            self._host, "split", (0, 0) if problem else (int(color), int(key)),
+            () if cache_key is None else (f"cache_key={cache_key!r}",), self._context, problem)
+        colors, keys = rows[:, 0].tolist(), rows[:, 1].tolist()
+        members = sorted((r for r in range(self.size) if colors[r] == color),
+                         key=lambda r: (keys[r], r))  # MPI's order in the new communicator
         host = MpiBackend(self._host.comm.Split(int(color), int(key)), self.timeout)
-        parent_ranks = host.allgather_object(self.rank)
-        topology = self.topology.restrict(parent_ranks, host.rank)
+        topology = self.topology.restrict(members, host.rank)
         device = self._device.split(host) if self._device is not None else None
-        return Communicator(host, topology, device, self._check)
+        child = Communicator(host, topology, device, self._check)
+        self._children = [c for c in self._children if c._watchdog.freed is None] + [child]
+        if cache_key is not None:
+            self._cached[cache_key] = (color, key, child)
+        return child
 
     def free(self) -> None:
-        """Release the underlying communicators (collective). Where a call
-        failed, MPI's are kept, unfreed: late messages of that call must
-        never reach a later communicator (``Watchdog.close``)."""
+        """Release the underlying communicators, this one's children
+        (``split``) first (collective). Later calls raise ``CommlibError``;
+        a second ``free()`` does nothing. Where a call failed, MPI's are
+        kept, unfreed: late messages of that call must never reach a later
+        communicator (``Watchdog.close``)."""
+        self._free("by free()")
+
+    def _free(self, how: str) -> None:
+        if self._watchdog.freed is not None:
+            return
+        for child in self._children:
+            child._free("with its parent")
+        self._children, self._cached = [], {}
         if self._device is not None:
             self._device.free()
         self._host.free()
+        self._watchdog.freed = how
 
     # -- collectives --------------------------------------------------------
     def alltoallv(self, x: Any, send_counts: Any,

@@ -64,6 +64,24 @@ def agree(host, op: str, facts: Sequence[Any], context: Context,
                        f"ranks called {op} with different arguments")
 
 
+def rendezvous(host, op: str, values: Sequence[int], facts: Sequence[Any] = (),
+               context: Context = (), problem: Optional[Exception] = None) -> np.ndarray:
+    """Bring every rank, under the watchdog's deadline, to a blocking MPI
+    call that has none of its own (``MPI_Comm_split``). Round 1 is
+    ``agree``: every rank is here, with the same ``op`` and ``facts``, and
+    none had a ``problem`` with its arguments (else
+    ``CollectiveMismatchError`` on every rank). Round 2 sends every rank
+    this rank's ``values`` (int64) and returns them all, [size,
+    len(values)]. Finishing round 2 proves that every rank finished round
+    1: a rank that gave up there, its deadline passing just before the last
+    rank arrived, never posts round 2, so its peers hear its notice instead
+    of entering the blocking call without it."""
+    agree(host, op, facts, context, problem)
+    rows = np.empty((host.size, len(values)), np.int64)
+    rows[:] = values
+    return host.exchange_int64(rows)
+
+
 def raise_disagreement(host, signatures: np.ndarray, report: str, headline: str,
                        culprits: Sequence[int] = ()) -> None:
     """Every rank saw the same ``signatures``: gather each rank's ``report``

@@ -117,6 +117,33 @@ class Packing:
         return _in_order(self)
 
 
+@dataclass(frozen=True)
+class Grouped:
+    """``packing`` as seen by a ring of groups of ``group_size`` consecutive
+    ranks: holder g holds the shards of ranks g*group_size ..
+    (g+1)*group_size - 1, one after the other (what an all-to-all inside the
+    group gathers). An all-gather over the holders holds the same tokens in
+    the same order as one over the ranks."""
+
+    packing: Packing
+    group_size: int
+
+    @property
+    def size(self) -> int:
+        return self.packing.size // self.group_size
+
+    def spans(self, holder: int) -> Tuple[Span, ...]:
+        first = holder * self.group_size
+        return _joined([s for rank in range(first, first + self.group_size)
+                        for s in self.packing.spans(rank)])
+
+    def all_spans(self) -> Tuple[Span, ...]:
+        return self.packing.all_spans()
+
+    def in_order(self) -> Tuple[np.ndarray, Tuple[Span, ...]]:
+        return self.packing.in_order()
+
+
 def packing_for(cu_seqlens: Any, layout: str, size: int, local_length: int) -> Packing:
     """The packing of shards of ``local_length`` tokens. Without
     ``cu_seqlens`` the shards hold one unpadded sequence; with it, padding
@@ -141,7 +168,7 @@ def packing_for(cu_seqlens: Any, layout: str, size: int, local_length: int) -> P
         raise ValueError(f"cu_seqlens describe {offsets[-1]} tokens, which need shards of at "
                          f"least {want} tokens in the {layout} layout over {size} ranks, but "
                          f"the shard has {local_length}; make shards with "
-                         f"shard_sequence(..., cu_seqlens=...)")
+                         f"shard_sequence(..., layout='{layout}', cu_seqlens=...)")
     return Packing(offsets, layout, size, local_length)
 
 
@@ -215,6 +242,14 @@ def local_index(packing: Packing, rank: int) -> np.ndarray:
     sequence, or -1 for padding."""
     parts = [np.full(s.length, -1) if s.doc == PADDING else
              np.arange(s.origin, s.origin + s.length) for s in packing.spans(rank)]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def positions_of(packing: Packing, rank: int) -> np.ndarray:
+    """For each token of rank's shard, its position in its document (0 for
+    padding): the RoPE positions of the shard."""
+    parts = [np.zeros(s.length, np.int64) if s.doc == PADDING else
+             np.arange(s.position, s.position + s.length) for s in packing.spans(rank)]
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 

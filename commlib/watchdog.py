@@ -68,6 +68,23 @@ def _stop_listening() -> None:
         watchdog.stop_listening()
 
 
+@atexit.register
+def _release_finished_requests() -> None:
+    """Free the retired requests that have finished by now: an unfreed one
+    still holds its communicator (MPICH warns at exit of a builtin one, such
+    as init's abandoned duplicate of COMM_WORLD)."""
+    if not _retired:
+        return
+    from mpi4py import MPI
+
+    if MPI.Is_finalized():
+        return
+    for _, held, _ in _retired:
+        for item in held:
+            if isinstance(item, MPI.Request) and not isinstance(item, MPI.Prequest):
+                item.Test()
+
+
 def timeout_from_env() -> float:
     """Seconds from ``COMMLIB_TIMEOUT`` (default 600); 0 or "inf" wait forever."""
     raw = os.environ.get(TIMEOUT_ENV, "").strip()
@@ -97,6 +114,7 @@ class Watchdog:
         self.calls = 0
         self.op = "init"
         self.failure: Optional[str] = None
+        self.freed: Optional[str] = None  # how the communicator was freed, once it is
         self._on_failure: List[Callable[[], None]] = []
         self._sent: List = []  # outgoing notices, kept alive until freed
         # notices sent to / heard from each peer: all must be received before
@@ -149,7 +167,11 @@ class Watchdog:
             raise
 
     def check_usable(self) -> None:
-        """Raise if this communicator failed (or its GPU work just expired)."""
+        """Raise if this communicator was freed or failed (or its GPU work
+        just expired)."""
+        if self.freed is not None:
+            raise CommlibError(f"this communicator was freed ({self.freed}); its calls are "
+                               f"refused: make a new one with commlib.init() or split()")
         self.raise_if_expired()
         if self.failure is not None:
             raise CommlibError(f"this communicator can no longer be used: {self.failure}. "
@@ -316,6 +338,24 @@ class Watchdog:
                 comm.Free()
         else:
             _retired.append((everything, self._abandoned, self._sent))
+
+
+def wait_alone(request, timeout: float, what: str, *keep: Any) -> None:
+    """Poll one MPI request against ``timeout``, where no communicator (and
+    so no failure notice) exists yet: ``init``'s duplicate of the caller's
+    communicator. A rank that gives up here cannot tell its peers; each
+    finds out at its own deadline. Given up on, ``request`` and ``keep``
+    (what it creates) are kept for the life of the process: MPI may still
+    complete it."""
+    deadline = time.monotonic() + timeout
+    while not request.Test():
+        if time.monotonic() > deadline:
+            _retired.append((keep, [request], []))
+            raise CommTimeoutError(
+                f"{what} timed out after {timeout:g}s: not every rank of the MPI communicator "
+                f"called commlib.init (crashed, still busy elsewhere, or calling it on another "
+                f"communicator). Raise {TIMEOUT_ENV} (now {timeout:g}s) if they are only slow.")
+        os.sched_yield()
 
 
 def _pending_peers(requests: Sequence, peers: Optional[Sequence[int]]) -> Optional[List[int]]:

@@ -90,3 +90,16 @@ def test_one_rank_refusal(monkeypatch):
             comm.alltoallv(np.ones((2, 2)), [2])
     finally:
         comm.free()
+
+
+def test_a_setup_wait_gives_up_and_keeps_its_request():
+    """init's first waits have no communicator to send notices on: each
+    rank gives up at its own deadline, keeping what MPI may still complete."""
+    class NeverDone:
+        def Test(self):
+            return False
+
+    request, created = NeverDone(), object()
+    with pytest.raises(commlib.CommTimeoutError, match=r"init \(test\) timed out after 0.1s"):
+        watchdog.wait_alone(request, 0.1, "init (test)", created)
+    assert any(request in held and created in kept for kept, held, _ in watchdog._retired)

@@ -16,9 +16,9 @@ from typing import Any, Optional, Sequence, Tuple
 import array_api_extra as xpx
 
 from ..namespace import device, namespace
-from ..ring.merge import merge
 from ..visibility import Block
 from . import Kernel
+from .merge import merge
 
 State = Optional[Tuple[Any, Any]]
 

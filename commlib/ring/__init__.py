@@ -2,11 +2,11 @@
 ring, partial results merged with the online softmax. Tensors are
 [batch, seq, heads, head_dim]."""
 
+from ..kernels.merge import merge
 from ..kernels.tiled import attention_backward, attention_forward
 from .attention import METHODS, ring_attention, ring_attention_backward
 from .exchange import RingExchange
 from .layout import LAYOUTS, shard_sequence, unshard_sequence
-from .merge import merge
 
 __all__ = ["ring_attention", "ring_attention_backward", "RingExchange", "merge",
            "shard_sequence", "unshard_sequence", "attention_forward", "attention_backward",

@@ -28,11 +28,10 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..attention_inputs import backward_extras, check_qkv, prepare, scale_of
-from ..kernels import Kernel, kernel_for
+from ..attention_inputs import AttentionCall, backward_extras, prepare
+from ..kernels import Kernel
 from ..kernels.blockwise import attend, attend_backward, finish
 from ..namespace import contiguous, detached, device, namespace
-from ..visibility import blocks
 from .exchange import RingExchange
 
 METHODS = ("ring", "allgather")
@@ -43,19 +42,15 @@ def check_method(method: str) -> None:
         raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
 
 
-def _check(q, k, v, method: str, extra=()) -> None:
-    check_qkv(q, k, v, extra)
-    check_method(method)
-
-
-def ring_attention(q: Any, k: Any, v: Any, comm, causal: bool = False,
-                   layout: str = "contiguous", softmax_scale: Optional[float] = None,
-                   return_lse: bool = False, cu_seqlens: Any = None, window: Any = None,
-                   method: str = "ring", kernel: Optional[Kernel] = None):
+def ring_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool = False,
+                   softmax_scale: Optional[float] = None, return_lse: bool = False,
+                   cu_seqlens: Any = None, window: Any = None, method: str = "ring",
+                   kernel: Optional[Kernel] = None):
     """Attention of this rank's queries over the whole (sharded) sequence.
 
     q [b, s/P, h, d]; k, v [b, s/P, hk, d] with h % hk == 0; shards as
-    ``shard_sequence(..., layout, cu_seqlens=...)`` makes them.
+    ``shard_sequence(..., layout=layout, cu_seqlens=...)`` makes them (the
+    layout has no default: shards and attention must name the same one).
     ``cu_seqlens``: offsets of the documents packed in the GLOBAL sequence
     (attention never crosses a document; padding is masked); ``window``:
     (left, right) tokens a query sees around itself; ``method``: "ring" or
@@ -63,28 +58,15 @@ def ring_attention(q: Any, k: Any, v: Any, comm, causal: bool = False,
     ``return_lse``, lse [b, h, s/P] float32. ``kernel`` replaces the
     built-in block kernel (``commlib.kernels``)."""
     q, k, v = detached(q, k, v)
-    scale = scale_of(q, softmax_scale)
-    packing, (lo, hi) = prepare(comm, "ring_attention", q, k,
-                                lambda: _check(q, k, v, method), layout, causal, cu_seqlens,
-                                window, method=method, scale=scale)
-    xp = namespace(q)
-    kernel = kernel or kernel_for(q)
-    mine = packing.spans(comm.rank)
-    if method == "allgather":
-        order, spans = packing.in_order()
-        kv = _take(comm.allgather(xp.stack([k, v]), axis=2), order)
-        state = attend(kernel, q, kv[0], kv[1], blocks(mine, spans, lo, hi), scale)
-    else:
-        state = None
-        for source, block in RingExchange(comm).rotate(xp.stack([k, v])):
-            state = attend(kernel, q, block[0], block[1],
-                           blocks(mine, packing.spans(source), lo, hi), scale, state)
-    out, lse = finish(state, q)
+    call = prepare(comm, "ring_attention", q, k, v, layout=layout, causal=causal,
+                   softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window,
+                   kernel=kernel, check=lambda: check_method(method), method=method)
+    out, lse = ring_forward(call, q, k, v, comm, method)
     return (out, lse) if return_lse else out
 
 
-def ring_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, comm,
-                            causal: bool = False, layout: str = "contiguous",
+def ring_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, comm, *,
+                            layout: str, causal: bool = False,
                             softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
                             window: Any = None, method: str = "ring",
                             kernel: Optional[Kernel] = None):
@@ -92,26 +74,47 @@ def ring_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: An
     forward's ``out`` and ``lse`` and the output gradient ``dout``; in q's
     framework, device and dtype."""
     dout, q, k, v, out, lse = detached(dout, q, k, v, out, lse)
-    scale = scale_of(q, softmax_scale)
-    extra = backward_extras(q, dout, out, lse)
-    packing, (lo, hi) = prepare(comm, "ring_attention_backward", q, k,
-                                lambda: _check(q, k, v, method, extra), layout, causal,
-                                cu_seqlens, window, method=method, scale=scale)
-    xp = namespace(q)
-    kernel = kernel or kernel_for(q)
-    mine = packing.spans(comm.rank)
+    call = prepare(comm, "ring_attention_backward", q, k, v, layout=layout, causal=causal,
+                   softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window,
+                   kernel=kernel, extra=backward_extras(q, dout, out, lse),
+                   check=lambda: check_method(method), method=method)
+    return ring_backward(call, dout, q, k, v, out, lse, comm, method)
+
+
+def ring_forward(call: AttentionCall, q: Any, k: Any, v: Any, comm, method: str):
+    """(out, lse) of checked and agreed inputs: the ring over ``comm``, whose
+    ranks hold ``call.placement``'s shards."""
+    xp, placement = call.xp, call.placement
+    mine = placement.spans(comm.rank)
+    if method == "allgather":
+        order, spans = placement.in_order()
+        kv = _take(comm.allgather(xp.stack([k, v]), axis=2), order)
+        state = attend(call.kernel, q, kv[0], kv[1], call.blocks(mine, spans), call.scale)
+    else:
+        state = None
+        for source, block in RingExchange(comm).rotate(xp.stack([k, v])):
+            state = attend(call.kernel, q, block[0], block[1],
+                           call.blocks(mine, placement.spans(source)), call.scale, state)
+    return finish(state, q)
+
+
+def ring_backward(call: AttentionCall, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
+                  comm, method: str):
+    """(dq, dk, dv) of checked and agreed inputs (``ring_forward``'s mirror)."""
+    xp, placement, kernel, scale = call.xp, call.placement, call.kernel, call.scale
+    mine = placement.spans(comm.rank)
     dq = None
     if method == "allgather":
-        order, spans = packing.in_order()
+        order, spans = placement.in_order()
         kv = _take(comm.allgather(xp.stack([k, v]), axis=2), order)
         dq, dkv = attend_backward(kernel, dout, q, kv[0], kv[1], out, lse,
-                                  blocks(mine, spans, lo, hi), scale)
+                                  call.blocks(mine, spans), scale)
         own = _reduce_scatter(_take(dkv, np.argsort(order)), comm)
     else:
         carried = None  # dK and dV of the block one hop ahead, on their way around
         for source, block in RingExchange(comm).rotate(xp.stack([k, v])):
             dq, grads = attend_backward(kernel, dout, q, block[0], block[1], out, lse,
-                                        blocks(mine, packing.spans(source), lo, hi), scale, dq)
+                                        call.blocks(mine, placement.spans(source)), scale, dq)
             if carried is not None:
                 grads += carried.wait()
             carried = comm.ring_shift_async(grads, lane=1)  # overlaps the next K/V hop

@@ -36,13 +36,15 @@ def _padding(x: Any, axis: int, length: int) -> Any:
     return xp.zeros(tuple(shape), dtype=x.dtype, device=device(x))
 
 
-def shard_sequence(x: Any, comm, layout: str = "zigzag", axis: int = 1,
+def shard_sequence(x: Any, comm, *, layout: str, axis: int = 1,
                    cu_seqlens: Any = None) -> Any:
     """This rank's shard of the global ``x`` (the same on every rank), in the
-    caller's framework. Any length: the shard is padded (with zeros) where
-    the layout needs it; pass the same ``cu_seqlens`` to the attention (for
-    one sequence of uneven length L: ``[0, L]``). ``zigzag_docs`` needs the
-    documents' ``cu_seqlens``."""
+    caller's framework. ``layout`` has no default: the attention that reads
+    the shards takes the same ``layout=``, and a shard in one layout read as
+    another would be attention over the wrong tokens. Any length: the shard
+    is padded (with zeros) where the layout needs it; pass the same
+    ``cu_seqlens`` to the attention (for one sequence of uneven length L:
+    ``[0, L]``). ``zigzag_docs`` needs the documents' ``cu_seqlens``."""
     check_layout(layout)
     xp = namespace(x)
     length = x.shape[axis]
@@ -60,7 +62,7 @@ def shard_sequence(x: Any, comm, layout: str = "zigzag", axis: int = 1,
     return contiguous(xp.concat(pieces, axis=axis) if len(pieces) > 1 else pieces[0])
 
 
-def unshard_sequence(x: Any, comm, layout: str = "zigzag", axis: int = 1,
+def unshard_sequence(x: Any, comm, *, layout: str, axis: int = 1,
                      cu_seqlens: Any = None, length: Optional[int] = None) -> Any:
     """The global sequence from every rank's shard (collective: an
     allgather), padding removed: ``length`` (or ``cu_seqlens``'s end) tokens,

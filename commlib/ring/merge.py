@@ -1,40 +1,7 @@
-"""The online-softmax merge: combine two partial attention results over
-disjoint sets of keys into the result over their union.
+"""Kept for programs that import ``commlib.ring.merge``: the online-softmax
+merge is the block kernels' (``commlib.kernels.merge``), which Ring, Ulysses
+and the hybrid all use."""
 
-If ``o1 = softmax(S1) V1`` with ``lse1 = logsumexp(S1)`` and likewise for
-block 2, then over both key sets ``lse = log(exp(lse1) + exp(lse2))`` and
-``o = exp(lse1 - lse) o1 + exp(lse2 - lse) o2``. Computed around the larger
-of the two lse values, so nothing overflows; a row that saw no key at all
-(lse = -inf, e.g. fully masked) contributes nothing, and two such rows merge
-to lse = -inf, o = 0, never NaN. Written once over the array API: it runs in
-the caller's framework, in float32.
-"""
+from ..kernels.merge import merge
 
-from __future__ import annotations
-
-import math
-from typing import Any, Tuple
-
-from ..namespace import namespace
-
-
-def merge(out: Any, lse: Any, block_out: Any, block_lse: Any) -> Tuple[Any, Any]:
-    """Online-softmax step. ``out``/``block_out``: [batch, seq, heads, dim];
-    ``lse``/``block_lse``: [batch, heads, seq]. Returns new float32
-    ``(out, lse)`` in their framework; the inputs are not modified."""
-    xp = namespace(out)
-    lse = xp.astype(lse, xp.float32, copy=False)
-    block_lse = xp.astype(block_lse, xp.float32, copy=False)
-    top = xp.maximum(lse, block_lse)
-    empty = top == -math.inf  # neither side saw a key
-    base = xp.where(empty, 0.0, top)
-    keep = xp.exp(lse - base)  # one of keep, take is exp(0) = 1 unless empty
-    take = xp.exp(block_lse - base)
-    denominator = xp.where(empty, 1.0, keep + take)
-    merged_lse = xp.where(empty, -math.inf, base + xp.log(denominator))
-    as_rows = (0, 2, 1)  # [b, h, s] -> [b, s, h], to scale rows of [b, s, h, d]
-    weight_old = xp.permute_dims(keep / denominator, as_rows)[..., None]
-    weight_new = xp.permute_dims(take / denominator, as_rows)[..., None]
-    merged = xp.astype(out, xp.float32, copy=False) * weight_old
-    merged += xp.astype(block_out, xp.float32, copy=False) * weight_new
-    return merged, merged_lse
+__all__ = ["merge"]

@@ -6,70 +6,94 @@ image. Everything runs in the caller's framework, device and dtype.
 
 Packed documents (``cu_seqlens``), padding and a sliding ``window`` decide
 which blocks of the whole sequence the kernel runs on
-(``commlib.visibility``): one causal call for a plain sequence."""
+(``commlib.visibility``). The gathered sequence is attended in sequence
+order whatever the shards' layout (a zigzag one is permuted back first):
+one causal call for a plain sequence."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
-from ..attention_inputs import backward_extras, check_qkv, prepare, scale_of
-from ..kernels import Kernel, kernel_for
+import numpy as np
+
+from ..attention_inputs import AttentionCall, backward_extras, prepare
+from ..kernels import Kernel
 from ..kernels.blockwise import attend, attend_backward, finish
-from ..namespace import detached, namespace
-from ..visibility import blocks
+from ..namespace import detached, device
 from .relayout import check_heads, head_to_seq, lse_to_heads, lse_to_seq, seq_to_head_many
 
 
-def check_inputs(q: Any, k: Any, v: Any, degree: int, extra=()) -> None:
-    """Raise ValueError if these shards cannot run Ulysses at ``degree``."""
-    check_qkv(q, k, v, extra)
-    check_heads(q.shape[2], degree)
-
-
-def ulysses_attention(q: Any, k: Any, v: Any, comm, causal: bool = False,
+def ulysses_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool = False,
                       softmax_scale: Optional[float] = None, return_lse: bool = False,
                       cu_seqlens: Any = None, window: Any = None,
                       kernel: Optional[Kernel] = None):
-    """Attention over the whole sequence for contiguous sequence shards
-    q [b, s/P, h, d], k/v [b, s/P, hk, d] with h >= P (heads split unevenly
-    where P does not divide them: ``relayout``); ``cu_seqlens`` and
+    """Attention over the whole sequence for sequence shards
+    q [b, s/P, h, d], k/v [b, s/P, hk, d] in ``layout`` (any of
+    ``commlib.ring.LAYOUTS``, as ``shard_sequence`` makes them; no default:
+    shards and attention must name the same one) with h >= P (heads split
+    unevenly where P does not divide them: ``relayout``); ``cu_seqlens`` and
     ``window`` as ``ring_attention``'s. Returns out [b, s/P, h, d] (q's
     framework, device and dtype) and, with ``return_lse``, lse [b, h, s/P]
     float32."""
     q, k, v = detached(q, k, v)
-    scale = scale_of(q, softmax_scale)
-    packing, (lo, hi) = prepare(comm, "ulysses_attention", q, k,
-                                lambda: check_inputs(q, k, v, comm.size), "contiguous", causal,
-                                cu_seqlens, window, scale=scale)
-    qh, kh, vh = seq_to_head_many([q, k, v], comm)
-    whole = packing.all_spans()
-    out, lse = finish(attend(kernel or kernel_for(q), qh, kh, vh, blocks(whole, whole, lo, hi),
-                             scale), qh)
+    call = prepare(comm, "ulysses_attention", q, k, v, layout=layout, causal=causal,
+                   softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window,
+                   kernel=kernel, check=lambda: check_heads(q.shape[2], comm.size))
     heads = q.shape[2]
+    out, lse = ulysses_forward(call, *seq_to_head_many([q, k, v], comm))
     result = head_to_seq(out, comm, heads)  # finish gave it q's dtype
-    if not return_lse:
-        return result
-    return result, lse_to_seq(lse, comm, heads)
+    return (result, lse_to_seq(lse, comm, heads)) if return_lse else result
 
 
-def ulysses_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, comm,
-                               causal: bool = False, softmax_scale: Optional[float] = None,
-                               cu_seqlens: Any = None, window: Any = None,
-                               kernel: Optional[Kernel] = None):
+def ulysses_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, comm, *,
+                               layout: str, causal: bool = False,
+                               softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
+                               window: Any = None, kernel: Optional[Kernel] = None):
     """(dq, dk, dv) of ``ulysses_attention`` for this rank's shards, in q's
     framework, device and dtype."""
     dout, q, k, v, out, lse = detached(dout, q, k, v, out, lse)
-    scale = scale_of(q, softmax_scale)
-    extra = backward_extras(q, dout, out, lse)
-    packing, (lo, hi) = prepare(comm, "ulysses_attention_backward", q, k,
-                                lambda: check_inputs(q, k, v, comm.size, extra), "contiguous",
-                                causal, cu_seqlens, window, scale=scale)
-    xp = namespace(q)
+    call = prepare(comm, "ulysses_attention_backward", q, k, v, layout=layout, causal=causal,
+                   softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window,
+                   kernel=kernel, extra=backward_extras(q, dout, out, lse),
+                   check=lambda: check_heads(q.shape[2], comm.size))
     qh, kh, vh, dh, oh = seq_to_head_many([q, k, v, dout, out], comm)
-    whole = packing.all_spans()
-    dq, dkv = attend_backward(kernel or kernel_for(q), dh, qh, kh, vh, oh,
-                              lse_to_heads(lse, comm), blocks(whole, whole, lo, hi), scale)
+    dq, dk, dv = ulysses_backward(call, dh, qh, kh, vh, oh, lse_to_heads(lse, comm))
     heads, kv_heads = q.shape[2], k.shape[2]
-    return (head_to_seq(xp.astype(dq, q.dtype), comm, heads),
-            head_to_seq(xp.astype(dkv[0], k.dtype), comm, kv_heads, heads),
-            head_to_seq(xp.astype(dkv[1], v.dtype), comm, kv_heads, heads))
+    return (head_to_seq(_cast(call, dq, q), comm, heads),
+            head_to_seq(_cast(call, dk, k), comm, kv_heads, heads),
+            head_to_seq(_cast(call, dv, v), comm, kv_heads, heads))
+
+
+def ulysses_forward(call: AttentionCall, q: Any, k: Any, v: Any):
+    """(out, lse) over the whole gathered sequence (q, k, v [b, s, h_p, d],
+    every rank's shard one after the other), attended in sequence order."""
+    order, spans = call.placement.in_order()
+    q, k, v = _permuted(call, order, (q, k, v), axis=1)
+    whole = call.blocks(spans, spans)
+    out, lse = finish(attend(call.kernel, q, k, v, whole, call.scale), q)
+    back = np.argsort(order)
+    return _permuted(call, back, (out,), axis=1)[0], _permuted(call, back, (lse,), axis=2)[0]
+
+
+def ulysses_backward(call: AttentionCall, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any):
+    """float32 (dq, dk, dv) over the whole gathered sequence
+    (``ulysses_forward``'s mirror)."""
+    order, spans = call.placement.in_order()
+    dout, q, k, v, out = _permuted(call, order, (dout, q, k, v, out), axis=1)
+    (lse,) = _permuted(call, order, (lse,), axis=2)
+    dq, dkv = attend_backward(call.kernel, dout, q, k, v, out, lse, call.blocks(spans, spans),
+                              call.scale)
+    return _permuted(call, np.argsort(order), (dq, dkv[0], dkv[1]), axis=1)
+
+
+def _cast(call: AttentionCall, x: Any, like: Any) -> Any:
+    return call.xp.astype(x, like.dtype)
+
+
+def _permuted(call: AttentionCall, order: np.ndarray, arrays: Sequence[Any], axis: int):
+    """``arrays`` with ``axis`` taken in ``order`` (untouched where it is
+    the identity: a contiguous layout)."""
+    if np.array_equal(order, np.arange(order.size)):
+        return tuple(arrays)
+    index = call.xp.asarray(order, device=device(arrays[0]))
+    return tuple(call.xp.take(x, index, axis=axis) for x in arrays)

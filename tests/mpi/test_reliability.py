@@ -230,3 +230,145 @@ def test_late_rounds_of_an_abandoned_collective_never_reach_a_later_communicator
         for a in alone:
             a.free()
         assert all_ranks(not stray), f"round {round}: a one-rank communicator got a message"
+
+
+LATE_TIMEOUT = 2.0
+
+
+def _raised_with_the_last_rank_late(call):
+    """``call()`` on every rank, the last one joining only once the others'
+    deadline (LATE_TIMEOUT) has passed: (result, None) or (None, the
+    CommlibError raised). Without a deadline the others would just wait for
+    it, and every rank would return a result."""
+    import time
+
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    world.Barrier()
+    if world.rank == world.size - 1:
+        time.sleep(LATE_TIMEOUT + 1.0)
+    try:
+        return call(), None
+    except commlib.CommlibError as error:
+        return None, error
+
+
+def _timed_out(error) -> bool:
+    """This rank timed out, or heard that a peer did."""
+    return isinstance(error, commlib.CommTimeoutError) or \
+        (isinstance(error, commlib.PeerFailedError) and "timed out" in str(error))
+
+
+def test_a_rank_late_for_split_makes_the_others_time_out(comm):
+    """MPI's Comm_split has no deadline: the ranks agree under the watchdog
+    first. The ranks on time raise at their deadline (or on a peer's notice
+    that it timed out); the late one hears of it."""
+    if comm.size == 1:
+        pytest.skip("needs a rank to be late")
+    parent = commlib.init(timeout=LATE_TIMEOUT)
+    child, error = _raised_with_the_last_rank_late(lambda: parent.split(0))
+    late = parent.rank == parent.size - 1
+    try:
+        assert all_ranks(error is not None), "split waited for the late rank"
+        assert all_ranks("split" in str(error)), str(error)
+        assert all_ranks(late or _timed_out(error)), str(error)
+        assert all_ranks(not late or isinstance(error, commlib.PeerFailedError)), str(error)
+    finally:
+        if child is not None:
+            child.free()
+        parent.free()
+
+
+def test_a_rank_late_for_init_makes_the_others_time_out(comm):
+    """init's duplicate of the caller's communicator has a deadline too:
+    the ranks on time raise CommTimeoutError; so does the late one, at its
+    own deadline, on the duplicate's barrier that the others never join."""
+    if comm.size == 1:
+        pytest.skip("needs a rank to be late")
+    made, error = _raised_with_the_last_rank_late(lambda: commlib.init(timeout=LATE_TIMEOUT))
+    try:
+        assert all_ranks(isinstance(error, commlib.CommTimeoutError)), \
+            f"init did not time out: {error!r}"
+        assert all_ranks("init" in str(error) and "timed out after 2s" in str(error)), str(error)
+    finally:
+        if made is not None:
+            made.free()
+
+
+@pytest.mark.parametrize("color, key, wrong", [("0", 0, "color must be a non-negative integer"),
+                                               (True, 0, "color must be a non-negative integer"),
+                                               (0, 2**31, "key must be an integer in")])
+def test_split_arguments_are_checked_on_every_rank(color, key, wrong):
+    """One rank's bad color or key raises CollectiveMismatchError on every
+    rank, naming that rank; the communicator stays usable."""
+    c = commlib.init(timeout=60)
+    bad = c.size - 1
+    try:
+        try:
+            c.split(*((color, key) if c.rank == bad else (0, 0)))
+            caught = None
+        except commlib.CollectiveMismatchError as error:
+            caught = error
+        except Exception:  # refused on this rank alone: its peers wait in MPI's split;
+            caught = None   # join them, so that the test fails instead of hanging
+            c.split(0)
+        assert all_ranks(caught is not None), "not refused on every rank"
+        assert all_ranks(f"split was rejected by rank(s) {bad}" in str(caught)
+                         and wrong in str(caught)), str(caught)
+        assert all_ranks(c.split(0).size == c.size)
+    finally:
+        c.free()
+
+
+def test_free_frees_the_children_and_refuses_their_later_use():
+    """Sub-communicators belong to their parent: its free() frees them (and
+    theirs), and a call on one then says it was freed."""
+    from mpi4py import MPI
+
+    parent = commlib.init(timeout=60)
+    child = parent.split(parent.rank % 2)
+    grandchild = child.split(0)
+    raw = _raw(child) + _raw(grandchild)
+    parent.free()
+    assert all_ranks(all(r == MPI.COMM_NULL for r in raw)), "a child was not freed"
+    for orphan in (child, grandchild):
+        with pytest.raises(commlib.CommlibError, match=r"was freed \(with its parent\)"):
+            orphan.allreduce(np.ones(1))
+    with pytest.raises(commlib.CommlibError, match=r"was freed \(by free\(\)\)"):
+        parent.split(0)
+
+
+def test_a_child_freed_first_is_freed_once(monkeypatch):
+    parent = commlib.init(timeout=60)
+    child = parent.split(0)
+    frees = []
+    free = child._host.free
+    monkeypatch.setattr(child._host, "free", lambda: frees.append(1) or free())
+    child.free()
+    child.free()  # a second free does nothing
+    parent.free()  # nor does the parent's
+    assert all_ranks(frees == [1]), f"freed {len(frees)} times"
+
+
+def test_a_cached_split_is_made_once_and_again_after_free():
+    from mpi4py import MPI
+
+    parent = commlib.init(timeout=60)
+    color = parent.rank % 2
+    members = sum(1 for r in range(parent.size) if r % 2 == color)
+    try:
+        first = parent.split(color, key=parent.rank, cache_key=("test", 2))
+        assert parent.split(color, key=parent.rank, cache_key=("test", 2)) is first
+        with pytest.raises(ValueError, match="give each split its own cache_key"):
+            parent.split(1 - color, key=parent.rank, cache_key=("test", 2))
+        other = parent.split(0, cache_key="other")
+        assert other is not first and other.size == parent.size
+        first.free()
+        again = parent.split(color, key=parent.rank, cache_key=("test", 2))
+        assert again is not first
+        assert all_ranks(again.allreduce(np.ones(1))[0] == members)
+        raw = _raw(again) + _raw(other)
+    finally:
+        parent.free()
+    assert all_ranks(all(r == MPI.COMM_NULL for r in raw)), "a cached child outlived its parent"

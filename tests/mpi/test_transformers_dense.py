@@ -136,7 +136,7 @@ def mistral_reference(comm):
 def sharded_step(model, comm, implementation, batch=None):
     """One forward and backward on this rank's shard; the global loss."""
     shard = hf.shard_batch(global_batch() if batch is None else batch, comm,
-                           LAYOUTS[implementation])
+                           attn_implementation=model)
     loss = model(**shard).loss
     loss.backward()
     hf.allreduce_gradients(model, comm)
@@ -183,9 +183,9 @@ def test_training_matches_the_unsharded_model(comm, reference, implementation):
     assert all_ranks(ok)
 
 
-@pytest.mark.parametrize("layout", sorted(set(LAYOUTS.values())))
+@pytest.mark.parametrize("implementation", KINDS)
 @pytest.mark.parametrize("packed", [False, True], ids=["one sequence", "packed"])
-def test_shard_batch_shifts_labels_on_the_whole_sequence(comm, layout, packed):
+def test_shard_batch_shifts_labels_on_the_whole_sequence(comm, implementation, packed):
     """Labels shifted on the whole sequence, padding (the packed batch's 25
     tokens need some in the zigzag layouts) ignored, positions restarting
     per document, the global offsets for the attention."""
@@ -195,8 +195,10 @@ def test_shard_batch_shifts_labels_on_the_whole_sequence(comm, layout, packed):
     else:
         batch, items = global_batch(), BATCH * (SEQ - 1) - 6
         offsets, positions = [0, SEQ], torch.arange(SEQ).expand(BATCH, SEQ)
-    shard = hf.shard_batch(batch, comm, layout)
-    shifted, got_positions = (unshard_sequence(shard[key], comm, layout, cu_seqlens=offsets)
+    shard = hf.shard_batch(batch, comm, attn_implementation=implementation)
+    layout = LAYOUTS[implementation]
+    shifted, got_positions = (unshard_sequence(shard[key], comm, layout=layout,
+                                               cu_seqlens=offsets)
                               for key in ("shift_labels", "position_ids"))
     predicted = world_sum(comm, (shard["shift_labels"] != -100).sum())
     assert all_ranks(
@@ -218,8 +220,8 @@ def attention_call(comm, implementation, heads=HEADS, kv_heads=KV_HEADS):
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
         enable_gqa=True).transpose(1, 2)
     layout = LAYOUTS[implementation]
-    shards = [shard_sequence(t, comm, layout).transpose(1, 2) for t in (q, k, v)]
-    return shards, shard_sequence(want, comm, layout)
+    shards = [shard_sequence(t, comm, layout=layout).transpose(1, 2) for t in (q, k, v)]
+    return shards, shard_sequence(want, comm, layout=layout)
 
 
 def registered(implementation):
@@ -233,9 +235,10 @@ class CausalModule(torch.nn.Module):
 @pytest.mark.parametrize("implementation", KINDS)
 def test_bookkeeping_keyword_arguments_are_accepted(comm, reference, implementation):
     (q, k, v), want = attention_call(comm, implementation)
+    positions = shard_sequence(torch.arange(SEQ)[None], comm, layout=LAYOUTS[implementation])
     out, weights = registered(implementation)(
         CausalModule(), q, k, v, None, dropout=0.0, scaling=HEAD_DIM**-0.5,
-        position_ids=torch.arange(SEQ)[None], use_cache=True, num_items_in_batch=7,
+        position_ids=positions, use_cache=True, num_items_in_batch=7,
         shift_labels=torch.zeros(1), output_attentions=False, sliding_window=None,
         softcap=None, s_aux=None, cu_seq_lens_q=None)
     assert all_ranks(weights is None and close(out, want))
@@ -301,12 +304,12 @@ def test_chunked_attention_is_refused(comm, reference):
     ids=["left padding", "skipped position", "rows packed differently"])
 def test_shard_batch_refuses_position_ids_that_are_not_documents(comm, positions, named):
     batch = {**global_batch(), "position_ids": positions.long()}
-    raises_everywhere(ValueError, lambda: hf.shard_batch(batch, comm), match=named)
+    raises_everywhere(ValueError, lambda: hf.shard_batch(batch, comm, attn_implementation="commlib_ring"), match=named)
 
 
 def test_shard_batch_refuses_offsets_that_disagree_with_the_positions(comm):
     batch = {**packed_batch(), "cu_seq_lens_k": torch.tensor([0, 25], dtype=torch.int32)}
-    raises_everywhere(ValueError, lambda: hf.shard_batch(batch, comm),
+    raises_everywhere(ValueError, lambda: hf.shard_batch(batch, comm, attn_implementation="commlib_ring"),
                       match="cu_seq_lens_k [0, 25] disagrees with the documents")
 
 
@@ -314,11 +317,37 @@ def test_padding_is_refused(comm, reference):
     batch = global_batch()
     batch["attention_mask"] = torch.ones(BATCH, SEQ, dtype=torch.int64)
     batch["attention_mask"][1, 0] = 0  # pads a token of rank 0's shard only
-    raises_everywhere(ValueError, lambda: hf.shard_batch(batch, comm), match="pads")
+    raises_everywhere(ValueError, lambda: hf.shard_batch(batch, comm, attn_implementation="commlib_ring"), match="pads")
     model = model_with(reference["model"], "commlib_ring")
-    shard = {key: shard_sequence(batch[key], comm, "zigzag")
+    shard = {key: shard_sequence(batch[key], comm, layout="zigzag")
              for key in ("input_ids", "attention_mask")}
     raises_everywhere(commlib.CollectiveMismatchError, lambda: model(**shard), match="pads")
+
+
+@pytest.mark.parametrize("implementation", ["commlib_ring", "commlib_ulysses", "commlib_hybrid"])
+def test_a_batch_sharded_for_another_implementation_is_refused(comm, reference, implementation):
+    """Every implementation reads every layout, so the layout a batch was
+    sharded in must be the model's: a batch made for another
+    implementation, or by hand without positions, raises on every rank."""
+    if comm.size == 1:
+        pytest.skip("one rank holds the whole sequence in every layout")
+    model = model_with(reference["model"], implementation)
+    other = "commlib_ulysses" if implementation != "commlib_ulysses" else "commlib_ring"
+    shard = hf.shard_batch(global_batch(), comm, attn_implementation=other)
+    raises_everywhere(commlib.CollectiveMismatchError, lambda: model(**shard),
+                      match="the batch was sharded for another layout")
+    by_hand = {"input_ids": shard_sequence(global_batch()["input_ids"], comm,
+                                           layout=LAYOUTS[implementation])}
+    raises_everywhere(commlib.CollectiveMismatchError, lambda: model(**by_hand),
+                      match="position_ids")
+    assert all_ranks(hf.shard_batch(global_batch(), comm, attn_implementation=model).keys()
+                     == shard.keys())
+
+
+def test_shard_batch_names_the_implementations(comm):
+    raises_everywhere(ValueError, lambda: hf.shard_batch(global_batch(), comm,
+                                                         attn_implementation="sdpa"),
+                      match="'sdpa' is not one of commlib's")
 
 
 def test_allreduce_gradients_sums_replicated_parameters_only(comm):
