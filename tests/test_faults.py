@@ -31,12 +31,15 @@ def test_straggler_times_out_and_is_named():
     assert "Not heard from: rank(s) 1" in out, out
 
 
-def test_uncaught_exception_aborts_the_job():
-    result, elapsed = launch("uncaught.py", COMMLIB_TIMEOUT=300)
-    assert result.returncode != 0, result.stdout
-    assert elapsed < 30, f"took {elapsed:.1f}s\n{result.stdout}"
-    assert "uncaught RuntimeError on rank 1 of 3" in result.stdout
-    assert "deliberate failure on rank 1" in result.stdout
+@pytest.mark.parametrize("script", ["uncaught.py", "uncaught_forwarder_behind.py"])
+def test_uncaught_exception_aborts_the_job(script):
+    result, elapsed = launch(script, COMMLIB_TIMEOUT=300)
+    out = result.stdout
+    assert result.returncode != 0, out
+    assert elapsed < 30, f"took {elapsed:.1f}s\n{out}"
+    # the report is the whole diagnosis: it must survive the abort
+    assert "uncaught RuntimeError on rank 1 of 3" in out, repr(out)
+    assert "deliberate failure on rank 1" in out, repr(out)
 
 
 def test_killed_rank_ends_the_job():

@@ -44,6 +44,19 @@ def detect(environ: Optional[Mapping[str, str]] = None) -> Support:
     return override if override is not None else _library_answer()
 
 
+def describe(support: Support) -> str:
+    """The decision in words, what it means for CUDA arrays over MPI, and
+    why (``commlib info`` prints this)."""
+    if support.aware:
+        decision = "CUDA-aware: CUDA arrays over MPI go to it as device buffers"
+    elif support.aware is None:
+        decision = ("unknown, so not CUDA-aware: CUDA arrays over MPI are staged through "
+                    "host memory")
+    else:
+        decision = "not CUDA-aware: CUDA arrays over MPI are staged through host memory"
+    return f"{decision} ({support.reason})"
+
+
 def from_env(environ: Mapping[str, str]) -> Optional[Support]:
     """``COMMLIB_MPI_CUDA_AWARE``'s answer; None when unset or "auto"."""
     raw = environ.get(ENV, "").strip().lower()
