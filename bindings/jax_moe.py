@@ -12,8 +12,19 @@ and the owner lays what arrives out as ``expert_x [L, P * capacity, H]``:
 row ``(l, r * capacity + s)`` is the s-th kept assignment of source rank r
 to local expert l (in token order; zero rows where a source sent fewer).
 Combine sends the same rows back and gathers each (token, choice) from its
-slot. The routing state is the traced ``key`` [T, k] (int32 row of the send
-buffer, -1 for a dropped or absent choice): nothing is kept on the host.
+slot. The routing state is the handle (``JaxHandle``, a pytree): the traced
+``key`` [T, k] (int32 row of the send buffer, -1 for a dropped or absent
+choice), the weights combine multiplies by, and ``tokens_per_expert``:
+nothing is kept on the host.
+
+The contract is the core's (``commlib.moe.contract``): the same options
+(``capacity_factor``, ``drop_policy``, ``max_tokens_per_rank``, FP8
+``quantize``), the same error messages for the same bad input, and
+``combine(expert_y, handle)``. Two differences, both refused rather than
+ignored: ``hierarchical=True`` (the exchange is one padded all-to-all that
+moves the same chunk between every pair of ranks, so a two-hop route has
+no duplicate rows to save), and no ``dispatch_async``/``combine_async``
+(XLA already schedules the transfer against independent work).
 
 What stays on the host: the trace-time agreement of shapes (``tc.agree``,
 a mismatch or bad input raises ``CollectiveMismatchError`` on every rank
@@ -27,7 +38,8 @@ all-to-all before it, so every rank reaches the same verdict).
 from __future__ import annotations
 
 import math
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -35,11 +47,13 @@ import numpy as np
 from jax.experimental import io_callback
 
 from commlib.errors import CollectiveMismatchError
+from commlib.moe import contract
+from commlib.moe.quantize import dequantize_fp8, quantize_fp8
 from commlib.moe.stats import DispatchStats
 
 from .jax_collectives import traced
 
-__all__ = ["Dispatcher"]
+__all__ = ["Dispatcher", "JaxHandle"]
 
 
 class _Summed:
@@ -74,6 +88,31 @@ def _place_in_group(grouped, iota):
     return iota - jax.lax.cummax(jnp.where(starts, iota, 0))
 
 
+@jax.tree_util.register_dataclass
+@dataclass
+class JaxHandle:
+    """A dispatch's handle (``commlib.moe.MoEHandle``), a pytree of traced
+    arrays that may cross ``jit`` boundaries: ``key`` [T, k] int32 (the
+    send-buffer row of each choice, -1: dropped or none), ``weights`` [T, k]
+    (combine weighs by them and differentiates them) and
+    ``tokens_per_expert`` [local experts] int32 (the real rows of each
+    local expert's ``expert_x``, the first ones). ``stats`` is None: the
+    counts reach ``Dispatcher.stats`` when the program runs."""
+
+    key: Any
+    weights: Any
+    tokens_per_expert: Any
+
+    @property
+    def stats(self) -> Optional[DispatchStats]:
+        return None
+
+
+def _float0(a):
+    """The cotangent of an integer array."""
+    return np.zeros(a.shape, jax.dtypes.float0)
+
+
 def _rows(a, leading: int):
     """``a`` with its trailing (row) axes flattened to one."""
     return a.reshape(a.shape[:leading] + (math.prod(a.shape[leading:]),))
@@ -83,106 +122,91 @@ class Dispatcher:
     """Expert-parallel dispatch and combine for JAX arrays, jit-able and
     differentiable (``x``, ``weights`` and ``expert_y`` get gradients).
 
-    ``dispatch(x, experts, weights) -> (expert_x, key)``: ``x`` [T, H...],
+    ``dispatch(x, experts, weights) -> (expert_x, handle)``: ``x`` [T, H...],
     ``experts`` [T, k] integers (-1: no expert), ``weights`` [T, k];
     ``expert_x`` is [local_experts, size * capacity, H...] in x's dtype,
-    zero where a slot is empty (``slots(T, k)`` gives the second size).
-    ``combine(expert_y, weights, key) -> y`` [T, H'...] in expert_y's dtype:
+    zero where a slot is empty (``slots(T, k)`` gives the second size;
+    ``handle.tokens_per_expert`` how many of each expert's rows are real).
+    ``combine(expert_y, handle) -> y`` [T, H'...] in expert_y's dtype:
     ``y[t] = sum_j weights[t, j] * expert_y`` at the slot of (t, j), summed
-    in float32; a dropped choice contributes 0. ``combine`` weighs by the
-    ``weights`` it is given (pass the dispatch's); d weights[t, j] is
+    in float32; a dropped choice contributes 0. d weights[t, j] is
     ``<dy[t], expert_y row of (t, j)>`` (0 for dropped choices), as in
     ``commlib.moe.Dispatcher.combine_backward``.
 
     Capacity and drops as in ``commlib.moe``: each expert takes at most
-    ``ceil(T * k / E * capacity_factor)`` assignments from each source rank;
-    ``drop_policy="probs"`` keeps the heaviest, ``"position"`` the earliest,
-    ties to the earlier (token, choice). T, k, x's row shape and dtype must
-    be the same on every rank (the padded exchange needs one capacity).
-
-    ``hierarchical``: accepted (and checked like the core's), but the flat
-    exchange runs. A fixed-capacity exchange moves the same padded chunk
-    between every pair of ranks, so a two-hop route has no duplicate rows to
-    save; the results are identical. ``keep``: unused, deprecated (there is
-    no registry of dispatches any more); accepted for compatibility.
+    ``ceil(T * k / E * capacity_factor)`` assignments from each source rank
+    (None: up to T, no drops but an expert named twice by more than T
+    choices); ``drop_policy="probs"`` keeps the heaviest, ``"position"`` the
+    earliest, ties to the earlier (token, choice). ``max_tokens_per_rank``
+    C: the layout comes from C instead of T (T replaced by C above), so T may
+    differ between ranks (at most C each); otherwise T, k, x's row shape and
+    dtype must be the same on every rank (the padded exchange needs one
+    capacity). ``quantize="fp8"``: the rows travel as e4m3 with a float32
+    scale per 128 channels; ``expert_x`` is (values, scales), not
+    differentiable in x, or x's dtype with ``dequantize=True``, the gradient
+    passed straight through.
 
     ``stats``: the running ``DispatchStats`` of every dispatch that ran
     (global, the same on every rank): ``tokens_per_expert`` and ``dropped``
     as in the core; ``traffic`` counts the bytes that move, the padded
     ``local_experts * capacity`` rows per pair of ranks. Under
     ``jax.checkpoint`` a recomputed dispatch counts again.
+    ``collect_stats()``: those since the last collection.
     """
 
-    def __init__(self, comm, num_experts: int, capacity_factor: float,
-                 drop_policy: str = "probs", hierarchical: bool = False, keep: int = 64):
-        from commlib import moe
-
-        # the core checks the arguments, and that every rank passed the same
-        self.core = moe.Dispatcher(comm, num_experts, capacity_factor=capacity_factor,
-                                   drop_policy=drop_policy, hierarchical=hierarchical)
-        if capacity_factor is None:
-            raise ValueError("JAX shapes are static: give a capacity_factor (drop-and-pad)")
-        self.comm, self.keep = comm, keep
-        self.num_experts, self.local_experts = num_experts, self.core.local_experts
+    def __init__(self, comm, num_experts: int, *, capacity_factor: Optional[float] = None,
+                 drop_policy: str = "probs", hierarchical: bool = False,
+                 max_tokens_per_rank: Optional[int] = None):
+        problem = contract.options_problem(comm, num_experts, capacity_factor, drop_policy,
+                                           hierarchical, max_tokens_per_rank)
+        if problem is None and hierarchical:
+            problem = ValueError(
+                "hierarchical=True is not available in the JAX Dispatcher: its exchange is "
+                "one padded all-to-all moving the same chunk between every pair of ranks, so "
+                "a two-hop route has no duplicate rows to save; pass hierarchical=False (the "
+                "core and torch Dispatchers have the deduplicated two-hop path)")
+        comm.agree("moe.Dispatcher", num_experts, capacity_factor, drop_policy, hierarchical,
+                   max_tokens_per_rank, problem=problem)
+        self.comm = comm
+        self.num_experts, self.local_experts = num_experts, num_experts // comm.size
+        self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
+        self.hierarchical, self.max_tokens_per_rank = hierarchical, max_tokens_per_rank
         self._traced = traced(comm)
         self._stats = DispatchStats.zeros(num_experts, comm.size)
-        self.dispatch = jax.custom_vjp(self._dispatch)
-        self.dispatch.defvjp(self._dispatch_fwd, self._dispatch_bwd)
-        self.combine = jax.custom_vjp(self._combine)
-        self.combine.defvjp(self._combine_fwd, self._combine_bwd)
+        self._uncollected = DispatchStats.zeros(num_experts, comm.size)
+        self._dispatchers: Dict[Tuple[str, bool], Callable] = {}  # per (quantize, dequantize)
+        self._combine = jax.custom_vjp(self._combine_primal)
+        self._combine.defvjp(self._combine_fwd, self._combine_bwd)
 
     @property
     def stats(self) -> DispatchStats:
         return self._stats
 
+    def collect_stats(self) -> DispatchStats:
+        """The stats of every dispatch that ran since the last collection
+        (already global: nothing to exchange)."""
+        collected = self._uncollected
+        self._uncollected = DispatchStats.zeros(self.num_experts, self.comm.size)
+        return collected
+
     def capacity(self, tokens: int, k: int) -> int:
         """Slots per (source rank, expert)."""
-        return self.core._capacity(tokens, k)
+        layout = self.max_tokens_per_rank or tokens
+        return contract.capacity(layout, k, self.num_experts, self.capacity_factor,
+                                 None) or layout
 
     def slots(self, tokens: int, k: int) -> int:
         """Rows per local expert in the padded layout."""
         return self.comm.size * self.capacity(tokens, k)
 
     # -- trace-time checks -------------------------------------------------------
-    def _dispatch_problem(self, x, experts, weights) -> Optional[Exception]:
-        try:
-            if x.ndim < 1:
-                raise ValueError("x must have one row per token, got a scalar")
-            if experts.ndim != 2 or experts.shape[0] != x.shape[0]:
-                raise ValueError(f"experts must be [tokens, k] with {x.shape[0]} rows like x, "
-                                 f"got shape {tuple(experts.shape)}")
-            if tuple(weights.shape) != tuple(experts.shape):
-                raise ValueError(f"weights must have the shape of experts "
-                                 f"{tuple(experts.shape)}, got {tuple(weights.shape)}")
-            if not jnp.issubdtype(experts.dtype, jnp.integer):
-                raise ValueError(f"experts must be integers, got {experts.dtype}")
-            if not isinstance(experts, jax.core.Tracer) and experts.size:  # known now
-                known = np.asarray(experts)
-                self._check_range(int(known.min()), int(known.max()))
-        except ValueError as error:
-            return error
-        return None
-
-    def _check_range(self, low: int, high: int) -> None:
-        if low < -1 or high >= self.num_experts:
-            raise ValueError(f"expert indices must lie in [-1, {self.num_experts}) "
-                             f"(-1: no expert), got values from {low} to {high}")
-
-    def _combine_problem(self, expert_y, weights, key) -> Optional[Exception]:
-        try:
-            if key.ndim != 2 or not jnp.issubdtype(key.dtype, jnp.integer):
-                raise ValueError(f"key must be the [tokens, k] integer array dispatch "
-                                 f"returned, got {key.dtype} {tuple(key.shape)}")
-            if tuple(weights.shape) != tuple(key.shape):
-                raise ValueError(f"weights must be [tokens, k] {tuple(key.shape)} like the "
-                                 f"dispatch's, got {tuple(weights.shape)}")
-            want = (self.local_experts, self.slots(*key.shape))
-            if tuple(expert_y.shape[:2]) != want:
-                raise ValueError(f"expert_y must be [local_experts, slots, ...] with "
-                                 f"{want} leading, like expert_x; got {tuple(expert_y.shape)}")
-        except ValueError as error:
-            return error
-        return None
+    def _dispatch_problem(self, x, experts, weights, quantize) -> Optional[Exception]:
+        problem = contract.input_problem(x, experts, weights, quantize)
+        if problem is None and not isinstance(experts, jax.core.Tracer) and experts.size:
+            known = np.asarray(experts)  # known now: checked now
+            problem = contract.range_problem(self.num_experts, int(known.min()),
+                                             int(known.max()))
+        return problem
 
     # -- the exchange: one send-buffer layout, two directions ---------------------
     def _to_owners(self, rows, capacity: int):
@@ -204,14 +228,16 @@ class Dispatcher:
     # -- routing: slots, drops and counts, in jnp -----------------------------------
     def _route(self, experts, weights, capacity: int):
         """(key [T, k] int32, counts [2E + 2] int32: kept per expert, dropped
-        per expert, smallest and largest id). Fixed sizes, no host reads."""
+        per expert, smallest and largest id). Each expert keeps the core's
+        capacity (from T, at most C) of the ``capacity`` slots the layout
+        has. Fixed sizes, no host reads."""
         count = self.num_experts
         flat = experts.reshape(-1).astype(jnp.int32)
         n = flat.shape[0]
         iota = jnp.arange(n, dtype=jnp.int32)
         valid = (flat >= 0) & (flat < count)
         group = jnp.where(valid, flat, count)  # absent and bad ids sort last
-        if self.core.drop_policy == "probs":  # within an expert heaviest first, ties by position
+        if self.drop_policy == "probs":  # within an expert heaviest first, ties by position
             by_weight = jax.lax.sort((-weights.reshape(-1).astype(jnp.float32), iota),
                                      num_keys=1, is_stable=True)[1]
             order = by_weight[_order_by(group[by_weight], count)]
@@ -219,8 +245,11 @@ class Dispatcher:
             order = _order_by(group, count)
         grouped = group[order]
         place = _place_in_group(grouped, iota)
-        kept = jnp.zeros(n, bool).at[order].set((place < capacity) & (grouped < count))
-        if self.core.drop_policy == "probs":  # slots in token order among the kept
+        limit = contract.capacity(*experts.shape, count, self.capacity_factor,
+                                  self.max_tokens_per_rank) or capacity
+        kept = jnp.zeros(n, bool).at[order].set((place < min(limit, capacity))
+                                                & (grouped < count))
+        if self.drop_policy == "probs":  # slots in token order among the kept
             group = jnp.where(kept, flat, count)
             order = _order_by(group, count)
             place = _place_in_group(group[order], iota)
@@ -243,40 +272,73 @@ class Dispatcher:
 
         def record(table):
             table = np.asarray(table, np.int64)
-            lines = []
-            for rank, (low, high) in enumerate(table[:, 2 * count:]):
-                try:
-                    self._check_range(int(low), int(high))
-                except ValueError as error:
-                    lines.append((rank, str(error)))
+            lines = [(rank, str(problem)) for rank, (low, high)
+                     in enumerate(table[:, 2 * count:])
+                     if (problem := contract.range_problem(count, int(low), int(high)))]
             if lines:
                 raise CollectiveMismatchError(
                     "moe.dispatch was rejected by rank(s) "
                     + ", ".join(str(rank) for rank, _ in lines) + ":\n  "
                     + "\n  ".join(f"rank {rank}: {line}" for rank, line in lines))
             traffic = np.full((size, size), self.local_experts * capacity * row_bytes, np.int64)
-            self._stats = self._stats + DispatchStats.gather(
-                _Summed(self.comm), table[:, :count].sum(axis=0),
-                table[:, count:2 * count].sum(axis=0), traffic)
+            stats = DispatchStats.gather(_Summed(self.comm), table[:, :count].sum(axis=0),
+                                         table[:, count:2 * count].sum(axis=0), traffic)
+            self._stats = self._stats + stats
+            self._uncollected = self._uncollected + stats
             return np.zeros((), np.uint8)
         return record
 
     # -- dispatch -----------------------------------------------------------------
-    def _dispatch(self, x, experts, weights):
-        return self._dispatch_fwd(x, experts, weights)[0]
+    def dispatch(self, x, experts, weights, *, quantize: Optional[str] = None,
+                 dequantize: bool = False) -> Tuple[Any, JaxHandle]:
+        """Send each token's row to the slots of its experts (see the class)."""
+        mode, name = (quantize, bool(dequantize)), (repr(quantize), bool(dequantize))
+        if name not in self._dispatchers:
+            run = jax.custom_vjp(lambda x, experts, weights:
+                                 self._dispatch_fwd(x, experts, weights, *mode)[0])
+            run.defvjp(lambda x, experts, weights: self._dispatch_fwd(x, experts, weights,
+                                                                      *mode),
+                       lambda saved, cotangents: self._dispatch_bwd(saved, cotangents, *mode))
+            self._dispatchers[name] = run
+        return self._dispatchers[name](x, experts, weights)
 
-    def _dispatch_fwd(self, x, experts, weights):
-        problem = self._dispatch_problem(x, experts, weights)
-        facts = () if problem else (f"tokens {x.shape[0]}", f"k={experts.shape[1]}",
-                                    f"row shape {tuple(x.shape[1:])}", f"dtype {x.dtype}")
+    def _facts(self, x, experts, quantize, dequantize) -> Tuple[str, ...]:
+        """What every rank's dispatch must share (T too, unless the layout
+        comes from ``max_tokens_per_rank``)."""
+        tokens = () if self.max_tokens_per_rank else (f"tokens {x.shape[0]}",)
+        return tokens + (f"k={experts.shape[1]}", f"row shape {tuple(x.shape[1:])}",
+                         f"dtype {x.dtype}", f"quantize={quantize}",
+                         f"dequantize={bool(dequantize)}")
+
+    def _wire(self, x, quantize: Optional[str]):
+        """x's rows [T, W] as they travel (FP8: the values' and the scales'
+        bytes side by side) and how the owner reads its [L, slots, W] back."""
+        if quantize is None:
+            return _rows(x, 1), lambda arrived: arrived.reshape(arrived.shape[:2] + x.shape[1:])
+        values, scales = quantize_fp8(x)
+        width = values.shape[1]
+        packed = jnp.concatenate([jax.lax.bitcast_convert_type(values, jnp.uint8),
+                                  _rows(jax.lax.bitcast_convert_type(scales, jnp.uint8), 1)],
+                                 axis=1)
+
+        def read(arrived):
+            scale_bytes = arrived[..., width:].reshape(arrived.shape[:2] + scales.shape[1:]
+                                                       + (4,))
+            return (jax.lax.bitcast_convert_type(arrived[..., :width], values.dtype),
+                    jax.lax.bitcast_convert_type(scale_bytes, jnp.float32))
+        return packed, read
+
+    def _dispatch_fwd(self, x, experts, weights, quantize, dequantize):
+        problem = self._dispatch_problem(x, experts, weights, quantize)
+        facts = () if problem else self._facts(x, experts, quantize, dequantize)
         self._traced.agree("moe.dispatch", *facts, problem=problem)
         tokens, k = experts.shape
         capacity = self.capacity(tokens, k)
-        rows = _rows(x, 1)
+        rows, read = self._wire(x, quantize)
         key, counts = self._route(experts, weights, capacity)
         send = jnp.take(rows, self._sources(key, capacity) // k, axis=0, mode="fill",
                         fill_value=0)  # empty slots: past the end, zero
-        record = self._record(x.dtype.itemsize * rows.shape[1], capacity)
+        record = self._record(rows.dtype.itemsize * rows.shape[1], capacity)
         # the counts go with this dispatch's rows: JAX would otherwise hoist a
         # loop-invariant count exchange out of a scan, and count it once
         counts, send = jax.lax.optimization_barrier((counts, send))
@@ -285,20 +347,25 @@ class Dispatcher:
                                                            + counts.shape))
             verdict = io_callback(record, jax.ShapeDtypeStruct((), jnp.uint8), table)
             send, _ = jax.lax.optimization_barrier((send, verdict))  # rows move after it
-            expert_x = self._to_owners(send, capacity)
-        expert_x = expert_x.reshape(expert_x.shape[:2] + x.shape[1:])
-        return (expert_x, key), (key, weights)
+            expert_x = read(self._to_owners(send, capacity))
+        if quantize is not None and dequantize:
+            expert_x = dequantize_fp8(*expert_x, x.dtype)
+        first = self.comm.rank * self.local_experts
+        per_expert = table[:, first:first + self.local_experts].sum(axis=0)
+        return (expert_x, JaxHandle(key, weights, per_expert)), (key, x[:0])
 
-    def _dispatch_bwd(self, saved, cotangents):
-        key, weights = saved
-        d_expert_x = cotangents[0]
+    def _dispatch_bwd(self, saved, cotangents, quantize, dequantize):
+        key, no_rows = saved  # x's row shape and dtype, without its rows
+        d_expert_x, d_handle = cotangents
+        shape = key.shape[:1] + no_rows.shape[1:]
+        if quantize is not None and not dequantize:  # (values, scales): no gradient to x
+            return jnp.zeros(shape, no_rows.dtype), _float0(key), d_handle.weights
         capacity = self.capacity(*key.shape)
         with self._traced.ordered():
             back = self._to_sources(_rows(d_expert_x, 2), capacity)
         picked = self._gather(back, key, capacity).astype(jnp.float32)
-        dx = picked.sum(axis=1).astype(d_expert_x.dtype)
-        return (dx.reshape(key.shape[:1] + d_expert_x.shape[2:]),
-                np.zeros(key.shape, jax.dtypes.float0), jnp.zeros_like(weights))
+        dx = picked.sum(axis=1).astype(no_rows.dtype)
+        return dx.reshape(shape), _float0(key), d_handle.weights
 
     def _sources(self, key, capacity: int):
         """For each send-buffer row [E * capacity], its (token, choice) as
@@ -316,24 +383,37 @@ class Dispatcher:
         return jnp.take(rows, where, axis=0, mode="fill", fill_value=0)
 
     # -- combine ------------------------------------------------------------------
-    def _combine(self, expert_y, weights, key):
-        return self._combine_fwd(expert_y, weights, key)[0]
+    def combine(self, expert_y, handle: JaxHandle):
+        """y[t] = sum_j weights[t, j] * expert_y at the slot of (t, j)."""
+        return self._combine(expert_y, handle)
 
-    def _combine_fwd(self, expert_y, weights, key):
-        problem = self._combine_problem(expert_y, weights, key)
-        facts = () if problem else (f"key {tuple(key.shape)}", f"dtype {expert_y.dtype}",
-                                    f"row shape {tuple(expert_y.shape[2:])}")
+    def _combine_primal(self, expert_y, handle):
+        return self._combine_fwd(expert_y, handle)[0]
+
+    def _combine_fwd(self, expert_y, handle):
+        if not isinstance(handle, JaxHandle):
+            problem = ValueError(f"handle must be the JaxHandle that dispatch returned, "
+                                 f"got {type(handle).__name__}")
+        else:
+            problem = contract.combine_problem(
+                expert_y, (self.local_experts, self.slots(*handle.key.shape)), handle.key)
+        key = getattr(handle, "key", None)
+        tokens = () if self.max_tokens_per_rank else (f"tokens {key.shape[0]}",)
+        facts = () if problem else tokens + (f"k={key.shape[1]}", f"dtype {expert_y.dtype}",
+                                             f"row shape {tuple(expert_y.shape[2:])}")
         self._traced.agree("moe.combine", *facts, problem=problem)
         capacity = self.capacity(*key.shape)
         with self._traced.ordered():
             back = self._to_sources(_rows(expert_y, 2), capacity)
         picked = self._gather(back, key, capacity)
-        y = jnp.einsum("tk,tkw->tw", weights.astype(jnp.float32), picked.astype(jnp.float32))
+        y = jnp.einsum("tk,tkw->tw", handle.weights.astype(jnp.float32),
+                       picked.astype(jnp.float32))
         y = y.astype(expert_y.dtype).reshape(key.shape[:1] + expert_y.shape[2:])
-        return y, (picked, weights, key)
+        return y, (picked, handle)
 
     def _combine_bwd(self, saved, d_y):
-        picked, weights, key = saved
+        picked, handle = saved
+        key, weights = handle.key, handle.weights
         capacity = self.capacity(*key.shape)
         grad = _rows(d_y, 1).astype(jnp.float32)
         d_weights = jnp.einsum("tw,tkw->tk", grad, picked.astype(jnp.float32))
@@ -343,5 +423,5 @@ class Dispatcher:
         with self._traced.ordered():
             d_expert_y = self._to_owners(send, capacity)
         d_expert_y = d_expert_y.reshape(d_expert_y.shape[:2] + d_y.shape[1:])
-        return d_expert_y, d_weights.astype(weights.dtype), np.zeros(key.shape,
-                                                                      jax.dtypes.float0)
+        return d_expert_y, JaxHandle(_float0(key), d_weights.astype(weights.dtype),
+                                     _float0(handle.tokens_per_expert))

@@ -15,7 +15,7 @@ pick its best kernel).
 from __future__ import annotations
 
 import math
-from typing import Any, Tuple
+from typing import Any, Callable, Tuple
 
 import array_api_compat as compat
 import array_api_extra as xpx
@@ -102,6 +102,35 @@ def host_int(x: Any) -> int:
     sibling of ``to_host`` (one device value, one wait), read without a
     detour through NumPy."""
     return int(x)
+
+
+def is_traced(x: Any) -> bool:
+    """Whether ``x`` is a value JAX is tracing (inside ``jit``, ``grad``,
+    ``vmap``): it has no value yet, so nothing can be read from it."""
+    if not compat.is_jax_array(x):
+        return False
+    import jax
+    return isinstance(x, jax.core.Tracer)
+
+
+def check_int(x: Any, check: Callable[[int], None]) -> None:
+    """``check(value)`` of the 0-d integer array ``x``, where ``check``
+    raises for a bad value: now, on the host (``host_int``: one wait), or,
+    for a value JAX is tracing, inside the compiled program when it runs
+    (an ``io_callback``, as the JAX MoE Dispatcher checks its expert ids),
+    so tracing reads nothing and the jitted program still refuses bad
+    data (JAX raises the error wrapped in its runtime error)."""
+    if not is_traced(x):
+        check(host_int(x))
+        return
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import io_callback
+
+    def run(value):
+        check(int(value))
+        return np.zeros((), np.uint8)
+    io_callback(run, jax.ShapeDtypeStruct((), jnp.uint8), x)
 
 
 def scatter_add(out: Any, index: Any, values: Any, scale: Any = None) -> Any:

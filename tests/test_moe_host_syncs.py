@@ -53,6 +53,8 @@ import commlib
 from commlib import namespace
 from commlib.moe import Dispatcher, route
 
+import requires
+
 COMMLIB = Path(commlib.__file__).resolve().parent
 ALGORITHMS = (COMMLIB / "moe", COMMLIB / "namespace.py")
 READERS = ("to_host", "host_int")  # the sanctioned, counted reads in namespace.py
@@ -103,7 +105,7 @@ class Reads:
 def _torch_witness(roots=ALGORITHMS):
     """A TorchFunctionMode that lists the torch calls, made from code under
     ``roots``, that would make the host wait for a CUDA device."""
-    torch = pytest.importorskip("torch")
+    torch = requires.module("torch")
     from torch.overrides import TorchFunctionMode
 
     waits = {"item", "__int__", "__float__", "__bool__", "__index__", "__complex__", "tolist",
@@ -174,8 +176,8 @@ def _impl(name):
     if name == "numpy":
         return np.asarray
     if name == "torch":
-        return pytest.importorskip("torch").as_tensor
-    return pytest.importorskip("jax.numpy").asarray
+        return requires.module("torch").as_tensor
+    return requires.module("jax.numpy").asarray
 
 
 def _routing(seed=0):
@@ -251,7 +253,7 @@ def test_a_bad_expert_id_is_still_refused_with_its_values(comm, reads):
 def test_torch_autograd_step_reads_the_device_once(comm, reads):
     """Forward and backward through commlib.bindings.torch: the dispatch's
     one read, nothing in combine or either backward."""
-    torch = pytest.importorskip("torch")
+    torch = requires.module("torch")
     from commlib.bindings.torch import Dispatcher as TorchDispatcher
 
     x, experts, weights = (torch.as_tensor(a) for a in _routing(1))
@@ -296,7 +298,7 @@ def test_route_errors_keep_their_order(reads):
 def test_the_torch_witness_sees_what_it_must():
     """The witness flags int(), .item(), a boolean mask, nonzero and an
     upload made from the code it watches (here: this file)."""
-    torch = pytest.importorskip("torch")
+    torch = requires.module("torch")
     t = torch.arange(6)
     with _torch_witness(roots=(Path(__file__).resolve(),)) as witness:
         int(t.max())

@@ -16,6 +16,7 @@ from commlib.moe.balance import BiasBalancer
 from commlib.moe.routing import route
 
 import arrayimpl
+import requires
 
 NUMPY = arrayimpl.IMPLS["numpy"]
 
@@ -88,18 +89,19 @@ def index_dtype_name(impl):
 
 
 def assert_matches_reference(logits, k, score, bias, num_groups, topk_groups, normalize,
-                             impl=NUMPY, dtype="float32", host_bias=False):
+                             impl=NUMPY, dtype="float32", host_bias=False, router=route):
     """Same expert sets (and order) as the reference wherever the reference's
     decision is not a near-tie; same weights for those experts. ``logits``
     and ``bias`` go in as ``impl`` arrays (logits as ``dtype``; the bias
     stays NumPy with ``host_bias``, as the balancer hands it over); the
     reference sees the logits as rounded to ``dtype``. Returns how many rows
-    were near-ties at a set boundary."""
+    were near-ties at a set boundary. ``router`` stands in for ``route``
+    (the same function under ``jax.jit``, say)."""
     given = impl.asarray(logits, dtype)
     logits = impl.to_numpy(given).astype(np.float32)
     shift = bias if bias is None or host_bias else impl.asarray(bias)
-    experts, weights = route(given, k, score=score, bias=shift, num_groups=num_groups,
-                             topk_groups=topk_groups, normalize=normalize)
+    experts, weights = router(given, k, score=score, bias=shift, num_groups=num_groups,
+                              topk_groups=topk_groups, normalize=normalize)
     assert impl.is_native(experts) and impl.is_native(weights)
     assert impl.dtype_name(experts) == index_dtype_name(impl)
     assert impl.dtype_name(weights) == "float32"
@@ -173,7 +175,7 @@ def test_route_in_every_framework(impl, dtype):
 def test_route_computes_in_torch(monkeypatch):
     """No torch tensor is turned into NumPy on the way: the old path
     (unwrap to NumPy, compute, wrap back) fails here."""
-    torch = pytest.importorskip("torch")
+    torch = requires.module("torch")
 
     def refuse(*args, **kwargs):
         raise AssertionError("route converted a torch tensor to NumPy")
@@ -191,6 +193,65 @@ def test_deepseek_v3_configuration():
     logits = rng.standard_normal((48, 256)).astype(np.float32)
     bias = (0.05 * rng.standard_normal(256)).astype(np.float32)
     assert assert_matches_reference(logits, 8, "sigmoid", bias, 8, 4, True) < 3
+
+
+# k, score, (num_groups, topk_groups), bias (None, "framework", "host"), normalize, experts
+JIT_CASES = [(2, "softmax", (None, None), None, True, 16),
+             (4, "sigmoid", (4, 2), "framework", True, 16),
+             (3, "softmax", (8, 4), "host", False, 64),
+             (8, "sigmoid", (8, 4), "framework", True, 256)]  # DeepSeek-V3
+
+
+def _jitted(jax):
+    """``route`` compiled with its settings static and the arrays traced."""
+    compiled = jax.jit(route, static_argnames=("k", "score", "num_groups", "topk_groups",
+                                               "normalize"))
+    return lambda logits, k, **options: compiled(logits, k=k, **options)
+
+
+@pytest.mark.parametrize("case", JIT_CASES, ids=lambda c: f"{c[1]}-k{c[0]}-groups{c[2][0]}-"
+                                                          f"bias{c[3]}-E{c[5]}")
+def test_route_traces_under_jit(case):
+    """Inside ``jax.jit`` (no host read of a traced value) route gives what
+    it gives eagerly, bit for bit, and what the float64 reference gives."""
+    jax = requires.module("jax")
+    jnp = jax.numpy
+    k, score, (num_groups, topk_groups), bias, normalize, num_experts = case
+    rng = np.random.default_rng(2412)
+    logits = rng.standard_normal((48, num_experts)).astype(np.float32)
+    shift = None if bias is None else (0.05 * rng.standard_normal(num_experts)).astype(np.float32)
+    options = dict(score=score, num_groups=num_groups, topk_groups=topk_groups,
+                   normalize=normalize)
+    given_bias = shift if bias in (None, "host") else jnp.asarray(shift)
+    eager = route(jnp.asarray(logits), k, bias=given_bias, **options)
+    jitted = _jitted(jax)(jnp.asarray(logits), k, bias=given_bias, **options)
+    for a, b in zip(eager, jitted):
+        assert isinstance(b, jax.Array) and a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert assert_matches_reference(logits, k, score, shift, num_groups, topk_groups,
+                                    normalize, arrayimpl.IMPLS["jax"], host_bias=bias == "host",
+                                    router=_jitted(jax)) < 2
+
+
+def test_route_refuses_bad_input_under_jit():
+    """Values are checked when the compiled program runs (JAX wraps the
+    ValueError in its runtime error); shapes and settings while tracing."""
+    jax = requires.module("jax")
+    jnp = jax.numpy
+    router = _jitted(jax)
+    for logits, bias, message in [
+            (_with([0, 3], [1, 5], [np.nan, np.inf]), None, "NaN or inf values in 2 of 4 rows"),
+            (np.zeros((4, 16), np.float32), np.full(16, np.inf, np.float32),
+             "bias has NaN or inf"),
+            (np.zeros((4, 16), np.float32), jnp.full(16, np.nan), "bias has NaN or inf")]:
+        with pytest.raises(jax.errors.JaxRuntimeError, match=message):
+            jax.block_until_ready(router(jnp.asarray(logits), 2, bias=bias))
+    with pytest.raises(ValueError, match=r"bias must have shape \(16,\)"):
+        router(jnp.zeros((4, 16)), 2, bias=jnp.zeros(8))
+    with pytest.raises(ValueError, match="k must be an integer"):
+        jax.jit(route)(jnp.zeros((4, 16)), 2)  # k traced: it sets shapes, so it must be static
+    with pytest.raises(ValueError, match="k=17 .* choose k between 1 and 16"):
+        router(jnp.zeros((4, 16)), 17)
 
 
 def test_softmax_topk_equals_mixtral_form():

@@ -123,7 +123,8 @@ def time_dispatch(comm: commlib.Communicator, dispatcher: Dispatcher, x: np.ndar
     skew. Identity experts: combine takes expert_x as it arrives (FP8 rows
     dequantized to x's dtype; a fixed capacity's [L, slots, H] as is)."""
     def round_trip() -> Tuple[Any, Any]:
-        expert_x, handle = dispatcher.dispatch(x, experts, weights, quantize, dequantize=True)
+        expert_x, handle = dispatcher.dispatch(x, experts, weights, quantize=quantize,
+                                               dequantize=True)
         dispatcher.combine(expert_x, handle)
         return expert_x, handle
 

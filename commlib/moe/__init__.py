@@ -4,9 +4,10 @@ fixed capacity; FP8 rows; overlap handles), capacity and load statistics.
 Expert e of E lives on rank e // (E // P)."""
 
 from .balance import BiasBalancer
-from .dispatch import DROP_POLICIES, QUANTIZE, Dispatcher, DispatchHandle, PendingMoE
+from .contract import DROP_POLICIES, QUANTIZE, MoEHandle
+from .dispatch import Dispatcher, DispatchHandle, PendingMoE
 from .routing import route
 from .stats import DispatchStats
 
-__all__ = ["route", "Dispatcher", "DispatchHandle", "PendingMoE", "DispatchStats",
+__all__ = ["route", "Dispatcher", "DispatchHandle", "MoEHandle", "PendingMoE", "DispatchStats",
            "BiasBalancer", "DROP_POLICIES", "QUANTIZE"]

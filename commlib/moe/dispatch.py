@@ -76,7 +76,6 @@ from ..namespace import (
     dtype_name,
     float32,
     framework,
-    framework_of,
     from_bytes,
     index_dtype,
     namespace,
@@ -84,14 +83,9 @@ from ..namespace import (
     take_rows,
     to_host,
 )
+from . import contract
 from .quantize import dequantize_fp8, quantize_fp8
 from .stats import DispatchStats
-
-DROP_POLICIES = ("probs", "position")
-QUANTIZE = (None, "fp8")
-# expert ids travel as float32 beside the weights (in each row's message);
-# float32 holds every integer below 2**24 exactly
-MAX_EXPERTS = 2 ** 24
 
 
 @dataclass
@@ -181,17 +175,6 @@ class _Wire:
     deliver: Callable[[Tuple[Any, ...]], Any]
 
 
-def _require_one_place(named: List[Tuple[str, Any]]) -> None:
-    """Raise ValueError unless the arrays are of one framework, on one
-    device: commlib computes where the data lives and never moves it."""
-    places = [(framework(a), str(device(a))) for _, a in named]
-    if len(set(places)) > 1:
-        found = ", ".join(f"{name} {kind} on {where}" for (name, _), (kind, where)
-                          in zip(named, places))
-        raise ValueError(f"{found}: pass arrays of one framework on one device "
-                         f"(convert the odd one out first)")
-
-
 def _copy_keys(dest: Any) -> Tuple[Any, Any]:
     """``dest`` [rows, k] (-1: nowhere) as sorted keys ``dest * rows + row``
     and the mask of the keys that start a distinct (destination, row) copy:
@@ -249,36 +232,11 @@ class Dispatcher:
     ``num_experts`` lives on rank ``e // (num_experts // comm.size)``.
     ``max_tokens_per_rank`` selects the fixed-capacity mode."""
 
-    def __init__(self, comm, num_experts: int, capacity_factor: Optional[float] = None,
+    def __init__(self, comm, num_experts: int, *, capacity_factor: Optional[float] = None,
                  drop_policy: str = "probs", hierarchical: bool = False,
                  max_tokens_per_rank: Optional[int] = None):
-        problem = None
-        try:
-            if isinstance(num_experts, bool) or not isinstance(num_experts, int) \
-                    or num_experts < 1 or num_experts % comm.size:
-                raise ValueError(f"num_experts={num_experts!r} must be a positive multiple of "
-                                 f"the world size {comm.size} (expert e lives on rank "
-                                 f"e // (num_experts // size))")
-            if num_experts > MAX_EXPERTS:
-                raise ValueError(f"num_experts={num_experts} exceeds {MAX_EXPERTS}, the most "
-                                 f"whose ids travel exactly in the float32 routing metadata")
-            if drop_policy not in DROP_POLICIES:
-                raise ValueError(f"unknown drop_policy {drop_policy!r}; use one of "
-                                 f"{', '.join(DROP_POLICIES)}")
-            if capacity_factor is not None and not capacity_factor > 0:
-                raise ValueError(f"capacity_factor must be positive (or None for no cap), "
-                                 f"got {capacity_factor!r}")
-            if hierarchical and not comm.topology.is_uniform:
-                raise ValueError("two-hop dispatch needs the same number of ranks on every "
-                                 "node")
-            if max_tokens_per_rank is not None and (
-                    isinstance(max_tokens_per_rank, bool)
-                    or not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1):
-                raise ValueError(f"max_tokens_per_rank must be a positive integer (the most "
-                                 f"tokens any rank dispatches at once) or None, got "
-                                 f"{max_tokens_per_rank!r}")
-        except ValueError as error:
-            problem = error
+        problem = contract.options_problem(comm, num_experts, capacity_factor, drop_policy,
+                                           hierarchical, max_tokens_per_rank)
         comm.agree("moe.Dispatcher", num_experts, capacity_factor, drop_policy, hierarchical,
                    max_tokens_per_rank, problem=problem)
         self.comm = comm
@@ -294,7 +252,7 @@ class Dispatcher:
         self._unreported: Dict[Tuple[str, str], Any] = {}  # fixed capacity: counts on devices
 
     # -- dispatch ---------------------------------------------------------------
-    def dispatch(self, x: Any, experts: Any, weights: Any, quantize: Optional[str] = None,
+    def dispatch(self, x: Any, experts: Any, weights: Any, *, quantize: Optional[str] = None,
                  dequantize: bool = False) -> Tuple[Any, DispatchHandle]:
         """Send each token's row to the ranks of its experts. ``x`` [T, H];
         ``experts`` [T, k] int (-1: no expert); ``weights`` [T, k]; all three
@@ -305,21 +263,22 @@ class Dispatcher:
         real (the rest is padding, never read back). ``quantize="fp8"``:
         the rows travel as e4m3 with a float32 scale per 128 channels, and
         ``expert_x`` is (values, scales), or x's dtype with ``dequantize``."""
-        return self.dispatch_async(x, experts, weights, quantize, dequantize).wait()
+        return self.dispatch_async(x, experts, weights, quantize=quantize,
+                                   dequantize=dequantize).wait()
 
-    def dispatch_async(self, x: Any, experts: Any, weights: Any,
+    def dispatch_async(self, x: Any, experts: Any, weights: Any, *,
                        quantize: Optional[str] = None, dequantize: bool = False) -> PendingMoE:
         """``dispatch``, returned as soon as its first hop is in flight:
         ``.wait()`` gives (expert_x, handle). Computation in between (another
         micro-batch's experts) overlaps the transfer; over MPI a progress
         thread moves it meanwhile. x must not change until the wait."""
-        problem = self._problem(x, experts, weights, quantize)
+        problem = contract.input_problem(x, experts, weights, quantize)
         plan = counts = None
         if problem is None:
             plan = self._plan(x, experts, weights)
             if self.max_tokens_per_rank is None:
                 counts = self._host_counts(plan)
-                problem = self._range_problem(counts.id_range)
+                problem = contract.range_problem(self.num_experts, *counts.id_range)
         facts = self._facts(x, experts, quantize, dequantize) if problem is None else ()
         self.comm.agree("moe.dispatch", *facts, problem=problem)
         wire = self._wire(x, quantize, dequantize)
@@ -447,48 +406,6 @@ class Dispatcher:
                 f"row shape {tuple(x.shape[1:])}", f"dtype {dtype_name(x)}",
                 f"quantize={quantize}", f"dequantize={bool(dequantize)}")
 
-    def _problem(self, x: Any, experts: Any, weights: Any,
-                 quantize: Optional[str]) -> Optional[Exception]:
-        """What is wrong with the shapes and kinds of this rank's input
-        (None: nothing); the values are checked by ``_range_problem``.
-        Raised on every rank by ``agree``, so no rank is left waiting in a
-        collective."""
-        named = [("x", x), ("experts", experts), ("weights", weights)]
-        try:
-            for name, a in named:
-                framework_of(name, a)
-            _require_one_place(named)
-            if x.ndim < 1:
-                raise ValueError("x must have one row per token, got a scalar")
-            tokens = x.shape[0]
-            if experts.ndim != 2 or experts.shape[0] != tokens:
-                raise ValueError(f"experts must be [tokens, k] with {tokens} rows like x, got "
-                                 f"shape {tuple(experts.shape)}")
-            if tuple(weights.shape) != tuple(experts.shape):
-                raise ValueError(f"weights must have the shape of experts "
-                                 f"{tuple(experts.shape)}, got {tuple(weights.shape)}")
-            if not dtype_name(experts).startswith(("int", "uint")):
-                raise ValueError(f"experts must be integers, got {dtype_name(experts)}")
-            if quantize not in QUANTIZE:
-                raise ValueError(f"unknown quantize={quantize!r}; use None (rows travel in "
-                                 f"x's dtype) or 'fp8' (e4m3 with a scale per 128 channels)")
-            if quantize == "fp8" and x.ndim != 2:
-                raise ValueError(f"quantize='fp8' takes x of shape [tokens, hidden], got "
-                                 f"{tuple(x.shape)}")
-            if quantize == "fp8":
-                quantize_fp8(x[:0])  # the framework's and dtype's refusals, on no data
-        except (ValueError, TypeError) as error:
-            return error
-        return None
-
-    def _range_problem(self, id_range: Tuple[int, int]) -> Optional[Exception]:
-        """Expert ids outside [-1, E), seen in the plan's host copy."""
-        low, high = id_range
-        if low < -1 or high >= self.num_experts:
-            return ValueError(f"expert indices must lie in [-1, {self.num_experts}) "
-                              f"(-1: no expert), got values from {low} to {high}")
-        return None
-
     def _wire(self, x: Any, quantize: Optional[str], dequantize: bool) -> _Wire:
         """x's rows as the bytes that travel and how the owner reads them:
         x's dtype as is, or FP8 (the scales' bytes, then the values')."""
@@ -560,13 +477,9 @@ class Dispatcher:
                        (int(pieces[-1][0]), int(pieces[-1][1])))
 
     def _capacity(self, tokens: int, k: int) -> Optional[int]:
-        """Assignments each expert takes from one rank: under a fixed
-        capacity at most what ``max_tokens_per_rank`` tokens would give."""
-        if self.capacity_factor is None:
-            return None
-        if self.max_tokens_per_rank is not None:
-            tokens = min(tokens, self.max_tokens_per_rank)
-        return math.ceil(tokens * k / self.num_experts * self.capacity_factor)
+        """Assignments each expert takes from one rank."""
+        return contract.capacity(tokens, k, self.num_experts, self.capacity_factor,
+                                 self.max_tokens_per_rank)
 
     def _apply_capacity(self, ids: Any, gate: Any) -> Tuple[Any, Any]:
         """Drop the assignments beyond each expert's capacity from this rank:
@@ -761,20 +674,6 @@ class Dispatcher:
         return stats
 
     # -- combine --------------------------------------------------------------
-    @staticmethod
-    def _combine_problem(expert_y: Any, handle: DispatchHandle) -> Optional[Exception]:
-        try:
-            framework_of("expert_y", expert_y)
-            _require_one_place([("expert_y", expert_y),
-                                ("the dispatch's arrays", handle.arrival_rows)])
-        except ValueError as error:
-            return error
-        lead = handle.expert_shape or (int(handle.arrival_rows.shape[0]),)
-        if tuple(expert_y.shape[:len(lead)]) != lead:
-            return ValueError(f"expert_y must have one row per expert_x row (leading shape "
-                              f"{lead}), got shape {tuple(expert_y.shape)}")
-        return None
-
     def combine(self, expert_y: Any, handle: DispatchHandle) -> Any:
         """y[t] = sum_j weights[t, j] * expert_y of (t, experts[t, j]),
         summed where the experts are and sent back once per rank visited;
@@ -785,7 +684,9 @@ class Dispatcher:
     def combine_async(self, expert_y: Any, handle: DispatchHandle) -> PendingMoE:
         """``combine``, returned as soon as the way back is in flight;
         ``.wait()`` gives y."""
-        problem = self._combine_problem(expert_y, handle)
+        problem = contract.combine_problem(
+            expert_y, handle.expert_shape or (int(handle.arrival_rows.shape[0]),),
+            handle.arrival_rows)
         facts = (f"dtype {dtype_name(expert_y)}",
                  f"row shape {tuple(expert_y.shape[len(handle.expert_shape) or 1:])}") \
             if problem is None else ()

@@ -31,12 +31,13 @@ import array_api_extra as xpx
 import numpy as np
 
 from ..namespace import (
+    check_int,
     device,
     dtype_name,
     float32,
     framework,
-    host_int,
     index_dtype,
+    is_traced,
     namespace,
     to_host,
 )
@@ -148,25 +149,33 @@ def _float32(a: Any, what: str) -> Any:
 def _check_finite(x: Any, shift: Optional[Any], late: Optional[Exception],
                   bias_finite: Optional[bool]) -> None:
     """A NaN or inf logit makes every affinity of its row meaningless; a
-    NaN or inf bias every choice. One copy to the host says how many rows
-    of logits are bad and whether ``shift`` (a bias beside the logits, not
-    yet checked) is, packed in one integer: 2 * bad rows + bad bias. Then
-    the errors are raised in their usual order: the logits, ``late`` (what
-    was wrong with the bias's type or shape), the bias's values
-    (``bias_finite`` False: seen on the host already)."""
+    NaN or inf bias every choice. One integer says how many rows of logits
+    are bad and whether ``shift`` (a bias beside the logits, not yet
+    checked) is: 2 * bad rows + bad bias, checked by ``check_int`` (one
+    copy to the host; under ``jax.jit`` a check that runs in the program).
+    The errors come in their usual order: the logits, ``late`` (what was
+    wrong with the bias's type or shape), the bias's values (``bias_finite``
+    False: seen on the host already). Under ``jit`` ``late`` is raised while
+    tracing: it does not depend on values."""
     xp = namespace(x)
     kind = index_dtype(x)
     seen = 2 * xp.astype(xp.count_nonzero(~xp.all(xp.isfinite(x), axis=1)), kind)
     if shift is not None:
         seen = seen + xp.astype(xp.any(~xp.isfinite(shift)), kind)
-    bad_rows, bad_bias = divmod(host_int(seen), 2)
-    if bad_rows:
-        raise ValueError(f"logits have NaN or inf values in {bad_rows} of {x.shape[0]} rows "
-                         f"(tokens); check the router's input and weights for overflow")
-    if late is not None:
+    if late is not None and is_traced(seen):
         raise late
-    if bias_finite is False or bad_bias:
-        raise ValueError("bias has NaN or inf values; reset the balancer's bias to zeros")
+    rows = x.shape[0]
+
+    def verdict(code: int) -> None:
+        bad_rows, bad_bias = divmod(code, 2)
+        if bad_rows:
+            raise ValueError(f"logits have NaN or inf values in {bad_rows} of {rows} rows "
+                             f"(tokens); check the router's input and weights for overflow")
+        if late is not None:
+            raise late
+        if bias_finite is False or bad_bias:
+            raise ValueError("bias has NaN or inf values; reset the balancer's bias to zeros")
+    check_int(seen, verdict)
 
 
 def _bias(bias: Any, num_experts: int, like: Any) -> Tuple[Optional[Any], Optional[bool]]:

@@ -12,11 +12,12 @@ import commlib
 import commlib.moe as moe
 
 import arrayimpl
+import requires
 from conftest import all_ranks, raises_everywhere
 
-jax = pytest.importorskip("jax")
+jax = requires.module("jax")
 jnp = jax.numpy
-cj = pytest.importorskip("commlib.bindings.jax")
+cj = requires.module("commlib.bindings.jax")
 
 
 def _tokens_of(rank, tokens, hidden, experts, k, dtype, hot=0.0, absent=False):
@@ -100,10 +101,10 @@ def _close(got, want, dtype):
 
 def _moe_loss(dispatcher):
     def loss(x, weights, maps, chosen, probe):
-        expert_x, key = dispatcher.dispatch(x, chosen, weights)
+        expert_x, handle = dispatcher.dispatch(x, chosen, weights)
         expert_y = jnp.einsum("lsh,lhg->lsg", expert_x, maps)
-        y = dispatcher.combine(expert_y, weights, key)
-        return (y.astype(jnp.float32) * probe).sum(), (y, expert_x, key)
+        y = dispatcher.combine(expert_y, handle)
+        return (y.astype(jnp.float32) * probe).sum(), (y, expert_x, handle)
     return loss
 
 
@@ -122,9 +123,10 @@ def test_jit_grad_matches_per_token_loop(comm, impl, dtype, capacity_factor, pol
     """On the CPU and (gpu mark) on a GPU."""
     tokens, hidden, k = 12, 6, 2
     experts = 2 * comm.size
-    cf = float(experts) if capacity_factor is None else capacity_factor  # None: room for all
-    dispatcher = cj.Dispatcher(comm, experts, cf, drop_policy=policy)
-    capacity = math.ceil(tokens * k / experts * cf)
+    dispatcher = cj.Dispatcher(comm, experts, capacity_factor=capacity_factor,
+                               drop_policy=policy)
+    capacity = tokens if capacity_factor is None else math.ceil(tokens * k / experts
+                                                                * capacity_factor)
     want = _reference(comm, tokens, hidden, experts, k, dtype, capacity, policy, hot=hot,
                       absent=absent)
     x, maps = impl.asarray(want["x"], dtype), impl.asarray(want["maps"], dtype)
@@ -132,9 +134,11 @@ def test_jit_grad_matches_per_token_loop(comm, impl, dtype, capacity_factor, pol
     probe = impl.asarray(want["probe"], "float32")
     step = jax.jit(jax.value_and_grad(_moe_loss(dispatcher), argnums=(0, 1, 2), has_aux=True))
     before = dispatcher.stats
-    (_, (y, expert_x, key)), (dx, dw, d_maps) = step(x, weights, maps, chosen, probe)
+    (_, (y, expert_x, handle)), (dx, dw, d_maps) = step(x, weights, maps, chosen, probe)
     stats = dispatcher.stats
-    key = np.asarray(key)
+    key = np.asarray(handle.key)
+    local = experts // comm.size
+    mine = slice(comm.rank * local, (comm.rank + 1) * local)
     kept_slot = want["chosen"] * capacity + want["slot"]
     ok = (y.dtype == dtype and dx.dtype == dtype and dw.dtype == jnp.float32
           and d_maps.dtype == dtype
@@ -146,6 +150,9 @@ def test_jit_grad_matches_per_token_loop(comm, impl, dtype, capacity_factor, pol
           and np.all(np.asarray(dw)[~want["kept"]] == 0)  # dropped: no weight gradient
           and np.array_equal(stats.tokens_per_expert - before.tokens_per_expert,
                              want["kept_per_expert"])
+          and isinstance(handle, moe.MoEHandle) and handle.stats is None
+          and np.array_equal(np.asarray(handle.tokens_per_expert),
+                             want["kept_per_expert"][mine])
           and np.array_equal(stats.dropped - before.dropped, want["dropped_per_expert"])
           and ((stats.dropped.sum() > before.dropped.sum()) == (capacity_factor is not None)))
     assert all_ranks(ok)
@@ -155,7 +162,7 @@ def test_expert_x_layout(comm):
     """expert_x[l, r * capacity + s]: the s-th kept token (token order) that
     rank r sent to local expert l; zero rows after them."""
     tokens, hidden, k, experts = 10, 3, 2, 2 * comm.size
-    dispatcher = cj.Dispatcher(comm, experts, 0.6)
+    dispatcher = cj.Dispatcher(comm, experts, capacity_factor=0.6)
     capacity = dispatcher.capacity(tokens, k)
     local = experts // comm.size
     expected = np.zeros((local, comm.size * capacity, hidden))
@@ -176,7 +183,8 @@ def test_expert_x_layout(comm):
 @pytest.mark.parametrize("hierarchical", [False, True])
 def test_matches_the_eager_core_without_drops(comm, hierarchical):
     """Nothing dropped: y, d x and the stats' loads equal commlib.moe's, which
-    runs eagerly on NumPy with the same capacity (two-hop or flat)."""
+    runs eagerly on NumPy with the same capacity (two-hop or flat: JAX's
+    one padded exchange gives what either path gives)."""
     tokens, hidden, k, experts = 16, 4, 3, 4 * comm.size
     x, chosen, weights, probe = _tokens_of(comm.rank, tokens, hidden, experts, k, "float32")
     x = x.astype(np.float32)
@@ -192,7 +200,7 @@ def test_matches_the_eager_core_without_drops(comm, hierarchical):
     d_expert_y, core_dw = core.combine_backward(expert_y, probe.astype(np.float32), handle, k)
     core_dx = core.dispatch_backward(np.concatenate(
         [c @ mine[e].T for e, c in enumerate(np.split(d_expert_y, starts))]), handle)
-    dispatcher = cj.Dispatcher(comm, experts, float(experts), hierarchical=hierarchical)
+    dispatcher = cj.Dispatcher(comm, experts, capacity_factor=float(experts))
     loss = _moe_loss(dispatcher)
     (_, (y, _, _)), (dx, dw) = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(
         jnp.asarray(x), jnp.asarray(weights), jnp.asarray(mine), jnp.asarray(chosen),
@@ -212,7 +220,7 @@ def _many_dispatches(comm, count, scanned):
     loop (y_i = scale_i * y, no drops)."""
     tokens, hidden, k = 4, 3, 2
     experts = 2 * comm.size
-    dispatcher = cj.Dispatcher(comm, experts, float(experts))
+    dispatcher = cj.Dispatcher(comm, experts, capacity_factor=float(experts))
     x, chosen, weights, probe = _tokens_of(comm.rank, tokens, hidden, experts, k, "float32")
     maps = _maps(experts, hidden, "float32")
     local = experts // comm.size
@@ -228,11 +236,11 @@ def _many_dispatches(comm, count, scanned):
             _, sent = jax.lax.scan(lambda c, s: (c, dispatcher.dispatch(x * s, chosen, weights)),
                                    0, scales)
             outs = jax.lax.scan(lambda c, item: (c, dispatcher.combine(
-                expert(item[0], maps), weights, item[1])), 0, sent)[1]
+                expert(item[0], maps), item[1])), 0, sent)[1]
             return jnp.einsum("i,itg,tg->", factors, outs, probe)
         sent = [dispatcher.dispatch(x * scales[i], chosen, weights) for i in range(count)]
-        outs = [dispatcher.combine(expert(expert_x, maps), weights, key)
-                for expert_x, key in sent]
+        outs = [dispatcher.combine(expert(expert_x, maps), handle)
+                for expert_x, handle in sent]
         return sum((y * probe).sum() * factors[i] for i, y in enumerate(outs))
 
     before = dispatcher.stats.tokens_per_expert.sum()
@@ -277,7 +285,7 @@ def test_an_expert_out_of_range_inside_jit_raises_on_every_rank(comm):
     """The ids are traced, so the verdict comes when the program runs: every
     rank gets every rank's id range with the counts, and all raise."""
     experts, x, chosen, weights = _small(comm)
-    dispatcher = cj.Dispatcher(comm, experts, 2.0)
+    dispatcher = cj.Dispatcher(comm, experts, capacity_factor=2.0)
     bad = comm.size - 1
     if comm.rank == bad:
         chosen = chosen.at[0, 0].set(experts)
@@ -298,7 +306,7 @@ def test_an_expert_out_of_range_inside_jit_raises_on_every_rank(comm):
 
 def test_bad_input_known_when_tracing_raises_on_every_rank(comm):
     experts, x, chosen, weights = _small(comm)
-    dispatcher = cj.Dispatcher(comm, experts, 2.0)
+    dispatcher = cj.Dispatcher(comm, experts, capacity_factor=2.0)
     bad = comm.size - 1
     ids = np.asarray(chosen)
     if comm.rank == bad:
@@ -321,19 +329,19 @@ def test_shapes_that_differ_between_ranks_fail_on_every_rank(comm):
     if comm.size == 1:
         pytest.skip("needs two ranks to differ")
     experts, x, chosen, weights = _small(comm, tokens=6 if comm.rank else 8)
-    dispatcher = cj.Dispatcher(comm, experts, 2.0)
+    dispatcher = cj.Dispatcher(comm, experts, capacity_factor=2.0)
     raises_everywhere(commlib.CollectiveMismatchError,
                       lambda: jax.jit(dispatcher.dispatch)(x, chosen, weights),
                       match="ranks called moe.dispatch with different arguments")
     experts, x, chosen, weights = _small(comm)
-    expert_x, key = jax.jit(dispatcher.dispatch)(x, chosen, weights)
+    expert_x, handle = jax.jit(dispatcher.dispatch)(x, chosen, weights)
     wide = expert_x if comm.rank else jnp.concatenate([expert_x, expert_x], axis=2)
     raises_everywhere(commlib.CollectiveMismatchError,
-                      lambda: jax.jit(dispatcher.combine)(wide, weights, key),
+                      lambda: jax.jit(dispatcher.combine)(wide, handle),
                       match="ranks called moe.combine with different arguments")
     raises_everywhere(commlib.CollectiveMismatchError,
-                      lambda: jax.jit(dispatcher.combine)(expert_x[:, 1:], weights, key),
-                      match="expert_y must be [local_experts, slots, ...]")
+                      lambda: jax.jit(dispatcher.combine)(expert_x[:, 1:], handle),
+                      match="expert_y must have one row per expert_x row")
 
 
 def test_eager_calls_and_rows_of_any_shape(comm):
@@ -342,15 +350,35 @@ def test_eager_calls_and_rows_of_any_shape(comm):
     rng = np.random.default_rng(comm.rank)
     x = jnp.asarray(rng.standard_normal((tokens, 2, 3)), jnp.float32)
     _, chosen, weights, _ = _tokens_of(comm.rank, tokens, 6, experts, k, "float32")
-    dispatcher = cj.Dispatcher(comm, experts, float(experts), keep=3)  # keep: unused
-    expert_x, key = dispatcher.dispatch(x, jnp.asarray(chosen), jnp.asarray(weights))
-    y = dispatcher.combine(expert_x.sum(axis=-1), jnp.asarray(weights), key)
+    dispatcher = cj.Dispatcher(comm, experts, capacity_factor=float(experts))
+    expert_x, handle = dispatcher.dispatch(x, jnp.asarray(chosen), jnp.asarray(weights))
+    y = dispatcher.combine(expert_x.sum(axis=-1), handle)
     want = (np.asarray(x).sum(axis=-1)
             * np.where(chosen >= 0, weights, 0).sum(axis=1)[:, None])
     assert all_ranks(expert_x.shape == (experts // comm.size, dispatcher.slots(tokens, k), 2, 3)
                      and y.shape == (tokens, 2) and np.allclose(np.asarray(y), want, atol=1e-6))
 
 
-def test_needs_a_capacity(comm):
-    with pytest.raises(ValueError, match="give a capacity_factor"):
-        cj.Dispatcher(comm, comm.size, capacity_factor=None)
+def test_hierarchical_is_refused_not_run_flat(comm):
+    """The padded exchange has no two-hop path: refused on every rank."""
+    raises_everywhere(commlib.CollectiveMismatchError,
+                      lambda: cj.Dispatcher(comm, comm.size, hierarchical=True),
+                      match="hierarchical=True is not available in the JAX Dispatcher")
+
+
+def test_fixed_layout_from_max_tokens_per_rank(comm):
+    """With ``max_tokens_per_rank`` the layout comes from it, so ranks may
+    dispatch different numbers of tokens; y equals the per-token sum."""
+    k, hidden, experts, most = 2, 3, 2 * comm.size, 9
+    tokens = 5 + comm.rank % 3
+    dispatcher = cj.Dispatcher(comm, experts, max_tokens_per_rank=most)
+    x, chosen, weights, _ = _tokens_of(comm.rank, tokens, hidden, experts, k, "float32")
+    expert_x, handle = jax.jit(dispatcher.dispatch)(jnp.asarray(x, jnp.float32),
+                                                    jnp.asarray(chosen), jnp.asarray(weights))
+    y = jax.jit(dispatcher.combine)(expert_x * 2, handle)
+    want = 2 * x * weights.sum(axis=1)[:, None]
+    assert all_ranks(expert_x.shape == (experts // comm.size, comm.size * most, hidden)
+                     and np.allclose(np.asarray(y), want, atol=1e-6)
+                     and dispatcher.collect_stats().tokens_per_expert.sum()
+                     == comm.allreduce(np.array([tokens * k]))[0]
+                     and dispatcher.collect_stats().tokens_per_expert.sum() == 0)

@@ -14,13 +14,16 @@ import commlib
 from commlib.moe.dispatch import Dispatcher
 
 import arrayimpl
+import requires
 from conftest import all_ranks, raises_everywhere
 
 HIDDEN = 6
 NUMPY = arrayimpl.IMPLS["numpy"]
 # largest |error| allowed, relative to the largest |y|: the payload is
-# rounded to the dtype on each crossing, the sums are float32
-TOLERANCE = {"float32": 1e-5, "float16": 4e-3, "bfloat16": 3e-2}
+# rounded to the dtype on each crossing, the sums are float32. 2.5-3x the
+# worst measured (NumPy and torch, counted and fixed, seeds 8-11, 2 and 3
+# ranks): float32 7.8e-8, float16 6.8e-4, bfloat16 5.9e-3
+TOLERANCE = {"float32": 2.5e-7, "float16": 2e-3, "bfloat16": 1.5e-2}
 
 
 def expert_maps(num_experts):
@@ -216,7 +219,7 @@ def test_combine_of_dispatch_in_every_framework(comm, impl, dtype, fixed):
 def test_torch_tensors_are_computed_on_by_torch(comm):
     """Dispatch and combine of torch tensors run torch's sort, gather and
     index_add (the old path converted to NumPy and ran none of them)."""
-    torch = pytest.importorskip("torch")
+    torch = requires.module("torch")
     from torch.overrides import TorchFunctionMode
 
     class TorchCalls(TorchFunctionMode):
@@ -250,7 +253,7 @@ def test_a_dispatch_reads_the_device_once_at_every_size(comm, monkeypatch, hiera
     their counts from the other hosts, not from their device. (World size
     1 and the torch witness of every other device read:
     tests/test_moe_host_syncs.py.)"""
-    torch = pytest.importorskip("torch")
+    torch = requires.module("torch")
     import commlib.moe.dispatch as module
 
     reads = []
@@ -305,7 +308,7 @@ def test_bad_routing_on_one_rank_raises_everywhere(comm, case, message):
         elif case == "weights_shape":
             weights = weights[:, :1]
         elif case == "mixed_frameworks":
-            experts = pytest.importorskip("torch").from_numpy(experts)
+            experts = requires.module("torch").from_numpy(experts)
         else:
             experts = experts[:-1]
     error = raises_everywhere(commlib.CollectiveMismatchError,
@@ -327,7 +330,7 @@ def test_combine_checks_expert_outputs_on_every_rank(comm):
         other = expert_x.astype(np.float16) if comm.rank == 0 else expert_x
         raises_everywhere(commlib.CollectiveMismatchError, lambda: d.combine(other, handle),
                           match="different arguments")
-    torch = pytest.importorskip("torch")
+    torch = requires.module("torch")
     elsewhere = torch.from_numpy(expert_x) if comm.rank == 0 else expert_x
     raises_everywhere(commlib.CollectiveMismatchError, lambda: d.combine(elsewhere, handle),
                       match="expert_y torch on cpu, the dispatch's arrays numpy on cpu")

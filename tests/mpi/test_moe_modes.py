@@ -21,6 +21,7 @@ import commlib
 from commlib.moe.dispatch import Dispatcher
 
 import arrayimpl
+import requires
 from conftest import all_ranks, raises_everywhere
 
 
@@ -75,7 +76,7 @@ def test_fixed_capacity_never_reads_the_device(comm, monkeypatch, hierarchical):
     """Dispatch, combine and both backwards with torch tensors, FP8 rows
     and a capacity: not one ``to_host`` (the counted mode makes one per
     dispatch); the counts reach the host at ``collect_stats`` only."""
-    torch = pytest.importorskip("torch")
+    torch = requires.module("torch")
     import commlib.moe.dispatch as module
 
     reads = []
@@ -289,13 +290,26 @@ def test_a_handle_never_waited_on_is_an_error_at_the_next_call(comm, fixed):
 
 
 # -- autograd -------------------------------------------------------------------
+# largest |error| of the (x, weights, expert maps) gradients against the counted
+# dispatch's, relative to its largest: 2-3x the worst measured at 2 and 3 ranks
+# (seeds 40-42). Fixed capacity changes only the order of float32 sums (d x
+# measured 2e-7, d weights exact, d maps 1e-7); in bfloat16 d x and d weights
+# round to the same values (measured exact), and torch's bfloat16 einsum over
+# the padded [L, slots] layout reduces in another order than over [rows] (d
+# maps, measured 0.0113). FP8 rows: e4m3's 2**-4 rounding, measured 0.057.
+GRADIENT_TOLERANCE = {("fixed", "float32"): (5e-7, 5e-7, 5e-7),
+                      ("fixed", "bfloat16"): (0.0, 0.0, 0.03),
+                      **{(mode, dtype): (0.12,) * 3 for mode in ("fp8", "fixed-fp8")
+                         for dtype in ("float32", "bfloat16")}}
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("mode", ["fixed", "fp8", "fixed-fp8"])
 def test_torch_gradients_through_fixed_capacity_and_fp8(comm, mode, dtype):
     """x, weights and the expert weights get the counted dispatch's
     gradients: equal under a fixed capacity, within e4m3's rounding with
     FP8 rows (the quantization passed straight through)."""
-    torch = pytest.importorskip("torch")
+    torch = requires.module("torch")
     from commlib.bindings.torch import Dispatcher as TorchDispatcher
 
     num_experts = 4 * comm.size
@@ -329,10 +343,10 @@ def test_torch_gradients_through_fixed_capacity_and_fp8(comm, mode, dtype):
     options = {"fixed": dict(max_tokens_per_rank=limit), "fp8": dict(quantize="fp8"),
                "fixed-fp8": dict(max_tokens_per_rank=limit, quantize="fp8")}[mode]
     grads = run(**options)
-    tolerance = (2e-5 if mode == "fixed" else 0.15) if dtype == "float32" else 0.15
     errors = [np.abs(g - r).max() / max(np.abs(r).max(), 1e-6)
               for g, r in zip(grads, reference)]
-    assert all_ranks(max(errors) <= tolerance), errors
+    assert all_ranks(all(e <= t for e, t in zip(errors, GRADIENT_TOLERANCE[mode, dtype]))), \
+        errors
 
 
 # -- bad input ----------------------------------------------------------------

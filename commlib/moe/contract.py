@@ -1,0 +1,143 @@
+"""What every MoE Dispatcher (``commlib.moe``, ``bindings.torch``,
+``bindings.jax``) accepts and refuses, in one place: the three give the same
+error for the same bad option or input, word for word, and hand back handles
+of one shape (``MoEHandle``). Each check returns the problem instead of
+raising it, so the caller can pass it to ``agree`` and raise it on every
+rank."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, List, Optional, Protocol, Tuple, runtime_checkable
+
+from ..namespace import device, dtype_name, framework, framework_of
+from .quantize import quantize_fp8
+from .stats import DispatchStats
+
+DROP_POLICIES = ("probs", "position")
+QUANTIZE = (None, "fp8")
+# expert ids travel as float32 beside the weights (in each row's message);
+# float32 holds every integer below 2**24 exactly
+MAX_EXPERTS = 2 ** 24
+
+
+@runtime_checkable
+class MoEHandle(Protocol):
+    """What ``dispatch`` returns beside ``expert_x`` and ``combine`` takes
+    back, in every binding. ``tokens_per_expert[e]``: the real rows of this
+    rank's local expert e in ``expert_x`` (host int64 when counted, an array
+    on the device under a fixed capacity); ``stats``: this dispatch's global
+    ``DispatchStats``, or None where they stay on the device until
+    ``Dispatcher.collect_stats()`` (fixed capacity, JAX)."""
+
+    @property
+    def tokens_per_expert(self) -> Any: ...
+
+    @property
+    def stats(self) -> Optional[DispatchStats]: ...
+
+
+def options_problem(comm, num_experts: Any, capacity_factor: Any, drop_policy: Any,
+                    hierarchical: Any, max_tokens_per_rank: Any) -> Optional[ValueError]:
+    """What is wrong with a Dispatcher's options on this rank (None: nothing)."""
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) \
+            or num_experts < 1 or num_experts % comm.size:
+        return ValueError(f"num_experts={num_experts!r} must be a positive multiple of "
+                          f"the world size {comm.size} (expert e lives on rank "
+                          f"e // (num_experts // size))")
+    if num_experts > MAX_EXPERTS:
+        return ValueError(f"num_experts={num_experts} exceeds {MAX_EXPERTS}, the most "
+                          f"whose ids travel exactly in the float32 routing metadata")
+    if drop_policy not in DROP_POLICIES:
+        return ValueError(f"unknown drop_policy {drop_policy!r}; use one of "
+                          f"{', '.join(DROP_POLICIES)}")
+    if capacity_factor is not None and not capacity_factor > 0:
+        return ValueError(f"capacity_factor must be positive (or None for no cap), "
+                          f"got {capacity_factor!r}")
+    if hierarchical and not comm.topology.is_uniform:
+        return ValueError("two-hop dispatch needs the same number of ranks on every node")
+    if max_tokens_per_rank is not None and (
+            isinstance(max_tokens_per_rank, bool)
+            or not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1):
+        return ValueError(f"max_tokens_per_rank must be a positive integer (the most "
+                          f"tokens any rank dispatches at once) or None, got "
+                          f"{max_tokens_per_rank!r}")
+    return None
+
+
+def capacity(tokens: int, k: int, num_experts: int, capacity_factor: Optional[float],
+             max_tokens_per_rank: Optional[int]) -> Optional[int]:
+    """Assignments each expert takes from one rank,
+    ``ceil(T * k / E * capacity_factor)``, T at most ``max_tokens_per_rank``
+    (None: no capacity factor, no cap)."""
+    if capacity_factor is None:
+        return None
+    if max_tokens_per_rank is not None:
+        tokens = min(tokens, max_tokens_per_rank)
+    return math.ceil(tokens * k / num_experts * capacity_factor)
+
+
+def require_one_place(named: List[Tuple[str, Any]]) -> None:
+    """Raise ValueError unless the arrays are of one framework, on one
+    device: commlib computes where the data lives and never moves it."""
+    places = [(framework(a), str(device(a))) for _, a in named]
+    if len(set(places)) > 1:
+        found = ", ".join(f"{name} {kind} on {where}" for (name, _), (kind, where)
+                          in zip(named, places))
+        raise ValueError(f"{found}: pass arrays of one framework on one device "
+                         f"(convert the odd one out first)")
+
+
+def input_problem(x: Any, experts: Any, weights: Any,
+                  quantize: Optional[str]) -> Optional[Exception]:
+    """What is wrong with the shapes and kinds of a dispatch's input on this
+    rank (None: nothing); the ids' values are ``range_problem``'s."""
+    named = [("x", x), ("experts", experts), ("weights", weights)]
+    try:
+        for name, a in named:
+            framework_of(name, a)
+        require_one_place(named)
+        if x.ndim < 1:
+            raise ValueError("x must have one row per token, got a scalar")
+        tokens = x.shape[0]
+        if experts.ndim != 2 or experts.shape[0] != tokens:
+            raise ValueError(f"experts must be [tokens, k] with {tokens} rows like x, got "
+                             f"shape {tuple(experts.shape)}")
+        if tuple(weights.shape) != tuple(experts.shape):
+            raise ValueError(f"weights must have the shape of experts "
+                             f"{tuple(experts.shape)}, got {tuple(weights.shape)}")
+        if not dtype_name(experts).startswith(("int", "uint")):
+            raise ValueError(f"experts must be integers, got {dtype_name(experts)}")
+        if quantize not in QUANTIZE:
+            raise ValueError(f"unknown quantize={quantize!r}; use None (rows travel in "
+                             f"x's dtype) or 'fp8' (e4m3 with a scale per 128 channels)")
+        if quantize == "fp8" and x.ndim != 2:
+            raise ValueError(f"quantize='fp8' takes x of shape [tokens, hidden], got "
+                             f"{tuple(x.shape)}")
+        if quantize == "fp8":
+            quantize_fp8(x[:0])  # the framework's and dtype's refusals, on no data
+    except (ValueError, TypeError) as error:
+        return error
+    return None
+
+
+def range_problem(num_experts: int, low: int, high: int) -> Optional[ValueError]:
+    """Expert ids outside [-1, E), from their smallest and largest value."""
+    if low < -1 or high >= num_experts:
+        return ValueError(f"expert indices must lie in [-1, {num_experts}) "
+                          f"(-1: no expert), got values from {low} to {high}")
+    return None
+
+
+def combine_problem(expert_y: Any, lead: Tuple[int, ...], like: Any) -> Optional[Exception]:
+    """What is wrong with ``expert_y`` for a dispatch whose ``expert_x`` had
+    the leading shape ``lead`` and whose arrays are beside ``like``."""
+    try:
+        framework_of("expert_y", expert_y)
+        require_one_place([("expert_y", expert_y), ("the dispatch's arrays", like)])
+    except ValueError as error:
+        return error
+    if tuple(expert_y.shape[:len(lead)]) != tuple(lead):
+        return ValueError(f"expert_y must have one row per expert_x row (leading shape "
+                          f"{tuple(lead)}), got shape {tuple(expert_y.shape)}")
+    return None
