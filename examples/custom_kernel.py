@@ -62,7 +62,7 @@ comm = commlib.init()
 torch.manual_seed(0)                                  # the same global tensors on every rank
 q, dout = (torch.randn(1, 64, 4, 16) for _ in range(2))
 k, v = (torch.randn(1, 64, 2, 16) for _ in range(2))  # GQA: 4 query heads, 2 kv heads
-q, k, v, dout = (ring.shard_sequence(x, comm, "zigzag") for x in (q, k, v, dout))
+q, k, v, dout = (ring.shard_sequence(x, comm, layout="zigzag") for x in (q, k, v, dout))
 opts = dict(causal=True, layout="zigzag")
 results = {}
 for kernel in (MATH, None):                           # None: the built-in choice

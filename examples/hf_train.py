@@ -41,8 +41,8 @@ CONFIGS = {
 @click.command()
 @click.option("--model", "family", type=click.Choice(sorted(CONFIGS)), default="llama",
               show_default=True)
-@click.option("--attn", type=click.Choice(["commlib_ring", "commlib_ulysses", "commlib_hybrid"]),
-              default="commlib_ring", show_default=True)
+@click.option("--attn", type=click.Choice(sorted(cht.LAYOUTS)), default="commlib_ring",
+              show_default=True, help="commlib's attention implementation.")
 @click.option("--seq", default=256, show_default=True, help="Global sequence length.")
 @click.option("--steps", default=20, show_default=True)
 @click.option("--lr", default=1e-3, show_default=True)
@@ -62,13 +62,12 @@ def main(family: str, attn: str, seq: int, steps: int, lr: float, device: str,
     if family.endswith("_moe"):
         cht.expert_parallel(sharded, comm)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=lr) for m in (reference, sharded)]
-    layout = cht.LAYOUTS[attn]  # the sequence layout the implementation expects
     data = torch.randint(CONFIGS[family]().vocab_size, (1, seq),
                          generator=torch.Generator().manual_seed(1)).to(device)  # same everywhere
     for step in range(steps):
         alone = reference(input_ids=data, labels=data).loss
         alone.backward()
-        shard = cht.shard_batch({"input_ids": data}, comm, layout=layout)
+        shard = cht.shard_batch({"input_ids": data}, comm, attn_implementation=sharded)
         mine = sharded(**shard).loss  # this rank's share of the global mean
         mine.backward()
         cht.allreduce_gradients(sharded, comm)

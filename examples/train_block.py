@@ -1,17 +1,17 @@
-"""A transformer block trained with context parallelism (Ring or Ulysses
-attention) and an expert-parallel MoE feed-forward (top-2 over 4 experts),
+"""A transformer block trained with context parallelism (Ring, Ulysses or
+their hybrid) and an expert-parallel MoE feed-forward (top-2 over 4 experts),
 against the same block trained on one process on the unsharded sequence.
 
     mpiexec -n 2 python examples/train_block.py ring
     mpiexec -n 4 python examples/train_block.py ulysses
+    mpiexec -n 4 python examples/train_block.py hybrid     # Ulysses 2 x Ring 2
 
 Every rank holds every parameter; the sharded run sums the gradients over
 ranks (an expert's only come from its owner) and takes the same SGD step, so
 both runs must follow the same loss curve to float32 precision.
 """
 
-import sys
-
+import click
 import numpy as np
 import torch
 
@@ -82,10 +82,20 @@ def train_single():
     return losses, {name: t.detach() for name, t in p.items()}
 
 
+def attention_of(name, comm):
+    """(the sequence layout, the attention) of a context-parallel scheme;
+    the hybrid runs Ulysses over pairs of ranks where the world size is even."""
+    ulysses_size = 2 if comm.size % 2 == 0 else 1
+    return {"ring": ("zigzag", lambda q, k, v: ct.ring_attention(
+                q, k, v, comm, layout="zigzag", causal=True)),
+            "ulysses": ("contiguous", lambda q, k, v: ct.ulysses_attention(
+                q, k, v, comm, layout="contiguous", causal=True)),
+            "hybrid": ("contiguous", lambda q, k, v: ct.hybrid_attention(
+                q, k, v, comm, ulysses_size, layout="contiguous", causal=True))}[name]
+
+
 def train_sharded(comm, attention):
-    layout = "zigzag" if attention == "ring" else "contiguous"
-    attend = {"ring": lambda q, k, v: ct.ring_attention(q, k, v, comm, True, layout),
-              "ulysses": lambda q, k, v: ct.ulysses_attention(q, k, v, comm, True)}[attention]
+    layout, attend = attention_of(attention, comm)
     dispatcher = ct.Dispatcher(comm, EXPERTS)
     local = EXPERTS // comm.size
 
@@ -99,7 +109,7 @@ def train_sharded(comm, attention):
         return dispatcher.combine(expert_y, handle)
 
     p, losses = initial_parameters(), []
-    x = ring.shard_sequence(batch(), comm, layout)
+    x = ring.shard_sequence(batch(), comm, layout=layout)
     for _ in range(STEPS):
         loss = block(x, p, attend, expert_parallel_moe)
         loss.backward()
@@ -111,7 +121,10 @@ def train_sharded(comm, attention):
     return losses, {name: t.detach() for name, t in p.items()}
 
 
+@click.command()
+@click.argument("attention", type=click.Choice(["ring", "ulysses", "hybrid"]), default="ring")
 def main(attention):
+    """Train the block sharded with ATTENTION and on one process; compare."""
     comm = commlib.init()
     losses, params = train_sharded(comm, attention)
     reference, reference_params = train_single()
@@ -127,4 +140,4 @@ def main(attention):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "ring")
+    main()

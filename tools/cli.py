@@ -187,19 +187,43 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'s' if count != 1 else ''}"
 
 
+# -- --np ----------------------------------------------------------------------
+def relaunchable(command: click.Command) -> click.Command:
+    """Give ``command`` the ``--np NP`` option: started outside MPI, it runs
+    itself again as ``mpiexec -n NP`` with the same options; under MPI the
+    option is ignored. Every command that runs under MPI has it."""
+    command.params.append(click.Option(
+        ["--np", "nprocs"], type=click.IntRange(min=1),
+        help="Not under MPI yet: re-launch as mpiexec -n NP with the same options."))
+    run_here = command.callback
+
+    @functools.wraps(run_here)
+    def run_or_relaunch(*args, nprocs: Optional[int] = None, **kwargs):
+        if nprocs is not None and not under_mpi():
+            click.get_current_context().exit(relaunch(nprocs, sys.argv[1:]))
+        return run_here(*args, **kwargs)
+
+    command.callback = run_or_relaunch
+    return command
+
+
 # -- commands --------------------------------------------------------------
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(commlib.__version__, prog_name="commlib")
 def main() -> None:
     """commlib: collectives for context and expert parallelism.
 
-    Launch like any MPI program (mpiexec -n P commlib ...); rank 0 prints.
+    Launch like any MPI program (mpiexec -n P commlib ...), or give info or
+    a diag command --np P to have it launch itself; rank 0 prints. simulate
+    needs no MPI.
     """
 
 
+@relaunchable
 @main.command()
 def info() -> None:
-    """What this launch sees: MPI library, world, topology, backends and
+    """What this launch sees: MPI library, world, topology, backends
+    (whether CUDA arrays go to MPI directly or are staged, and why) and
     array frameworks."""
     with world() as comm:
         if comm.rank == 0:
@@ -225,7 +249,7 @@ def info_lines(comm: commlib.Communicator) -> List[str]:
                                 else f"unavailable ({nccl_reason})"),
         f"nccl        {_nccl_version()}",
         f"gpus        {_gpu_count()}",
-        f"cuda-aware  {_cuda_aware_mpi(MPI)}",
+        f"cuda-aware  {_cuda_aware_decision()}",
         "frameworks  " + ", ".join(_framework_status(name) for name in FRAMEWORKS),
     ]
 
@@ -254,16 +278,17 @@ def _gpu_count() -> str:
         return f"unknown ({type(error).__name__})"
 
 
-def _cuda_aware_mpi(mpi) -> str:
-    """yes/no when mpi4py can ask (MPI.Query_cuda_support, MPI-4.1 era),
-    else "unknown": older libraries and mpi4py versions cannot tell."""
-    query = getattr(mpi, "Query_cuda_support", None)
-    if query is None:
-        return "unknown"
+def _cuda_aware_decision() -> str:
+    """What ``backends.cuda_aware.detect()`` decides for CUDA arrays over
+    MPI, and why: the decision the staged backend acts on. A bad
+    ``COMMLIB_MPI_CUDA_AWARE`` is reported, not raised."""
+    from commlib.backends import cuda_aware
+
     try:
-        return "yes" if query() else "no"
-    except Exception:  # noqa: BLE001 - an unimplemented query means unknown
-        return "unknown"
+        support = cuda_aware.detect()
+    except ValueError as error:
+        return f"error: {error}"
+    return cuda_aware.describe(support)
 
 
 def _framework_status(module: str) -> str:
@@ -283,6 +308,7 @@ def diag() -> None:
     """Collective benchmarks with a correctness check, nccl-tests style."""
 
 
+@relaunchable
 @diag.command("alltoall")
 @sweep_options
 @click.option("--pattern", type=click.Choice(PATTERNS), default="uniform", show_default=True,
@@ -318,8 +344,6 @@ def diag() -> None:
 @click.option("--slow-links", is_flag=True,
               help="After the sweep, time 1 MiB between every pair of ranks and print "
                    "the rank x rank matrix, marking the slowest link.")
-@click.option("--np", "nprocs", type=click.IntRange(min=1),
-              help="Not under MPI yet: re-launch as mpiexec -n NP with the same options.")
 @click.option("--backend", type=click.Choice(["mpi", "nccl", "auto"]), default="mpi",
               show_default=True,
               help="mpi: host buffers over MPI; nccl: CuPy buffers over NCCL (needs a GPU); "
@@ -328,7 +352,7 @@ def diag() -> None:
 def alltoall(ctx: click.Context, sweep: Sweep, pattern: str, seed: int, experts: int,
              topk: int, skew: Optional[float], spread: float, matrix_path: Optional[str],
              per_rank: bool, json_path: Optional[str], plot_path: Optional[str],
-             slow_links: bool, nprocs: Optional[int], backend: str) -> None:
+             slow_links: bool, backend: str) -> None:
     """Time comm.alltoallv from -b to -e bytes per rank and check the data,
     like nccl-tests' alltoall_perf (alltoallv_perf with --spread or --matrix).
     Exits 1 if any element arrived wrong.
@@ -339,8 +363,6 @@ def alltoall(ctx: click.Context, sweep: Sweep, pattern: str, seed: int, experts:
     On rank 0, a progress line is shown on stderr when it is a terminal and
     the sweep has run for more than a couple of seconds.
     """
-    if nprocs is not None and not under_mpi():
-        ctx.exit(relaunch(nprocs, sys.argv[1:]))
     if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
         raise click.BadParameter("plotting needs matplotlib: pip install matplotlib",
                                  param_hint="'--plot'")
@@ -970,7 +992,7 @@ from commlib.tools.diag_moe import moe  # noqa: E402
 from commlib.tools.simulate import simulate  # noqa: E402
 
 for command in (moe, diag_ring, diag_ulysses):
-    diag.add_command(command)
+    diag.add_command(relaunchable(command))
 main.add_command(simulate)
 
 
