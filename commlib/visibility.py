@@ -108,18 +108,22 @@ class _Rect:
 
 def _runs(spans: Tuple[Span, ...]) -> List[Tuple[int, int, int, Tuple[Tuple[int, int, int], ...]]]:
     """Consecutive spans of one document in increasing positions, as
-    (doc, local start, local stop, ((local start, position, length), ...))."""
+    (doc, local start, local stop, ((local start, position, length), ...)).
+    Padding ends a run: a run's tokens are local neighbours (the hybrid's
+    groups hold one document's chunks with padding between them)."""
     runs: List[Any] = []
     local = 0
+    previous = None
     for span in spans:
         piece = (local, span.position, span.length)
         last = runs[-1] if runs else None
-        if span.doc != PADDING and last is not None and last[0] == span.doc \
-                and span.position > last[3][-1][1]:
+        if span.doc != PADDING and last is not None and previous is not None \
+                and previous.doc == last[0] == span.doc and span.position > last[3][-1][1]:
             runs[-1] = (span.doc, last[1], local + span.length, last[3] + (piece,))
         elif span.doc != PADDING:
             runs.append((span.doc, local, local + span.length, (piece,)))
         local += span.length
+        previous = span
     return runs
 
 

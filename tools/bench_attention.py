@@ -82,14 +82,16 @@ def main(seq: int, heads: int, kv_heads, head_dim: int, dtype: str, repeats: int
     shapes = [(1, seq, h, head_dim) for h in (heads, kv_heads or heads, kv_heads or heads,
                                              heads)]
     full = [torch.randn(s, generator=gen).to(kind) for s in shapes]
-    zigzag = [ring.shard_sequence(t, comm, "zigzag") for t in full]
-    contiguous = [ring.shard_sequence(t, comm, "contiguous") for t in full]
+    zigzag = [ring.shard_sequence(t, comm, layout="zigzag") for t in full]
+    contiguous = [ring.shard_sequence(t, comm, layout="contiguous") for t in full]
     contenders: Dict[str, Callable[[], float]] = {
         f"torch SDPA, 1 process x {size} threads": lambda: _sdpa_on_rank0(world, full, size),
         "commlib ring (zigzag)": lambda: _sharded(
-            world, lambda q, k, v: ct.ring_attention(q, k, v, comm, True, "zigzag"), zigzag),
+            world, lambda q, k, v: ct.ring_attention(q, k, v, comm, layout="zigzag",
+                                                     causal=True), zigzag),
         "commlib ulysses": lambda: _sharded(
-            world, lambda q, k, v: ct.ulysses_attention(q, k, v, comm, True), contiguous),
+            world, lambda q, k, v: ct.ulysses_attention(q, k, v, comm, layout="contiguous",
+                                                     causal=True), contiguous),
     }
     for call in contenders.values():  # warm up: allocators, thread pools
         call()

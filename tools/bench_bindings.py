@@ -46,7 +46,8 @@ def main(seq: int, heads: int, head_dim: int, repeats: int) -> None:
 
     jq, jk, jv, jdout = (jnp.asarray(t.numpy()) for t in (q, k, v, dout))
     jax_step = jax.jit(jax.grad(
-        lambda q, k, v: (cj.ring_attention(q, k, v, comm, True, "zigzag") * jdout).sum(),
+        lambda q, k, v: (cj.ring_attention(q, k, v, comm, layout="zigzag", causal=True)
+                         * jdout).sum(),
         argnums=(0, 1, 2)))
     jax.block_until_ready(jax_step(jq, jk, jv))  # compile outside the timing
 
@@ -55,8 +56,10 @@ def main(seq: int, heads: int, head_dim: int, repeats: int) -> None:
 
     def core_on(arrays):
         def call():
-            out, lse = ring.ring_attention(*arrays[:3], comm, True, "zigzag", return_lse=True)
-            ring.ring_attention_backward(arrays[3], *arrays[:3], out, lse, comm, True, "zigzag")
+            out, lse = ring.ring_attention(*arrays[:3], comm, layout="zigzag", causal=True,
+                                           return_lse=True)
+            ring.ring_attention_backward(arrays[3], *arrays[:3], out, lse, comm,
+                                         layout="zigzag", causal=True)
         return call
 
     # each binding against the core called directly in its own framework,

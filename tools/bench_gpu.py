@@ -166,7 +166,7 @@ def _jax_attention(comm, device: str, shape: dict, repeats: int) -> dict:
         loss = lambda q, k, v: (attend(q, k, v).astype(jnp.float32) * probe).sum()  # noqa: E731
         jitted = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
         return lambda: jax.block_until_ready(jitted(q, k, v))
-    ring = step(lambda q, k, v: cj.ring_attention(q, k, v, comm, True, "zigzag"))
+    ring = step(lambda q, k, v: cj.ring_attention(q, k, v, comm, layout="zigzag", causal=True))
     alone = step(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=True, implementation=implementation))
     t_ring, t_alone = (_best(call, device, repeats) for call in (ring, alone))
@@ -192,8 +192,8 @@ def _jax_moe(comm, device: str, shape: dict, repeats: int) -> dict:
 
     def loss(x, logits):
         weights, chosen = jax.lax.top_k(jax.nn.softmax(logits), topk)
-        expert_x, key = dispatcher.dispatch(x, chosen, weights)
-        return dispatcher.combine(expert_x, weights, key).astype(jnp.float32).sum()
+        expert_x, handle = dispatcher.dispatch(x, chosen, weights)
+        return dispatcher.combine(expert_x, handle).astype(jnp.float32).sum()
     step = jax.jit(jax.grad(loss, argnums=(0, 1)))
     return {"tokens": tokens, "hidden": hidden, "experts": experts, "topk": topk,
             "dtype": "bfloat16", "capacity_factor": 1.25,

@@ -74,7 +74,8 @@ def main(seq: int, heads: int, head_dim: int, repeats: int, alone: bool) -> None
 
     jq, jk, jv, jprobe = (jnp.asarray(a) for a in host)
     jax_step = jax.jit(jax.value_and_grad(
-        lambda q, k, v: (cj.ring_attention(q, k, v, comm, True, "zigzag") * jprobe).sum(),
+        lambda q, k, v: (cj.ring_attention(q, k, v, comm, layout="zigzag", causal=True)
+                         * jprobe).sum(),
         argnums=(0, 1, 2)))
     jax.block_until_ready(jax_step(jq, jk, jv))  # compile outside the timing
 

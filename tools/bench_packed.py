@@ -74,7 +74,7 @@ def _step(comm, full, layout: str, options: dict):
     the global ``full`` (q, k, v)."""
     from commlib.bindings import torch as ct
 
-    shards = [ring.shard_sequence(x, comm, layout, cu_seqlens=options.get("cu_seqlens"))
+    shards = [ring.shard_sequence(x, comm, layout=layout, cu_seqlens=options.get("cu_seqlens"))
               .requires_grad_() for x in full]
 
     def run():

@@ -83,10 +83,10 @@ def scaling(comm, world, seq: int, heads: int, dim: int, repeats: int) -> List[d
     for causal, layout in ((False, "contiguous"), (True, "zigzag")):
         q, k, v = _inputs(seq // comm.size, heads, dim, comm.rank)
         fq, fk, fv = _inputs(seq, heads, dim, comm.rank)
-        t_ring = _best(world, functools.partial(ring.ring_attention, q, k, v, comm, causal,
-                                                layout), repeats)
-        t_one = _best(world, functools.partial(ring.ring_attention, fq, fk, fv, alone, causal,
-                                               layout), repeats)
+        t_ring = _best(world, functools.partial(ring.ring_attention, q, k, v, comm,
+                                                layout=layout, causal=causal), repeats)
+        t_one = _best(world, functools.partial(ring.ring_attention, fq, fk, fv, alone,
+                                               layout=layout, causal=causal), repeats)
         rows.append({"test": "scaling", "seq": seq, "causal": causal, "layout": layout,
                      "ranks": comm.size, "t_one_s": t_one, "t_ring_s": t_ring,
                      "efficiency": t_one / (comm.size * t_ring)})
@@ -98,8 +98,10 @@ def overlap(comm, world, seq: int, heads: int, dim: int, repeats: int) -> List[d
     """Ring forward against the same compute without communication."""
     q, k, v = _inputs(seq // comm.size, heads, dim, comm.rank)
     stand_in = _NoTransfer(comm.rank, comm.size)
-    t_ring = _best(world, lambda: ring.ring_attention(q, k, v, comm), repeats)
-    t_compute = _best(world, lambda: ring.ring_attention(q, k, v, stand_in), repeats)
+    t_ring = _best(world, lambda: ring.ring_attention(q, k, v, comm, layout="contiguous"),
+                    repeats)
+    t_compute = _best(world, lambda: ring.ring_attention(q, k, v, stand_in, layout="contiguous"),
+                       repeats)
     return [{"test": "overlap", "seq": seq, "ranks": comm.size, "t_ring_s": t_ring,
              "t_compute_s": t_compute, "exposed_ratio": t_ring / t_compute}]
 
@@ -107,8 +109,8 @@ def overlap(comm, world, seq: int, heads: int, dim: int, repeats: int) -> List[d
 def balance(comm, world, seq: int, heads: int, dim: int, repeats: int) -> List[dict]:
     """Causal zigzag against causal contiguous on the same global problem."""
     q, k, v = _inputs(seq // comm.size, heads, dim, comm.rank)
-    times = {layout: _best(world, functools.partial(ring.ring_attention, q, k, v, comm, True,
-                                                    layout), repeats)
+    times = {layout: _best(world, functools.partial(ring.ring_attention, q, k, v, comm,
+                                                    layout=layout, causal=True), repeats)
              for layout in ("contiguous", "zigzag")}
     return [{"test": "balance", "seq": seq, "ranks": comm.size,
              "t_contiguous_s": times["contiguous"], "t_zigzag_s": times["zigzag"],
@@ -123,7 +125,7 @@ def memory(comm, world, seq: int, heads: int, dim: int, repeats: int) -> List[di
     need = 4 * tensor + 2 * (2 * tensor) + tile  # Q K V O, two K/V buffers, a score tile
     tracemalloc.start()
     q, k, v = _inputs(local, heads, dim, comm.rank)
-    t = _slowest(world, lambda: ring.ring_attention(q, k, v, comm, True, "zigzag"))
+    t = _slowest(world, lambda: ring.ring_attention(q, k, v, comm, layout="zigzag", causal=True))
     peak = world.allreduce(tracemalloc.get_traced_memory()[1], op=MPI.MAX)
     tracemalloc.stop()
     return [{"test": "memory", "seq": seq, "ranks": comm.size, "need_bytes": need,

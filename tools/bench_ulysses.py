@@ -102,7 +102,8 @@ def planner(comm, world, repeats: int, seq: int = 4096, head_dim: int = 64) -> L
         pick = hybrid.plan(comm, seq, heads, kv_heads, head_dim, itemsize=4, methods=("ring",))
         allowed = [c.ulysses_size for c in pick.candidates]
         times = dict(zip(allowed, _interleaved(world, [
-            functools.partial(hybrid.hybrid_attention, q, k, v, comm, u) for u in allowed],
+            functools.partial(hybrid.hybrid_attention, q, k, v, comm, u, layout="contiguous")
+            for u in allowed],
             repeats)))
         fastest = min(times, key=times.get)
         rows.append({"test": "planner", "shape": name, "ranks": comm.size, "seq": seq,

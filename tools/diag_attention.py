@@ -254,8 +254,8 @@ def ring_totals(comm: commlib.Communicator, shape: Shape, layout: str,
     hops = comm.size - 1
     hop_bytes = 2 * k.nbytes
     exposed = sum(step.exposed_comm_s for step in steps)
-    whole = time_call(comm, lambda: ring_lib.ring_attention(q, k, v, comm, shape.causal,
-                                                            layout), shape.iters)
+    whole = time_call(comm, lambda: ring_lib.ring_attention(q, k, v, comm, layout=layout,
+                                                            causal=shape.causal), shape.iters)
     return {"compute_s": sum(step.compute_s for step in steps), "exposed_comm_s": exposed,
             "hops": hops, "hop_bytes": hop_bytes,
             "effective_hop_gbps": gbps(hop_bytes * hops, exposed), "ring_attention_s": whole}
@@ -349,8 +349,8 @@ def ulysses(shape: Shape, json_path: Optional[str]) -> None:
     with world(lambda size: check_ulysses(shape, size)) as comm:
         numbers = relayouts(comm, shape)
         q, k, v = shape.local_inputs(comm.size, comm.rank)
-        whole = time_call(comm, lambda: ulysses_lib.ulysses_attention(q, k, v, comm,
-                                                                      shape.causal),
+        whole = time_call(comm, lambda: ulysses_lib.ulysses_attention(
+            q, k, v, comm, layout="contiguous", causal=shape.causal),
                           shape.iters)
         pick = planner_pick(comm, shape)
         lines = [header("ulysses", comm, shape), *ulysses_lines(numbers, whole),
