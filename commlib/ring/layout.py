@@ -44,7 +44,8 @@ def shard_sequence(x: Any, comm, *, layout: str, axis: int = 1,
     another would be attention over the wrong tokens. Any length: the shard
     is padded (with zeros) where the layout needs it; pass the same
     ``cu_seqlens`` to the attention (for one sequence of uneven length L:
-    ``[0, L]``). ``zigzag_docs`` needs the documents' ``cu_seqlens``."""
+    ``[0, L]``). ``zigzag_docs`` balances every document: give it the
+    documents' ``cu_seqlens`` (without them the sequence is one document)."""
     check_layout(layout)
     xp = namespace(x)
     length = x.shape[axis]
