@@ -9,13 +9,14 @@
 
 NumPy, torch (CPU), JAX (CPU) run everywhere; CuPy, torch CUDA and JAX on
 the GPU ("jax-cuda") carry the ``gpu`` mark and skip, with the reason, where
-no CUDA device is visible. "jax" means host arrays even where JAX's default
-device is a GPU: they are placed on its CPU device explicitly.
+there is no CUDA device (tests/cuda_probe.py: where there is one, a
+framework that cannot use it is an error). "jax" means host arrays even
+where JAX's default device is a GPU: they are placed on its CPU device
+explicitly.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
@@ -24,6 +25,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from cuda_probe import cuda_skip_reason
+
 DTYPES = {"float64": np.float64, "float32": np.float32, "float16": np.float16,
           "bfloat16": ml_dtypes.bfloat16, "int64": np.int64, "int32": np.int32,
           "bool": np.bool_}
@@ -31,26 +34,6 @@ DTYPES = {"float64": np.float64, "float32": np.float32, "float16": np.float16,
 # JAX would take 75% of the GPU when its GPU backend starts: the multi-rank
 # tests put 2-4 ranks (and torch and CuPy beside JAX) on one GPU
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-
-
-@functools.lru_cache(maxsize=None)
-def cuda_skip_reason(framework: str) -> Optional[str]:
-    """None when ``framework`` ("cupy", "torch" or "jax") can use a CUDA
-    device here, else why not."""
-    try:
-        if framework == "torch":
-            import torch
-            return None if torch.cuda.is_available() else "torch sees no CUDA device"
-        if framework == "jax":
-            import jax
-            jax.devices("gpu")  # RuntimeError where JAX has no GPU backend
-            return None
-        import cupy
-        if cupy.cuda.runtime.getDeviceCount() == 0:
-            return "CuPy sees no CUDA device"
-    except Exception as error:  # ImportError, CUDARuntimeError
-        return f"no usable CUDA device for {framework} ({type(error).__name__}: {error})"
-    return None
 
 
 @dataclass(frozen=True)

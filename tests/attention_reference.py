@@ -66,3 +66,12 @@ def masked_torch_reference(q, k, v, dout, mask, scale=None):
         tq, tk, tv, attn_mask=torch.tensor(mask), enable_gqa=True, scale=scale)
     out.backward(torch.tensor(np.asarray(dout, np.float64)).transpose(1, 2))
     return [t.detach().transpose(1, 2).numpy() for t in (out, tq.grad, tk.grad, tv.grad)]
+
+
+def relative_error(got, want) -> float:
+    """max |got - want| over max(1, max |want|), in float64; inf where the
+    shapes differ or ``got`` holds a NaN: what the tolerances bound."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if got.shape != want.shape or np.isnan(got).any():
+        return float("inf")
+    return float(np.abs(got - want).max(initial=0.0) / max(1.0, np.abs(want).max(initial=0.0)))

@@ -1,9 +1,12 @@
 """Launch commands under mpiexec with a hard time limit, so that a hang is a
 failed test and never a stuck CI run. ``COMMLIB_TEST_LAUNCHER`` picks
-another launcher (Open MPI's ``mpirun``, ``srun``) for every launch."""
+another launcher (Open MPI's ``mpirun``, ``srun``) for every launch. Every
+launch shares JAX's persistent compilation cache with the others of this
+session."""
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import shlex
@@ -11,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -51,11 +55,27 @@ def _is_open_mpi(program: str) -> bool:
     return "Open MPI" in version
 
 
+@functools.lru_cache(maxsize=None)
+def jax_cache_env() -> Dict[str, str]:
+    """JAX's persistent compilation cache in a directory of this session's
+    (removed at exit): each rank of a launch, and each launch, would compile
+    the same programs again. Every program is kept, however quick to
+    compile: eager JAX compiles each small operation for each shape. (JAX
+    never caches a program with host callbacks: the binding's jitted
+    collectives are compiled anew each time.)"""
+    directory = tempfile.mkdtemp(prefix="commlib-jax-cache-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return {"JAX_COMPILATION_CACHE_DIR": directory,
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
 def run(nprocs: int, argv: List[str], timeout: float,
         env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
-    """``launcher() -n nprocs argv...``; on timeout the whole process group is
+    """``launcher() -n nprocs argv...``, with ``jax_cache_env()`` unless the
+    environment sets those variables; on timeout the whole process group is
     killed and ``subprocess.TimeoutExpired`` raised."""
-    full_env = dict(os.environ, **(env or {}))
+    full_env = {**jax_cache_env(), **os.environ, **(env or {})}
     proc = subprocess.Popen([*launcher(), "-n", str(nprocs), *argv], env=full_env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

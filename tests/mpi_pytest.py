@@ -3,9 +3,10 @@
     mpiexec -n 3 python tests/mpi_pytest.py LOGDIR [pytest args]
 
 Each rank writes LOGDIR/rank<r>.log and exits with pytest's status, so the
-launcher can show which rank failed and why without interleaved output. A
-rank whose tests failed aborts the job after a short grace: its peers may be
-waiting in a collective it will never make.
+launcher can show which rank failed and why without interleaved output, and
+LOGDIR/rank<r>.xml (junit), so that it can tell what ran and what skipped
+(tests/rank_outcomes.py). A rank whose tests failed aborts the job after a
+short grace: its peers may be waiting in a collective it will never make.
 """
 
 import os
@@ -24,7 +25,8 @@ def main() -> int:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
         sys.stdout = sys.stderr = log
-        status = int(pytest.main(["-p", "no:cacheprovider", "-q", *args]))
+        junit = os.path.join(logdir, f"rank{rank}.xml")
+        status = int(pytest.main(["-p", "no:cacheprovider", "-q", f"--junitxml={junit}", *args]))
         log.flush()
     if status != 0:
         time.sleep(3)  # let peers that are not stuck finish their reports

@@ -6,8 +6,10 @@ import pytest
 
 from commlib.arrays import byte_view, contiguous, unwrap
 
-torch = pytest.importorskip("torch")
-jax = pytest.importorskip("jax")
+import requires
+
+torch = requires.module("torch")
+jax = requires.module("jax")
 jnp = jax.numpy
 
 TORCH_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,

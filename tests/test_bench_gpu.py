@@ -6,9 +6,9 @@ import json
 import subprocess
 import sys
 
-import pytest
+import requires
 
-pytest.importorskip("torch")
+requires.module("torch")
 
 
 def test_cpu_smoke_run_measures_every_part(tmp_path):

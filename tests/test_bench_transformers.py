@@ -5,11 +5,10 @@ import re
 import subprocess
 import sys
 
-import pytest
-
+import requires
 from launch import run
 
-pytest.importorskip("transformers")
+requires.module("transformers")
 TOY = ["--seq", "64", "--hidden", "32", "--heads", "2", "--layers", "1", "--repeats", "1"]
 
 

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from commlib.backends import nccl
+from commlib.backends import cuda_aware, nccl
 from commlib.moe import route
 from commlib.tools import cli
 
+import requires
 from launch import run
 
 LAUNCH_TIMEOUT_S = 60
@@ -48,7 +49,61 @@ def test_info_reports_mpi_world_topology_backends_and_frameworks():
         assert framework in out.splitlines()[-1]
 
 
-# -- diag alltoall in a world of one ------------------------------------------
+def cuda_aware_line(output):
+    (line,) = [line for line in output.splitlines() if line.startswith("cuda-aware")]
+    return line
+
+
+def test_info_says_what_cuda_aware_detection_decided_and_why(monkeypatch):
+    monkeypatch.delenv(cuda_aware.ENV, raising=False)
+    result = invoke("info")
+    assert result.exit_code == 0, result.output
+    line = cuda_aware_line(result.output)
+    support = cuda_aware.detect()
+    decision = {True: "CUDA-aware: CUDA arrays over MPI go to it as device buffers",
+                False: "not CUDA-aware: CUDA arrays over MPI are staged through host memory",
+                None: "unknown, so not CUDA-aware"}[support.aware]
+    assert decision in line and f"({support.reason})" in line, line
+
+
+def test_info_on_the_mpich_wheel_says_its_query_answered_no(monkeypatch):
+    monkeypatch.delenv(cuda_aware.ENV, raising=False)
+    from mpi4py import MPI
+    if not MPI.Get_library_version().startswith("MPICH"):
+        pytest.skip("another MPI than the mpich wheel's answers otherwise (the wheel, built "
+                    "without GPU support, answers 0)")
+    line = cuda_aware_line(invoke("info").output)
+    assert line.startswith("cuda-aware  not CUDA-aware: "), line
+    assert "MPIX_Query_cuda_support() in " in line and "returned 0" in line, line
+
+
+@pytest.mark.parametrize("value, decision", [
+    ("1", "CUDA-aware: CUDA arrays over MPI go to it as device buffers"),
+    ("0", "not CUDA-aware: CUDA arrays over MPI are staged through host memory"),
+])
+def test_info_names_the_environment_override_as_the_reason(monkeypatch, value, decision):
+    monkeypatch.setenv(cuda_aware.ENV, value)
+    line = cuda_aware_line(invoke("info").output)
+    assert line == f"cuda-aware  {decision} ({cuda_aware.ENV}={value})"
+
+
+def test_info_says_unknown_is_treated_as_not_cuda_aware(monkeypatch):
+    monkeypatch.delenv(cuda_aware.ENV, raising=False)
+    monkeypatch.setattr(cuda_aware, "_library_answer",
+                        lambda: cuda_aware.Support(None, "the library said nothing"))
+    line = cuda_aware_line(invoke("info").output)
+    assert line == ("cuda-aware  unknown, so not CUDA-aware: CUDA arrays over MPI are staged "
+                    "through host memory (the library said nothing)")
+
+
+def test_info_reports_a_bad_override_instead_of_failing(monkeypatch):
+    monkeypatch.setenv(cuda_aware.ENV, "maybe")
+    result = invoke("info")
+    assert result.exit_code == 0, result.output
+    line = cuda_aware_line(result.output)
+    assert line.startswith(f"cuda-aware  error: {cuda_aware.ENV}='maybe': use 1 "), line
+
+
 def test_alltoall_prints_a_row_per_size_with_nccl_tests_columns():
     result = invoke("diag", "alltoall", "-b", "1K", "-e", "8K", *QUICK)
     assert result.exit_code == 0, result.output
@@ -295,21 +350,48 @@ def test_progress_line_appears_after_a_while_and_is_cleared(monkeypatch, capsys)
     assert capsys.readouterr().err == ""
 
 
-def test_np_relaunches_under_mpiexec_without_the_option(monkeypatch):
+MPI_COMMANDS = [["info"], ["diag", "alltoall", "-e", "2K"], ["diag", "moe", "--tokens", "8"],
+                ["diag", "ring", "--seq", "64"], ["diag", "ulysses", "--seq", "64"]]
+
+
+def test_every_command_that_runs_under_mpi_has_np_and_simulate_has_none():
+    def commands(group, path=()):
+        for name, command in group.commands.items():
+            if hasattr(command, "commands"):
+                yield from commands(command, (*path, name))
+            else:
+                yield (*path, name), command
+
+    having = {path for path, command in commands(cli.main)
+              if any(param.name == "nprocs" for param in command.params)}
+    assert having == {tuple(argv[:2] if argv[0] == "diag" else argv[:1])
+                      for argv in MPI_COMMANDS}
+    assert "--np" not in invoke("simulate", "--help").output
+
+
+@pytest.mark.parametrize("argv", MPI_COMMANDS, ids=lambda argv: " ".join(argv[:2]))
+def test_np_relaunches_under_mpiexec_without_the_option(monkeypatch, argv):
     for name in cli.MPI_ENV_VARS:
         monkeypatch.delenv(name, raising=False)
-    argv = ["diag", "alltoall", "--np", "3", "-e", "2K", "--np=3"]
-    monkeypatch.setattr(sys, "argv", ["commlib", *argv])
+    given = [*argv[:2], "--np", "3", *argv[2:], "--np=3"]
+    monkeypatch.setattr(sys, "argv", ["commlib", *given])
     launched = []
     monkeypatch.setattr(cli.subprocess, "run",
                         lambda command: launched.append(command) or
                         subprocess.CompletedProcess(command, 7))
-    result = invoke(*argv)
-    assert result.exit_code == 7
+    result = invoke(*given)
+    assert result.exit_code == 7, result.output
     (command,) = launched
     assert command[1:3] == ["-n", "3"]
-    assert command[3:] == [sys.executable, "-m", "commlib.tools.cli", "diag", "alltoall",
-                           "-e", "2K"]
+    assert command[3:] == [sys.executable, "-m", "commlib.tools.cli", *argv]
+
+
+def test_np_is_ignored_under_mpi(monkeypatch):
+    monkeypatch.setenv("PMI_SIZE", "1")
+    monkeypatch.setattr(cli.subprocess, "run", lambda command: pytest.fail(f"relaunched {command}"))
+    result = invoke("info", "--np", "3")
+    assert result.exit_code == 0, result.output
+    assert "world size  1" in result.output
 
 
 # -- a real launch ------------------------------------------------------------------
@@ -353,7 +435,7 @@ def test_router_pattern_and_slow_links_under_mpiexec():
 
 
 def test_plot_draws_busbw_against_size(tmp_path):
-    pytest.importorskip("matplotlib")
+    requires.module("matplotlib")
     target = tmp_path / "busbw.png"
     result = CliRunner().invoke(cli.main, ["diag", "alltoall", "-e", "4K", "--plot", str(target)])
     assert result.exit_code == 0, result.output
@@ -361,7 +443,7 @@ def test_plot_draws_busbw_against_size(tmp_path):
 
 
 def test_moe_plot_draws_the_traffic_heatmap(tmp_path):
-    pytest.importorskip("matplotlib")
+    requires.module("matplotlib")
     target = tmp_path / "traffic.png"
     result = CliRunner().invoke(cli.main, ["diag", "moe", "--tokens", "64", "--hidden", "16",
                                        "--experts", "8", "--topk", "2", "--iters", "1",

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+import requires
 from launch import run
 
-pytest.importorskip("transformers")
+requires.module("transformers")
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_train.py"
 
 

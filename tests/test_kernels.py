@@ -11,10 +11,11 @@ from commlib.kernels import TILED, kernel_for
 from commlib.ring import merge
 
 import arrayimpl
+import requires
 from attention_reference import reference_attention, torch_reference
 
-pytest.importorskip("torch")
-pytest.importorskip("jax")
+requires.module("torch")
+requires.module("jax")
 
 TOLERANCE = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
 CASES = [pytest.param(p.values[0], dtype, id=f"{p.id}-{dtype}", marks=p.marks)

@@ -2,11 +2,12 @@
 own slow but plain definitions."""
 
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from commlib.namespace import scatter_add
+
+import requires
 
 
 @settings(max_examples=60, deadline=None)
@@ -30,7 +31,7 @@ def test_scatter_add_is_np_add_at_even_when_one_row_takes_hundreds(rows, targets
 
 
 def test_scatter_add_in_torch_matches_numpy():
-    torch = pytest.importorskip("torch")
+    torch = requires.module("torch")
     rng = np.random.default_rng(1)
     index = np.r_[rng.integers(0, 3, 50), np.full(300, 3)]
     values = rng.standard_normal((index.size, 4)).astype(np.float32)

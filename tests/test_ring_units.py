@@ -7,9 +7,10 @@ import pytest
 from commlib.ring import attention_backward, attention_forward, merge
 from commlib.ring.layout import chunks_of
 
+import requires
 from attention_reference import reference_attention
 
-torch = pytest.importorskip("torch")
+torch = requires.module("torch")
 
 
 def inputs(seq=37, heads=4, kv_heads=2, dim=8, seed=0, scale=1.0):

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+import requires
 from launch import run
 
-pytest.importorskip("torch")
+requires.module("torch")
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_block.py"
 
 

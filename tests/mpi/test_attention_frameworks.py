@@ -11,14 +11,18 @@ import pytest
 from commlib import hybrid, ring, ulysses
 
 import arrayimpl
-from attention_reference import torch_reference
+import requires
+from attention_reference import relative_error, torch_reference
 from conftest import all_ranks
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("jax")
+torch = requires.module("torch")
+requires.module("jax")
 
 SEQ, HEADS, DIM = 24, 12, 8  # 24 splits into 2P chunks, 12 heads over P ranks, P = 1..4
-TOLERANCE = {"float32": 3e-5, "float16": 5e-3, "bfloat16": 4e-2}
+# (out, gradients) bounds on the error relative to max(1, |reference|);
+# float16 and bfloat16 at 2-3x the largest measured at 2 and 3 ranks (torch's
+# ring, zigzag, at 3): out 6.6e-4 / 6.0e-3, gradients 1.5e-3 / 1.1e-2
+TOLERANCE = {"float32": (3e-5, 1.2e-4), "float16": (1.5e-3, 4e-3), "bfloat16": (1.5e-2, 3e-2)}
 DTYPES = {"numpy": ["float32", "bfloat16", "float16"], "torch": ["float32", "bfloat16", "float16"],
           "jax": ["float32", "bfloat16"], "cupy": ["float32", "float16"],
           "torch-cuda": ["float32", "bfloat16", "float16"], "jax-cuda": ["float32", "bfloat16"]}
@@ -31,28 +35,27 @@ def _global(kv_heads, seed):
     return [rng.standard_normal((1, SEQ, h, DIM)) for h in (HEADS, kv_heads, kv_heads, HEADS)]
 
 
-def _ring(layout):
-    def run(q, k, v, dout, comm, causal):
-        out, lse = ring.ring_attention(q, k, v, comm, causal, layout, return_lse=True)
-        return out, lse, ring.ring_attention_backward(dout, q, k, v, out, lse, comm, causal,
-                                                      layout)
-    return run, layout
+def _ring(q, k, v, dout, comm, **options):
+    out, lse = ring.ring_attention(q, k, v, comm, return_lse=True, **options)
+    return out, lse, ring.ring_attention_backward(dout, q, k, v, out, lse, comm, **options)
 
 
-def _ulysses(q, k, v, dout, comm, causal):
-    out, lse = ulysses.ulysses_attention(q, k, v, comm, causal, return_lse=True)
-    return out, lse, ulysses.ulysses_attention_backward(dout, q, k, v, out, lse, comm, causal)
+def _ulysses(q, k, v, dout, comm, **options):
+    out, lse = ulysses.ulysses_attention(q, k, v, comm, return_lse=True, **options)
+    return out, lse, ulysses.ulysses_attention_backward(dout, q, k, v, out, lse, comm, **options)
 
 
-def _hybrid(q, k, v, dout, comm, causal):
+def _hybrid(q, k, v, dout, comm, **options):
     degree = comm.size // 2 if comm.size % 2 == 0 else comm.size  # a ring of 2 where possible
-    out, lse = hybrid.hybrid_attention(q, k, v, comm, degree, causal, return_lse=True)
+    out, lse = hybrid.hybrid_attention(q, k, v, comm, degree, return_lse=True, **options)
     return out, lse, hybrid.hybrid_attention_backward(dout, q, k, v, out, lse, comm, degree,
-                                                      causal)
+                                                      **options)
 
 
-ALGORITHMS = {"ring-zigzag": _ring("zigzag"), "ring-contiguous": _ring("contiguous"),
-              "ulysses": (_ulysses, "contiguous"), "hybrid": (_hybrid, "contiguous")}
+# Ulysses and the hybrid in the layout that balances causal work (every
+# layout, in float32: test_ulysses.py; with documents: test_packed.py)
+ALGORITHMS = {"ring-zigzag": (_ring, "zigzag"), "ring-contiguous": (_ring, "contiguous"),
+              "ulysses-zigzag": (_ulysses, "zigzag"), "hybrid-zigzag": (_hybrid, "zigzag")}
 
 
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
@@ -62,15 +65,16 @@ def test_outputs_and_gradients_match_sdpa(comm, impl, dtype, algorithm):
     kv_heads = 1 if algorithm != "ring-contiguous" else HEADS  # GQA/MQA, and plain
     full = _global(kv_heads, seed=len(algorithm))
     rounded = [impl.to_numpy(impl.asarray(x, dtype)).astype(np.float64) for x in full]
-    mine = [impl.asarray(ring.shard_sequence(x, comm, layout), dtype) for x in full]
-    out, lse, grads = run(*mine, comm, causal=True)
+    mine = [impl.asarray(ring.shard_sequence(x, comm, layout=layout), dtype) for x in full]
+    out, lse, grads = run(*mine, comm, layout=layout, causal=True)
     want = torch_reference(*rounded, causal=True)
-    tol = TOLERANCE[dtype]
+    out_bound, grad_bound = TOLERANCE[dtype]
     ok = all(impl.is_native(x) and impl.dtype_name(x) == dtype for x in (out, *grads))
     ok = ok and impl.is_native(lse) and impl.dtype_name(lse) == "float32"
-    for got, ref, scale in zip((out, *grads), want, (1, 4, 4, 4)):
-        whole = ring.unshard_sequence(impl.to_numpy(got).astype(np.float64), comm, layout)
-        ok = ok and np.abs(whole - ref).max() <= scale * tol * max(1.0, np.abs(ref).max())
+    for got, ref, bound in zip((out, *grads), want, (out_bound, *[grad_bound] * 3)):
+        whole = ring.unshard_sequence(impl.to_numpy(got).astype(np.float64), comm,
+                                      layout=layout)
+        ok = ok and relative_error(whole, ref) <= bound
     assert all_ranks(ok)
 
 
@@ -84,11 +88,10 @@ def test_torch_runs_the_fused_sdpa_kernels_not_numpy(comm, monkeypatch):
     monkeypatch.setattr(tiled, "attention_forward", refuse)
     monkeypatch.setattr(tiled, "attention_backward", refuse)
     full = _global(2, seed=7)
-    q, k, v, dout = (torch.tensor(ring.shard_sequence(x, comm, "zigzag"), dtype=torch.bfloat16)
-                     for x in full)
+    q, k, v, dout = (torch.tensor(ring.shard_sequence(x, comm, layout="zigzag"),
+                                  dtype=torch.bfloat16) for x in full)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        out, lse = ring.ring_attention(q, k, v, comm, True, "zigzag", return_lse=True)
-        ring.ring_attention_backward(dout, q, k, v, out, lse, comm, True, "zigzag")
+        _ring(q, k, v, dout, comm, layout="zigzag", causal=True)
     ran = {event.key for event in prof.key_averages()}
     assert all_ranks("aten::_scaled_dot_product_flash_attention_for_cpu" in ran
                      and "aten::_scaled_dot_product_flash_attention_for_cpu_backward" in ran)
@@ -112,11 +115,12 @@ def test_bfloat16_moves_half_the_bytes_of_float32(comm):
     full = _global(4, seed=8)
     sent = {}
     for dtype in (torch.float32, torch.bfloat16):
-        q, k, v, dout = (torch.tensor(ring.shard_sequence(x, comm, "zigzag"), dtype=dtype)
+        q, k, v, dout = (torch.tensor(ring.shard_sequence(x, comm, layout="zigzag"), dtype=dtype)
                          for x in full)
         forward, backward = _CountingComm(comm), _CountingComm(comm)
-        out, lse = ring.ring_attention(q, k, v, forward, True, "zigzag", return_lse=True)
-        ring.ring_attention_backward(dout, q, k, v, out, lse, backward, True, "zigzag")
+        options = dict(layout="zigzag", causal=True)
+        out, lse = ring.ring_attention(q, k, v, forward, return_lse=True, **options)
+        ring.ring_attention_backward(dout, q, k, v, out, lse, backward, **options)
         sent[dtype] = forward.sent, backward.sent
     kv_bytes = 2 * k.numel() * 4 * (comm.size - 1)  # float32 K/V, one hop a step
     (f32_forward, f32_backward), (bf16_forward, bf16_backward) = sent.values()

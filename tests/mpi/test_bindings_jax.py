@@ -7,11 +7,12 @@ import pytest
 from commlib import ring
 
 import arrayimpl
+import requires
 from conftest import all_ranks
 
-jax = pytest.importorskip("jax")
+jax = requires.module("jax")
 jnp = jax.numpy
-cj = pytest.importorskip("commlib.bindings.jax")
+cj = requires.module("commlib.bindings.jax")
 
 SEQ, HEADS, DIM = 24, 12, 8
 
@@ -24,29 +25,37 @@ def reference(q, k, v, causal):
 
 def _close(got, want, dtype):
     """float32 to 1e-5 of the reference's scale; bfloat16 to 2e-2 (measured:
-    under 8e-3 at 1-4 ranks)."""
+    7.9e-3 at 2 and 3 ranks, a Ulysses gradient in zigzag_docs)."""
     scale = float(np.abs(want).max()) or 1.0
     return float(np.abs(np.asarray(got, np.float32) - want).max()) <= \
         (2e-2 if dtype == "bfloat16" else 1e-5) * scale
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("kv_heads", [HEADS, 1])
-@pytest.mark.parametrize("kind", ["ring", "ulysses", "hybrid"])
+# every kind in every layout in float32, causal with GQA and plain without;
+# bfloat16 on a few (each case compiles its own programs)
+CASES = [(kind, layout, 1 if causal else HEADS, causal, "float32")
+         for kind in ("ring", "ulysses", "hybrid") for layout in ring.LAYOUTS
+         for causal in (False, True)] + \
+    [("ring", "zigzag", 1, True, "bfloat16"), ("ulysses", "zigzag_docs", HEADS, True, "bfloat16"),
+     ("hybrid", "zigzag", 1, False, "bfloat16")]
+
+
+@pytest.mark.parametrize("kind, layout, kv_heads, causal, dtype", CASES)
 @pytest.mark.parametrize("impl", arrayimpl.params(("jax", "jax-cuda")))
-def test_jit_and_grad_match_unsharded_attention(comm, impl, kind, kv_heads, causal, dtype):
+def test_jit_and_grad_match_unsharded_attention(comm, impl, kind, layout, kv_heads, causal,
+                                                dtype):
     """On the CPU and (gpu mark) on a GPU, where the transfers run on XLA's stream."""
     rng = np.random.default_rng(kv_heads)
     full = [rng.standard_normal((1, SEQ, h, DIM)).astype(np.float32)
             for h in (HEADS, kv_heads, kv_heads, HEADS)]
-    layout = "zigzag" if kind == "ring" else "contiguous"
-    q, k, v, probe = (impl.asarray(ring.shard_sequence(x, comm, layout), dtype) for x in full)
+    q, k, v, probe = (impl.asarray(ring.shard_sequence(x, comm, layout=layout), dtype)
+                      for x in full)
     degree = 2 if comm.size % 2 == 0 else comm.size
+    options = dict(layout=layout, causal=causal)
     attend = {
-        "ring": lambda q, k, v: cj.ring_attention(q, k, v, comm, causal, layout),
-        "ulysses": lambda q, k, v: cj.ulysses_attention(q, k, v, comm, causal),
-        "hybrid": lambda q, k, v: cj.hybrid_attention(q, k, v, comm, degree, causal),
+        "ring": lambda q, k, v: cj.ring_attention(q, k, v, comm, **options),
+        "ulysses": lambda q, k, v: cj.ulysses_attention(q, k, v, comm, **options),
+        "hybrid": lambda q, k, v: cj.hybrid_attention(q, k, v, comm, degree, **options),
     }[kind]
     out = jax.jit(attend)(q, k, v)
     grads = jax.jit(jax.grad(lambda q, k, v: (attend(q, k, v).astype(jnp.float32)
@@ -57,7 +66,7 @@ def test_jit_and_grad_match_unsharded_attention(comm, impl, kind, kv_heads, caus
     want_grads = jax.grad(lambda q, k, v: (reference(q, k, v, causal) * exact[3]).sum(),
                           argnums=(0, 1, 2))(*exact[:3])
     # every rank gathers every result (a collective), whatever it finds
-    gathered = [ring.unshard_sequence(np.asarray(x, np.float32), comm, layout)
+    gathered = [ring.unshard_sequence(np.asarray(x, np.float32), comm, layout=layout)
                 for x in (out, *grads)]
     checks = {"type": isinstance(out, jax.Array) and all(
         x.dtype == dtype for x in (out, *grads))}
@@ -73,17 +82,17 @@ def test_independent_calls_in_one_program_keep_their_transfers_apart(comm):
     one call's K/V from meeting another's (same shapes, same bytes)."""
     rng = np.random.default_rng(5)
     full = [rng.standard_normal((1, SEQ, HEADS, DIM)).astype(np.float32) for _ in range(8)]
-    shards = [jnp.asarray(ring.shard_sequence(x, comm, "zigzag")) for x in full]
+    shards = [jnp.asarray(ring.shard_sequence(x, comm, layout="zigzag")) for x in full]
 
     def loss(attend, *arrays):
         a, b = attend(*arrays[0:3]), attend(*arrays[4:7])
         return (a * arrays[3]).sum() + (b * arrays[7]).sum()
 
-    sharded = lambda *a: cj.ring_attention(*a, comm, True, "zigzag")  # noqa: E731
+    sharded = lambda *a: cj.ring_attention(*a, comm, layout="zigzag", causal=True)  # noqa: E731
     grads = jax.jit(jax.grad(lambda *a: loss(sharded, *a), argnums=(0, 1, 2, 4, 5, 6)))(*shards)
     want = jax.grad(lambda *a: loss(lambda q, k, v: reference(q, k, v, True), *a),
                     argnums=(0, 1, 2, 4, 5, 6))(*full)
-    got = [ring.unshard_sequence(np.asarray(g), comm, "zigzag") for g in grads]
+    got = [ring.unshard_sequence(np.asarray(g), comm, layout="zigzag") for g in grads]
     assert all_ranks(all(_close(g, np.asarray(w), "float32") for g, w in zip(got, want)))
 
 
@@ -117,7 +126,7 @@ def test_shapes_that_differ_between_ranks_fail_on_every_rank(comm):
     local = 6 if comm.rank else 8
     q = jnp.ones((1, local, HEADS, DIM), jnp.float32)
     try:
-        jax.jit(lambda q: cj.ring_attention(q, q, q, comm))(q).block_until_ready()
+        jax.jit(lambda q: cj.ring_attention(q, q, q, comm, layout="zigzag"))(q).block_until_ready()
         message = ""
     except Exception as error:  # the callback's CollectiveMismatchError, wrapped by XLA
         message = str(error)
@@ -148,9 +157,9 @@ def test_moe_dispatch_combine_under_jit_and_grad(comm):
 
     def loss(x, logits, maps):
         chosen, weights = _gate(logits, k)
-        expert_x, key = dispatcher.dispatch(x, chosen, weights)
+        expert_x, handle = dispatcher.dispatch(x, chosen, weights)
         expert_y = jnp.einsum("lsh,lhg->lsg", expert_x, maps[mine])
-        return (dispatcher.combine(expert_y, weights, key) * probe).sum()
+        return (dispatcher.combine(expert_y, handle) * probe).sum()
 
     def reference(x, logits, maps):
         chosen, weights = _gate(logits, k)
@@ -171,7 +180,7 @@ def test_moe_capacity_pads_and_counts_drops(comm):
     experts, k, x, logits, _, _ = _moe_problem(comm, tokens=16)
     dispatcher = cj.Dispatcher(comm, experts, capacity_factor=0.5)
     chosen, weights = _gate(logits, k)
-    expert_x, key = jax.jit(dispatcher.dispatch)(x, chosen, weights)
+    expert_x, _ = jax.jit(dispatcher.dispatch)(x, chosen, weights)
     slots = dispatcher.slots(16, k)
     stats = dispatcher.stats
     sent = comm.allreduce(np.array([chosen.size]))[0]
@@ -189,10 +198,12 @@ def test_a_mesh_over_this_process_device_works_across_processes(comm):
     replicated = NamedSharding(mesh, PartitionSpec())
     rng = np.random.default_rng(3)
     full = [rng.standard_normal((1, SEQ, HEADS, DIM)).astype(np.float32) for _ in range(3)]
-    q, k, v = (jax.device_put(ring.shard_sequence(x, comm, "zigzag"), replicated) for x in full)
-    attend = jax.jit(lambda q, k, v: cj.ring_attention(q, k, v, comm, True, "zigzag"),
+    q, k, v = (jax.device_put(ring.shard_sequence(x, comm, layout="zigzag"), replicated)
+               for x in full)
+    attend = jax.jit(lambda q, k, v: cj.ring_attention(q, k, v, comm, layout="zigzag",
+                                                       causal=True),
                      in_shardings=replicated, out_shardings=replicated)
     out = attend(q, k, v)
     want = np.asarray(reference(*full, True))
     assert all_ranks(out.sharding == replicated and np.allclose(
-        ring.unshard_sequence(np.asarray(out), comm, "zigzag"), want, atol=1e-5))
+        ring.unshard_sequence(np.asarray(out), comm, layout="zigzag"), want, atol=1e-5))

@@ -7,55 +7,72 @@ import pytest
 import commlib
 from commlib import ring
 
+import requires
+from attention_reference import relative_error
 from conftest import all_ranks, raises_everywhere
 
-torch = pytest.importorskip("torch")
-ct = pytest.importorskip("commlib.bindings.torch")
+torch = requires.module("torch")
+ct = requires.module("commlib.bindings.torch")
 
 SEQ, HEADS, DIM = 24, 12, 8
 
 
-def attention_grads_match(comm, attend, layout, kv_heads, causal, dtype=torch.float32, tol=1e-5):
+# (out, gradients) bounds on the error relative to max(1, |reference|);
+# bfloat16 at 2-3x the largest measured at 2 and 3 ranks: out 3.9e-3 (ring,
+# zigzag), gradients 5.8e-3 (Ulysses, zigzag_docs)
+BOUNDS = {torch.float32: (1e-4, 4e-4), torch.bfloat16: (1e-2, 1.5e-2)}
+
+
+def attention_grads_match(comm, attend, layout, kv_heads, causal, dtype=torch.float32):
+    """``attend`` on shards in ``layout``, forward and backward through
+    autograd, against SDPA on the whole sequence: True on this rank."""
     gen = torch.Generator().manual_seed(kv_heads)
     full = [torch.randn(2, SEQ, h, DIM, generator=gen, dtype=torch.float64)
             for h in (HEADS, kv_heads, kv_heads, HEADS)]
-    q, k, v = (ring.shard_sequence(t, comm, layout).to(dtype).requires_grad_()
+    q, k, v = (ring.shard_sequence(t, comm, layout=layout).to(dtype).requires_grad_()
                for t in full[:3])
-    probe = ring.shard_sequence(full[3], comm, layout).to(dtype)
+    probe = ring.shard_sequence(full[3], comm, layout=layout).to(dtype)
     out = attend(q, k, v)
     (out.float() * probe.float()).sum().backward()
     refs = [t.clone().requires_grad_() for t in full[:3]]
     ref = torch.nn.functional.scaled_dot_product_attention(
         *(t.transpose(1, 2) for t in refs), is_causal=causal, enable_gqa=True).transpose(1, 2)
     (ref * full[3]).sum().backward()
-    got_out = ring.unshard_sequence(out.detach(), comm, layout).double()
-    ok = out.dtype == dtype and (got_out - ref.detach()).abs().max() < tol * 10
+    out_bound, grad_bound = BOUNDS[dtype]
+    got_out = ring.unshard_sequence(out.detach(), comm, layout=layout).double()
+    ok = out.dtype == dtype and relative_error(got_out, ref.detach()) <= out_bound
     for mine, theirs in zip((q, k, v), refs):
-        grad = ring.unshard_sequence(mine.grad, comm, layout).double()
-        ok = ok and (grad - theirs.grad).abs().max() < tol * 40
+        grad = ring.unshard_sequence(mine.grad, comm, layout=layout).double()
+        ok = ok and relative_error(grad, theirs.grad) <= grad_bound
     return ok
+
+
+def _attend(comm, kind, layout, causal):
+    """The binding's ``kind`` of attention; the hybrid at every degree."""
+    options = dict(layout=layout, causal=causal)
+    if kind == "hybrid":
+        return [lambda q, k, v, u=u: ct.hybrid_attention(q, k, v, comm, u, **options)
+                for u in range(1, comm.size + 1) if comm.size % u == 0]
+    function = {"ring": ct.ring_attention, "ulysses": ct.ulysses_attention}[kind]
+    return [lambda q, k, v: function(q, k, v, comm, **options)]
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kv_heads", [HEADS, 1])
-@pytest.mark.parametrize("kind", ["ring-zigzag", "ring-contiguous", "ulysses", "hybrid"])
-def test_attention_gradients(comm, kind, kv_heads, causal):
-    attend, layout = {
-        "ring-zigzag": (lambda q, k, v: ct.ring_attention(q, k, v, comm, causal, "zigzag"),
-                        "zigzag"),
-        "ring-contiguous": (lambda q, k, v: ct.ring_attention(q, k, v, comm, causal),
-                            "contiguous"),
-        "ulysses": (lambda q, k, v: ct.ulysses_attention(q, k, v, comm, causal), "contiguous"),
-        "hybrid": (lambda q, k, v: ct.hybrid_attention(q, k, v, comm, comm.size, causal),
-                   "contiguous"),
-    }[kind]
-    assert all_ranks(attention_grads_match(comm, attend, layout, kv_heads, causal))
+@pytest.mark.parametrize("layout", ring.LAYOUTS)
+@pytest.mark.parametrize("kind", ["ring", "ulysses", "hybrid"])
+def test_attention_gradients(comm, kind, layout, kv_heads, causal):
+    ok = [attention_grads_match(comm, attend, layout, kv_heads, causal)
+          for attend in _attend(comm, kind, layout, causal)]
+    assert all_ranks(all(ok))
 
 
-def test_bfloat16_attention(comm):
-    attend = lambda q, k, v: ct.ring_attention(q, k, v, comm, True, "zigzag")  # noqa: E731
-    assert all_ranks(attention_grads_match(comm, attend, "zigzag", 2 if HEADS % 2 == 0 else 1,
-                                           True, dtype=torch.bfloat16, tol=2e-3))
+@pytest.mark.parametrize("kind, layout", [("ring", "zigzag"), ("ulysses", "zigzag_docs"),
+                                          ("hybrid", "zigzag")])
+def test_bfloat16_attention(comm, kind, layout):
+    ok = [attention_grads_match(comm, attend, layout, 2, True, dtype=torch.bfloat16)
+          for attend in _attend(comm, kind, layout, True)]
+    assert all_ranks(all(ok))
 
 
 @pytest.mark.parametrize("kv_heads", [HEADS, 1])

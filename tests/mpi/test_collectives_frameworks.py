@@ -12,11 +12,12 @@ memory); with a GPU per rank (or at one rank) they run NCCL.
 
 import pytest
 
+import requires
 from collective_checks import CHECKS, cases
 from conftest import all_ranks
 
-pytest.importorskip("torch")
-pytest.importorskip("jax")
+requires.module("torch")
+requires.module("jax")
 
 
 @pytest.mark.parametrize("collective", list(CHECKS))

@@ -5,10 +5,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import requires
 from conftest import all_ranks, reference_alltoallv
 
-torch = pytest.importorskip("torch")
-jnp = pytest.importorskip("jax.numpy")
+torch = requires.module("torch")
+jnp = requires.module("jax.numpy")
 
 
 def _send_counts(comm):

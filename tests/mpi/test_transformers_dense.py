@@ -12,11 +12,12 @@ import pytest
 import commlib
 from commlib.ring import shard_sequence, unshard_sequence
 
+import requires
 from conftest import all_ranks, raises_everywhere
 
-transformers = pytest.importorskip("transformers")
-torch = pytest.importorskip("torch")
-hf = pytest.importorskip("commlib.bindings.transformers")
+transformers = requires.module("transformers")
+torch = requires.module("torch")
+hf = requires.module("commlib.bindings.transformers")
 from commlib.bindings.transformers_attention import LAYOUTS  # noqa: E402
 from commlib.bindings.transformers_experts import EXPERT_PARALLEL  # noqa: E402
 

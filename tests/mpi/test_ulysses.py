@@ -9,10 +9,11 @@ import commlib
 from commlib import hybrid, ring, ulysses
 from commlib.ulysses.relayout import kv_heads_for
 
+import requires
 from attention_reference import reference_attention, torch_reference
 from conftest import all_ranks, raises_everywhere
 
-torch = pytest.importorskip("torch")
+torch = requires.module("torch")
 
 SEQ, HEADS, DIM = 24, 12, 8  # 12 heads split over 1, 2, 3 and 4 ranks
 
@@ -25,11 +26,11 @@ def global_tensors(kv_heads, seed=0):
 
 
 def contiguous(x, comm):
-    return ring.shard_sequence(x, comm, "contiguous")
+    return ring.shard_sequence(x, comm, layout="contiguous")
 
 
-def gathered(x, comm, axis=1):
-    return ring.unshard_sequence(x, comm, "contiguous", axis=axis)
+def gathered(x, comm, layout="contiguous", axis=1):
+    return ring.unshard_sequence(x, comm, layout=layout, axis=axis)
 
 
 @pytest.mark.parametrize("kv_heads", [HEADS, 2, 1])
@@ -54,38 +55,46 @@ def test_relayout_keeps_the_framework(comm):
     assert all_ranks(tuple(y.shape) == (2, SEQ, HEADS // comm.size, 3))
 
 
-def _check_against_torch(comm, run, kv_heads, causal):
+def _check_against_torch(comm, run, layout, kv_heads, causal):
+    """``run`` on shards in ``layout`` against SDPA on the whole sequence:
+    True on this rank."""
     q, k, v, dout = global_tensors(kv_heads, seed=kv_heads)
-    out, lse, grads = run(*(contiguous(x, comm) for x in (q, k, v, dout)))
-    got = [gathered(x, comm) for x in (out, *grads)]
+    out, lse, grads = run(*(ring.shard_sequence(x, comm, layout=layout) for x in (q, k, v, dout)))
+    got = [gathered(x, comm, layout) for x in (out, *grads)]
     want = torch_reference(q, k, v, dout, causal)
     _, ref_lse = reference_attention(q, k, v, causal)
     ok = all(np.abs(np.asarray(g, np.float64) - w).max() < 5e-5 for g, w in zip(got, want))
-    ok = ok and np.abs(gathered(lse, comm, axis=2) - ref_lse).max() < 5e-5
-    assert all_ranks(ok)
+    return ok and np.abs(gathered(lse, comm, layout, axis=2) - ref_lse).max() < 5e-5
 
 
+# every layout: Ulysses permutes the gathered shards into sequence order,
+# the hybrid's ring reads each group's spans
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kv_heads", [HEADS, 2, 1])
-def test_ulysses_attention(comm, kv_heads, causal):
+@pytest.mark.parametrize("layout", ring.LAYOUTS)
+def test_ulysses_attention(comm, layout, kv_heads, causal):
     def run(q, k, v, dout):
-        out, lse = ulysses.ulysses_attention(q, k, v, comm, causal=causal, return_lse=True)
-        grads = ulysses.ulysses_attention_backward(dout, q, k, v, out, lse, comm, causal=causal)
+        options = dict(layout=layout, causal=causal)
+        out, lse = ulysses.ulysses_attention(q, k, v, comm, return_lse=True, **options)
+        grads = ulysses.ulysses_attention_backward(dout, q, k, v, out, lse, comm, **options)
         return out, lse, grads
-    _check_against_torch(comm, run, kv_heads, causal)
+    assert all_ranks(_check_against_torch(comm, run, layout, kv_heads, causal))
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kv_heads", [HEADS, 2, 1])
-def test_hybrid_attention_at_every_degree(comm, kv_heads, causal):
+@pytest.mark.parametrize("layout", ring.LAYOUTS)
+def test_hybrid_attention_at_every_degree(comm, layout, kv_heads, causal):
+    ok = True
     for degree in [d for d in range(1, comm.size + 1) if comm.size % d == 0]:
         def run(q, k, v, dout, degree=degree):
-            out, lse = hybrid.hybrid_attention(q, k, v, comm, degree, causal=causal,
-                                               return_lse=True)
+            options = dict(layout=layout, causal=causal)
+            out, lse = hybrid.hybrid_attention(q, k, v, comm, degree, return_lse=True, **options)
             grads = hybrid.hybrid_attention_backward(dout, q, k, v, out, lse, comm, degree,
-                                                     causal=causal)
+                                                     **options)
             return out, lse, grads
-        _check_against_torch(comm, run, kv_heads, causal)
+        ok = _check_against_torch(comm, run, layout, kv_heads, causal) and ok
+    assert all_ranks(ok)
 
 
 def test_planner_picks_an_allowed_split(comm):
@@ -119,12 +128,13 @@ def test_local_lengths_that_differ(comm):
         pytest.skip("needs two ranks to differ")
     q, k, v = _shards(comm, kv_heads=1, seq=6 if comm.rank else 7)
     raises_everywhere(commlib.CollectiveMismatchError,
-                      lambda: ulysses.ulysses_attention(q, k, v, comm),
+                      lambda: ulysses.ulysses_attention(q, k, v, comm, layout="contiguous"),
                       match="different arguments")
 
 
 def test_ulysses_size_must_divide_the_world(comm):
     q, k, v = _shards(comm)
     raises_everywhere(commlib.CollectiveMismatchError,
-                      lambda: hybrid.hybrid_attention(q, k, v, comm, comm.size + 1),
+                      lambda: hybrid.hybrid_attention(q, k, v, comm, comm.size + 1,
+                                                       layout="contiguous"),
                       match=f"must divide the world size {comm.size}")

@@ -15,14 +15,18 @@ from commlib.hybrid.planner import Fabric, price
 from commlib.ulysses.relayout import head_split
 
 import arrayimpl
-from attention_reference import reference_attention, torch_reference
+import requires
+from attention_reference import reference_attention, relative_error, torch_reference
 from conftest import all_ranks, raises_everywhere
 
-torch = pytest.importorskip("torch")
-jax = pytest.importorskip("jax")
+torch = requires.module("torch")
+jax = requires.module("jax")
 
 SEQ, DIM = 24, 8
-TOLERANCE = {"float32": 3e-5, "bfloat16": 4e-2}
+# (out, lse, gradients) bounds on the error relative to max(1, |reference|);
+# bfloat16 at 2-3x the largest measured at 2 and 3 ranks (the same at both):
+# out 3.1e-3, lse 1.3e-5, gradients 6.3e-3
+TOLERANCE = {"float32": (3e-5, 3e-5, 1.2e-4), "bfloat16": (8e-3, 4e-5, 1.6e-2)}
 BFLOAT16 = ("torch", "torch-cuda")
 CASES = [pytest.param(p.values[0], dtype, id=f"{p.id}-{dtype}", marks=p.marks)
          for p in arrayimpl.params()
@@ -45,11 +49,7 @@ def global_tensors(heads, kv_heads, seed):
 
 
 def contiguous(x, comm):
-    return ring.shard_sequence(x, comm, "contiguous")
-
-
-def gathered(x, comm, axis=1):
-    return ring.unshard_sequence(x, comm, "contiguous", axis=axis)
+    return ring.shard_sequence(x, comm, layout="contiguous")
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(6, 6), (5, 5), (8, 2), (6, 3), (12, 1), (6, 1)])
@@ -93,72 +93,82 @@ def test_even_splits_move_what_they_did_before(comm):
         assert all_ranks(np.array_equal(kh[0, 0, :, 0], want))
 
 
-def _ulysses(q, k, v, dout, comm, causal):
-    out, lse = ulysses.ulysses_attention(q, k, v, comm, causal, return_lse=True)
-    return out, lse, ulysses.ulysses_attention_backward(dout, q, k, v, out, lse, comm, causal)
+def _ulysses(q, k, v, dout, comm, **options):
+    out, lse = ulysses.ulysses_attention(q, k, v, comm, return_lse=True, **options)
+    return out, lse, ulysses.ulysses_attention_backward(dout, q, k, v, out, lse, comm, **options)
 
 
 def _hybrid(degree):
-    def run(q, k, v, dout, comm, causal):
-        out, lse = hybrid.hybrid_attention(q, k, v, comm, degree, causal, return_lse=True)
+    def run(q, k, v, dout, comm, **options):
+        out, lse = hybrid.hybrid_attention(q, k, v, comm, degree, return_lse=True, **options)
         return out, lse, hybrid.hybrid_attention_backward(dout, q, k, v, out, lse, comm, degree,
-                                                          causal)
+                                                          **options)
     return run
 
 
-def matches_sdpa(comm, run, impl, dtype, heads, kv_heads, causal):
-    """Outputs, lse and gradients of ``run`` on this rank's shards against
-    torch SDPA on the unsharded (rounded) inputs: True on this rank."""
+def matches_sdpa(comm, run, impl, dtype, heads, kv_heads, causal, layout):
+    """Outputs, lse and gradients of ``run`` on this rank's shards in
+    ``layout`` against torch SDPA on the unsharded (rounded) inputs: True on
+    this rank."""
     full = global_tensors(heads, kv_heads, seed=heads + kv_heads)
     rounded = [impl.to_numpy(impl.asarray(x, dtype)).astype(np.float64) for x in full]
-    out, lse, grads = run(*(impl.asarray(contiguous(x, comm), dtype) for x in full), comm,
-                          causal)
+    mine = [impl.asarray(ring.shard_sequence(x, comm, layout=layout), dtype) for x in full]
+    out, lse, grads = run(*mine, comm, layout=layout, causal=causal)
     want = torch_reference(*rounded, causal=causal)
-    tol = TOLERANCE[dtype]
+    out_bound, lse_bound, grad_bound = TOLERANCE[dtype]
     ok = all(impl.is_native(x) and impl.dtype_name(x) == dtype for x in (out, *grads))
     ok = ok and impl.is_native(lse) and impl.dtype_name(lse) == "float32"
-    for got, ref, scale in zip((out, *grads), want, (1, 4, 4, 4)):
-        whole = gathered(impl.to_numpy(got).astype(np.float64), comm)
-        ok = ok and np.abs(whole - ref).max() <= scale * tol * max(1.0, np.abs(ref).max())
+    for got, ref, bound in zip((out, *grads), want, (out_bound, *[grad_bound] * 3)):
+        whole = ring.unshard_sequence(impl.to_numpy(got).astype(np.float64), comm, layout=layout)
+        ok = ok and relative_error(whole, ref) <= bound
     _, ref_lse = reference_attention(*rounded[:3], causal)
-    whole_lse = gathered(impl.to_numpy(lse).astype(np.float64), comm, axis=2)
-    return ok and np.abs(whole_lse - ref_lse).max() <= tol * max(1.0, np.abs(ref_lse).max())
+    whole_lse = ring.unshard_sequence(impl.to_numpy(lse).astype(np.float64), comm,
+                                      layout=layout, axis=2)
+    return ok and relative_error(whole_lse, ref_lse) <= lse_bound
 
 
-# each head pattern once, causal where the split matters most (the suite
-# runs at five world sizes in CI)
-@pytest.mark.parametrize("heads, kv_heads, causal", [(6, 6, False), (6, 3, True), (6, 2, True),
-                                                     (6, 1, True), (8, 2, False)])
+# each head pattern once, causal where the split matters most, the layouts
+# dealt round the patterns (the suite runs at five world sizes in CI)
+@pytest.mark.parametrize("heads, kv_heads, causal, layout",
+                         [(6, 6, False, "contiguous"), (6, 3, True, "zigzag"),
+                          (6, 2, True, "zigzag_docs"), (6, 1, True, "contiguous"),
+                          (8, 2, False, "zigzag")])
 @pytest.mark.parametrize("impl, dtype", CASES)
-def test_ulysses_attention_matches_sdpa(comm, impl, dtype, heads, kv_heads, causal):
-    assert all_ranks(matches_sdpa(comm, _ulysses, impl, dtype, heads, kv_heads, causal))
+def test_ulysses_attention_matches_sdpa(comm, impl, dtype, heads, kv_heads, causal, layout):
+    assert all_ranks(matches_sdpa(comm, _ulysses, impl, dtype, heads, kv_heads, causal, layout))
 
 
-@pytest.mark.parametrize("heads, kv_heads, causal", [(5, 5, True), (5, 1, False), (6, 2, True)])
+@pytest.mark.parametrize("heads, kv_heads, causal, layout",
+                         [(5, 5, True, "zigzag"), (5, 1, False, "contiguous"),
+                          (6, 2, True, "zigzag_docs")])
 @pytest.mark.parametrize("impl", [p for p in arrayimpl.params(arrayimpl.HOST)
                                   if p.id != "jax"])  # eager JAX compiles every block shape
-def test_hybrid_attention_at_every_degree(comm, impl, heads, kv_heads, causal):
+def test_hybrid_attention_at_every_degree(comm, impl, heads, kv_heads, causal, layout):
     """At 4 ranks 5 heads over Ulysses 2 x Ring 2: the two ring positions
     hold 3 and 2 heads."""
     ok = True
     for degree in [d for d in range(1, comm.size + 1) if comm.size % d == 0]:
-        ok = matches_sdpa(comm, _hybrid(degree), impl, "float32", heads, kv_heads, causal) and ok
+        ok = matches_sdpa(comm, _hybrid(degree), impl, "float32", heads, kv_heads, causal,
+                          layout) and ok
     assert all_ranks(ok)
 
 
-@pytest.mark.parametrize("kv_heads, causal", [(6, False), (2, True)])
-def test_jax_binding_under_jit_and_grad_matches_eager(comm, kv_heads, causal):
+@pytest.mark.parametrize("kv_heads, causal, layout", [(6, False, "contiguous"),
+                                                      (2, True, "zigzag")])
+def test_jax_binding_under_jit_and_grad_matches_eager(comm, kv_heads, causal, layout):
     import jax.numpy as jnp
 
-    cj = pytest.importorskip("commlib.bindings.jax")
+    cj = requires.module("commlib.bindings.jax")
     full = global_tensors(6, kv_heads, seed=kv_heads)
-    q, k, v, probe = (jnp.asarray(contiguous(x, comm), jnp.float32) for x in full)
-    attend = jax.jit(lambda q, k, v: cj.ulysses_attention(q, k, v, comm, causal))
-    grad = jax.jit(jax.grad(lambda q, k, v: (cj.ulysses_attention(q, k, v, comm, causal)
+    q, k, v, probe = (jnp.asarray(ring.shard_sequence(x, comm, layout=layout), jnp.float32)
+                      for x in full)
+    options = dict(layout=layout, causal=causal)
+    attend = jax.jit(lambda q, k, v: cj.ulysses_attention(q, k, v, comm, **options))
+    grad = jax.jit(jax.grad(lambda q, k, v: (cj.ulysses_attention(q, k, v, comm, **options)
                                              * probe).sum(), argnums=(0, 1, 2)))
     got = [attend(q, k, v), *grad(q, k, v)]
-    out, lse = ulysses.ulysses_attention(q, k, v, comm, causal, return_lse=True)
-    want = [out, *ulysses.ulysses_attention_backward(probe, q, k, v, out, lse, comm, causal)]
+    out, lse = ulysses.ulysses_attention(q, k, v, comm, return_lse=True, **options)
+    want = [out, *ulysses.ulysses_attention_backward(probe, q, k, v, out, lse, comm, **options)]
     assert all_ranks(all(
         np.abs(np.asarray(g) - np.asarray(w)).max() <= 1e-5 * max(1.0, np.abs(w).max())
         for g, w in zip(got, want)))
@@ -192,10 +202,11 @@ def test_fewer_heads_than_ranks_are_refused_on_every_rank(comm):
     rng = np.random.default_rng(1)
     q = rng.standard_normal((1, 6, heads, DIM)).astype(np.float32)
     raises_everywhere(commlib.CollectiveMismatchError,
-                      lambda: ulysses.ulysses_attention(q, q, q, comm),
+                      lambda: ulysses.ulysses_attention(q, q, q, comm, layout="contiguous"),
                       match=f"heads ({heads}) are fewer than the Ulysses degree ({comm.size})")
     raises_everywhere(commlib.CollectiveMismatchError,
-                      lambda: hybrid.hybrid_attention(q, q, q, comm, comm.size),
+                      lambda: hybrid.hybrid_attention(q, q, q, comm, comm.size,
+                                                       layout="contiguous"),
                       match="a rank would own no head")
     raises_everywhere(ValueError, lambda: ulysses.seq_to_head(q, comm, heads),
                       match="a rank would own no head")
