@@ -28,28 +28,39 @@ __all__ = ["IMPLEMENTATION", "EXPERT_PARALLEL", "register_experts", "expert_para
 IMPLEMENTATION = "commlib_ep"
 EXPERT_PARALLEL = "_commlib_expert_parallel"  # on Parameters that hold this rank's experts only
 _DISPATCHER = "commlib_dispatcher"            # on experts modules made expert-parallel
-# set on every instance by transformers' ``use_experts_implementation``
-_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
+# set on every instance by transformers' ``use_experts_implementation``, with
+# the decorator's defaults: a flag that a transformers version does not set yet
+# (5.17 has no has_post_expert_norm) is a feature it lacks, hence its default
+_FLAG_DEFAULTS = {"has_gate": True, "has_bias": False, "is_transposed": False,
+                  "is_concatenated": True, "has_post_expert_norm": False}
+# the flags that every supported transformers (5.17 on) sets: what marks the class
+_MARKERS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
+
+
+def _flag(experts: nn.Module, name: str) -> bool:
+    """The module's flag ``name``, or the decorator's default where this
+    transformers version does not set it."""
+    return getattr(experts, name, _FLAG_DEFAULTS[name])
 
 
 def _project(experts: nn.Module, name: str, index: int, rows: torch.Tensor) -> torch.Tensor:
     """One local expert's projection ``name`` (weight [out, in], or [in, out]
     when ``is_transposed``; plus its bias when ``has_bias``)."""
     weight = getattr(experts, name)[index]
-    out = rows @ weight if experts.is_transposed else nn.functional.linear(rows, weight)
-    return out + getattr(experts, f"{name}_bias")[index] if experts.has_bias else out
+    out = rows @ weight if _flag(experts, "is_transposed") else nn.functional.linear(rows, weight)
+    return out + getattr(experts, f"{name}_bias")[index] if _flag(experts, "has_bias") else out
 
 
 def _expert_mlp(experts: nn.Module, index: int, rows: torch.Tensor) -> torch.Tensor:
     """Local expert ``index`` on its rows, as transformers' own experts
     forwards compute it: the gate's layout (concatenated or interleaved) is
     the module's ``_apply_gate``'s business."""
-    if experts.has_gate:
+    if _flag(experts, "has_gate"):
         hidden = experts._apply_gate(_project(experts, "gate_up_proj", index, rows))
     else:
         hidden = experts.act_fn(_project(experts, "up_proj", index, rows))
     out = _project(experts, "down_proj", index, hidden)
-    return experts.post_expert_norm(out) if experts.has_post_expert_norm else out
+    return experts.post_expert_norm(out) if _flag(experts, "has_post_expert_norm") else out
 
 
 def _experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -78,8 +89,9 @@ def register_experts() -> None:
 
 def _expert_parameter_names(experts: nn.Module) -> List[str]:
     """The parameters with one slice per expert that the flags call for."""
-    weights = ["gate_up_proj" if experts.has_gate else "up_proj", "down_proj"]
-    return weights + [f"{name}_bias" for name in weights] if experts.has_bias else weights
+    weights = ["gate_up_proj" if _flag(experts, "has_gate") else "up_proj", "down_proj"]
+    return weights + [f"{name}_bias" for name in weights] if _flag(experts, "has_bias") \
+        else weights
 
 
 def _holds_expert_weights(module: nn.Module) -> bool:
@@ -91,7 +103,7 @@ def _holds_expert_weights(module: nn.Module) -> bool:
 def _refusal(experts: nn.Module, size: int) -> Optional[str]:
     """Why this experts module cannot be split over ``size`` ranks (None: it can)."""
     kind = type(experts).__name__
-    if not all(hasattr(experts, flag) for flag in _FLAGS):
+    if not all(hasattr(experts, flag) for flag in _MARKERS):
         return (f"{kind} holds expert weights but is not an ExpertsInterface class "
                 f"(transformers' use_experts_implementation): its forward would ignore "
                 f"{IMPLEMENTATION!r}")

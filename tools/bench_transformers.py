@@ -73,7 +73,7 @@ def main(seq: int, hidden: int, heads: int, layers: int, repeats: int, threads: 
     comm = commlib.init()
     cht.register(comm)
     model = _model(hidden, heads, layers, seq, "commlib_ring")
-    shard = cht.shard_batch({"input_ids": data}, comm, layout="zigzag")
+    shard = cht.shard_batch({"input_ids": data}, comm, attn_implementation=model)
 
     def step():
         comm.barrier()  # the ranks start together

@@ -28,6 +28,7 @@ from ..ulysses.relayout import (
     seq_to_head_many,
 )
 
+
 def check_degree(size: int, ulysses_size: int) -> None:
     if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) \
             or ulysses_size < 1 or size % ulysses_size:

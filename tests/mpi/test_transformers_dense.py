@@ -134,6 +134,10 @@ def mistral_reference(comm):
     return {"model": initial, "loss": loss.item(), "grads": gradients(model)}
 
 
+def ring_batch(batch, comm):
+    return hf.shard_batch(batch, comm, attn_implementation="commlib_ring")
+
+
 def sharded_step(model, comm, implementation, batch=None):
     """One forward and backward on this rank's shard; the global loss."""
     shard = hf.shard_batch(global_batch() if batch is None else batch, comm,
@@ -305,12 +309,12 @@ def test_chunked_attention_is_refused(comm, reference):
     ids=["left padding", "skipped position", "rows packed differently"])
 def test_shard_batch_refuses_position_ids_that_are_not_documents(comm, positions, named):
     batch = {**global_batch(), "position_ids": positions.long()}
-    raises_everywhere(ValueError, lambda: hf.shard_batch(batch, comm, attn_implementation="commlib_ring"), match=named)
+    raises_everywhere(ValueError, lambda: ring_batch(batch, comm), match=named)
 
 
 def test_shard_batch_refuses_offsets_that_disagree_with_the_positions(comm):
     batch = {**packed_batch(), "cu_seq_lens_k": torch.tensor([0, 25], dtype=torch.int32)}
-    raises_everywhere(ValueError, lambda: hf.shard_batch(batch, comm, attn_implementation="commlib_ring"),
+    raises_everywhere(ValueError, lambda: ring_batch(batch, comm),
                       match="cu_seq_lens_k [0, 25] disagrees with the documents")
 
 
@@ -318,7 +322,7 @@ def test_padding_is_refused(comm, reference):
     batch = global_batch()
     batch["attention_mask"] = torch.ones(BATCH, SEQ, dtype=torch.int64)
     batch["attention_mask"][1, 0] = 0  # pads a token of rank 0's shard only
-    raises_everywhere(ValueError, lambda: hf.shard_batch(batch, comm, attn_implementation="commlib_ring"), match="pads")
+    raises_everywhere(ValueError, lambda: ring_batch(batch, comm), match="pads")
     model = model_with(reference["model"], "commlib_ring")
     shard = {key: shard_sequence(batch[key], comm, layout="zigzag")
              for key in ("input_ids", "attention_mask")}
