@@ -210,6 +210,13 @@ def contiguous(native: Native):
     return native.xp.ascontiguousarray(data)
 
 
+def writable(data) -> bool:
+    """Whether MPI or NCCL may receive into ``data``: NumPy says so in its
+    flags; CuPy's flags have no ``writeable`` (device memory is always
+    writable)."""
+    return getattr(data.flags, "writeable", True)
+
+
 def byte_view(data):
     """The bytes of a C-contiguous array as a 1-D uint8 array (no copy)."""
     return data.reshape(-1).view(np.uint8)

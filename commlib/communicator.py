@@ -19,7 +19,7 @@ import numpy as np
 
 from . import consistency, memory
 from . import counts as _counts
-from .arrays import Native, byte_view, contiguous, unwrap
+from .arrays import Native, byte_view, contiguous, unwrap, writable
 from .backends import REDUCE_OPS, Backend
 from .backends.mpi import MpiBackend
 from .backends.nccl import NcclBackend
@@ -507,7 +507,7 @@ class Communicator:
         target = unwrap(out)
         if (target.dtype, tuple(target.data.shape), target.on_device) != \
                 (like.dtype, tuple(like.data.shape), like.on_device) \
-                or not target.data.flags.c_contiguous or not target.data.flags.writeable:
+                or not target.data.flags.c_contiguous or not writable(target.data):
             raise ValueError(f"out must be a writable C-contiguous array of x's shape "
                              f"{tuple(like.data.shape)} and dtype {like.dtype.name}, got "
                              f"{tuple(target.data.shape)} {target.dtype.name}")

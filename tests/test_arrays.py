@@ -4,7 +4,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from commlib.arrays import byte_view, contiguous, unwrap
+from commlib.arrays import byte_view, contiguous, unwrap, writable
 
 import requires
 
@@ -16,6 +16,25 @@ TORCH_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, t
                 torch.float16, torch.bfloat16, torch.float32, torch.float64,
                 torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32,
                 torch.uint64]
+
+
+class CupyLikeFlags:
+    """What ``cupy.ndarray.flags`` has (CuPy 13-14): no ``writeable``."""
+
+    c_contiguous, f_contiguous, owndata = True, False, True
+
+
+class CupyLikeArray:
+    flags = CupyLikeFlags()
+
+
+def test_receive_buffers_are_writable_unless_numpy_says_otherwise():
+    """A CuPy array, whose flags have no ``writeable``, is a receive buffer
+    (reading the attribute raised AttributeError on every GPU transfer of
+    the JAX binding); a read-only NumPy array is not."""
+    frozen = np.zeros(3)
+    frozen.flags.writeable = False
+    assert writable(CupyLikeArray()) and writable(np.zeros(3)) and not writable(frozen)
 
 
 def test_numpy_is_itself():
