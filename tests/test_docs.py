@@ -59,8 +59,11 @@ from doc_blocks import (
 from launch import run as launch_run
 
 TIMEOUT_S = 600
+# COLUMNS: click's help wraps at 80. PYTHONUNBUFFERED off: unbuffered, print()
+# writes a line and its newline apart, and two ranks' lines can interleave in
+# mpiexec's output ("...Brank 0: ..."); buffered, each rank's lines leave whole
 ENV = {"COMMLIB_TIMEOUT": "120", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-       "COLUMNS": "80", "PYTHONWARNINGS": "ignore"}  # COLUMNS: click's help wraps at 80
+       "COLUMNS": "80", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": ""}
 
 
 def _environment(extra: Sequence[Tuple[str, str]] = ()) -> Dict[str, str]:
