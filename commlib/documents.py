@@ -137,9 +137,6 @@ class Grouped:
         return _joined([s for rank in range(first, first + self.group_size)
                         for s in self.packing.spans(rank)])
 
-    def all_spans(self) -> Tuple[Span, ...]:
-        return self.packing.all_spans()
-
     def in_order(self) -> Tuple[np.ndarray, Tuple[Span, ...]]:
         return self.packing.in_order()
 
