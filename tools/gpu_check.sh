@@ -1,87 +1,177 @@
 #!/usr/bin/env bash
-# One command for a lent GPU machine (no network; torch with CUDA, CuPy, NCCL,
-# JAX and mpi4py preinstalled): installs commlib and the wheels carried in
-# .whl/, runs the gpu-marked tests, then the timings, each under a time limit
-# and all of it within GPU_CHECK_BUDGET_S seconds (default 450: the script
-# ends inside 8 minutes). Everything it finds goes to $OUT (default
-# /tmp/gpu_check): nvidia-smi, one log per step, gpu_check.json. Carry the
-# MPICH wheel (for mpiexec) and any missing test dependency in .whl/ as the
-# device tool's README describes, e.g.
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#       --platform manylinux_2_17_x86_64 -d .whl mpich mpi4py hypothesis ml_dtypes \
-#       array-api-compat array-api-extra click
+# The one command for a lent GPU machine, and its rehearsal on a CPU machine.
 #
-# Steps, most wanted first; each gets its own limit or what is left of the
-# budget, whichever is less, and is not started with under 20 s left:
-#   pytest_gpu   every single-process gpu test (tests/test_gpu_nccl.py: the
-#                size-1 NCCL communicator; kernels, routing, arrays)
-#   mpi1, mpi2   tests/mpi -m gpu at 1 and 2 ranks (2 ranks share the GPU:
-#                the staged MPI path; collectives, faults, attention, MoE)
+#   tools/gpu_check.sh --prepare    here, with the package registry: fetch into
+#                                   .whl/ the wheels the GPU image lacks
+#                                   (tools/gpu_wheels.txt), print their size
+#   tools/gpu_check.sh              on the GPU machine (no network): install
+#                                   commlib and .whl/, preflight, then the steps
+#   tools/gpu_check.sh --rehearse   the same on a machine without a GPU: every
+#                                   step runs, the GPU tests skip ("no CUDA
+#                                   device here"); CI runs it (.ci/gpu_rehearsal)
+#
+# The GPU run, through the device tool: carry [".whl"], one call, e.g.
+#   run(command="bash tools/gpu_check.sh", carry=[".whl"], timeout_s=420)
+#
+# Nothing runs from the source tree: commlib is installed (with its bindings/
+# and tools/, which exist only in an install) under $GPU_CHECK_ENV, MPICH with
+# its data files (libmpi, mpiexec) under --prefix, and every Python process
+# runs with PYTHONSAFEPATH=1. A failed preflight stops the run at once, saying
+# what to fix. Then the steps, the numbers the run exists for early: each under
+# its own time limit (interrupted with SIGINT, so pytest still writes its junit
+# report and the summary line says what ran), all of them within 6 minutes so
+# that a rerun fits in the 15 minutes of device time:
+#   pytest_gpu   the single-process gpu tests (the size-1 NCCL communicator,
+#                kernels, arrays)
+#   bench        python -m commlib.tools.bench_gpu -> $OUT/gpu_check.json
+#   mpi1 mpi2    tests/mpi -m gpu at 1 and 2 ranks (2 ranks share the GPU)
 #   mpi4         the collectives and the GPU faults at 4 ranks on one GPU
-#   bench        python -m commlib.tools.bench_gpu -> gpu_check.json
-#   hf_train     examples/hf_train.py: a transformers MoE in bfloat16, one rank
+#   hf_train     examples/hf_train.py: a transformers Qwen3-MoE in bfloat16
+#   stall graph  a deliberately stalled transfer (2 ranks), then the CUDA-graph
+#                capture and replay of a fixed-capacity MoE pair, last: both
+#                can leave a GPU in a state the other steps should not meet
+# $OUT gets summary.txt (what this prints), gpu_check.json and logs.tgz (every
+# step's log and junit reports, per rank), rewritten after each step so that a
+# run killed from outside still returns what it did.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/gpu_check}
-mkdir -p "$OUT"
+REPO=$PWD
 PY=${PYTHON:-python3}
-BUDGET_S=${GPU_CHECK_BUDGET_S:-450}
-END=$((SECONDS + BUDGET_S))
-# JAX would take 75% of the GPU at start; several ranks share one here
-export PYTHONUNBUFFERED=1 COMMLIB_TIMEOUT=60 XLA_PYTHON_CLIENT_PREALLOCATE=false
-if compgen -G ".whl/*.whl" >/dev/null; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+MODE=gpu
+case "${1:-}" in
+    "") ;;
+    --prepare) MODE=prepare ;;
+    --rehearse) MODE=rehearse ;;
+    *) sed -n '2,12p' "$0"; exit 2 ;;
+esac
+PINS=$(grep -o '^[^#[:space:]]*' tools/gpu_wheels.txt)
+
+if [[ $MODE == prepare ]]; then
+    rm -rf .whl && mkdir .whl
+    # every pin is a py3-none wheel: the tags are the GPU image's (Python 3.12,
+    # manylinux; mpich 5 is built for manylinux_2_28 only)
+    # shellcheck disable=SC2086
+    $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d .whl $PINS \
+        || { echo "gpu_check: --prepare: pip download failed (is the registry reachable?)"; exit 1; }
+    ls -l .whl
+    kib=$(du -sk .whl | cut -f1)
+    echo "gpu_check: .whl holds $(ls .whl | wc -l) wheels, $((kib / 1024)) MiB (a device call" \
+         "carries at most 64 MiB with the working tree); carry it: carry=[\".whl\"]"
+    ((kib < 56 * 1024)) || { echo "gpu_check: .whl is too large to carry"; exit 1; }
+    exit 0
 fi
-$PY -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/commlib . \
-    || { echo "gpu_check: installing commlib failed"; exit 1; }
-export PYTHONPATH=/tmp/commlib${PYTHONPATH:+:$PYTHONPATH}
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+
+if [[ $MODE == rehearse ]]; then OUT=${OUT:-/tmp/gpu_check_rehearsal}; else OUT=${OUT:-/tmp/gpu_check}; fi
+ENV_DIR=${GPU_CHECK_ENV:-/tmp/commlib-gpu-env}
+LOGS=$ENV_DIR/logs
+BUDGET_S=360
+END=$((SECONDS + BUDGET_S))
+rm -rf "$ENV_DIR" && mkdir -p "$OUT" "$LOGS"
+: >"$OUT/summary.txt"
+say() { echo "gpu_check: $*" | tee -a "$OUT/summary.txt"; }
+keep_logs() { tar czf "$OUT/logs.tgz" -C "$ENV_DIR" logs; }
 status=0
 
-# step NAME LIMIT_S COMMAND...: COMMAND under min(LIMIT_S, budget left),
-# its output in $OUT/NAME.log
+# -- install: nothing from the network, nothing run from the source tree ------
+missing=""
+for pin in $PINS; do
+    name=${pin%%==*} version=${pin#*==}
+    compgen -G ".whl/${name//-/_}-$version-*.whl" >/dev/null || missing+=" $pin"
+done
+if [[ -n $missing ]]; then
+    say "install: .whl/ lacks$missing: run tools/gpu_check.sh --prepare where pip reaches" \
+        "the registry, and carry .whl"
+    exit 1
+fi
+wheel() { echo ".whl/${1//-/_}-"*.whl; }
+pip_offline() { $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "$@" \
+                    >>"$LOGS/install.log" 2>&1; }
+# --prefix keeps the mpich wheel's data files (lib/libmpi.so, bin/mpiexec), which --target drops
+others=$(for pin in $PINS; do case ${pin%%==*} in mpich|setuptools) ;; *) wheel "${pin%%==*}";; esac; done)
+# shellcheck disable=SC2086
+if pip_offline --prefix "$ENV_DIR/mpich" $(wheel mpich) \
+        && pip_offline --target "$ENV_DIR/build" $(wheel setuptools) \
+        && pip_offline --target "$ENV_DIR/site" $others \
+        && PYTHONPATH=$ENV_DIR/build pip_offline --no-build-isolation --target "$ENV_DIR/site" .
+then
+    say "install: commlib and $(wc -w <<<"$PINS") carried wheels into $ENV_DIR"
+else
+    say "install failed:"; tail -20 "$LOGS/install.log"; keep_logs; exit 1
+fi
+export PYTHONPATH=$ENV_DIR/site PYTHONSAFEPATH=1 MPI4PY_LIBMPI=$ENV_DIR/mpich/lib \
+    PATH=$ENV_DIR/site/bin:$ENV_DIR/mpich/bin:$PATH
+# a missing framework is an error, not a skip (tests/requires.py); JAX would
+# take 75% of the GPU at start, and several ranks share the one GPU
+export COMMLIB_TEST_REQUIRE=all COMMLIB_TIMEOUT=60 XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    PYTHONUNBUFFERED=1
+
+if [[ $MODE == gpu ]]; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
+        | tee "$LOGS/gpu.txt" | sed 's/^/gpu_check: gpu: /' | tee -a "$OUT/summary.txt"
+    rehearse="" device=cuda bench_size=""
+else
+    rehearse=--rehearse device=cpu bench_size=--quick
+fi
+
+# step NAME LIMIT_S COMMAND...: COMMAND under min(LIMIT_S, what is left of the
+# budget), its output in logs/NAME.log; not started with under 15 s left
 step() {
-    local name=$1 limit=$2 left=$((END - SECONDS)) code=0
+    local name=$1 limit=$2 left=$((END - SECONDS)) code=0 started=$SECONDS
     shift 2
     ((limit > left)) && limit=$left
-    if ((limit < 20)); then
-        echo "gpu_check: $name not run: ${left}s of the ${BUDGET_S}s budget left" \
-            | tee "$OUT/$name.log"
-        status=1
-        return
+    if ((limit < 15)); then
+        say "$name: not run, ${left}s of the ${BUDGET_S}s budget left"; status=1; return 1
     fi
-    echo "gpu_check: $name (at most ${limit}s)"
-    timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1 || code=$?
-    tail -3 "$OUT/$name.log"
+    timeout -s INT -k 15 "$limit" "$@" >"$LOGS/$name.log" 2>&1 || code=$?
     if ((code != 0)); then
-        echo "gpu_check: $name failed (exit $code$( ((code == 124)) && echo ": time limit"))"
         status=1
+        say "$name: FAILED (exit $code$( ((code == 124)) && echo ", its ${limit}s limit")) in" \
+            "$((SECONDS - started))s; the end of logs/$name.log:"
+        tail -15 "$LOGS/$name.log"
+    else
+        say "$name: ok in $((SECONDS - started))s"
     fi
+    keep_logs
+    return $code
 }
-
-# mpi_step N LIMIT_S PYTEST_ARGS...: the gpu tests among PYTEST_ARGS under
-# mpiexec -n N, as step mpi<N>; each rank's report in $OUT/mpi<N>/rank<r>.log
-mpi_step() {
-    local n=$1 limit=$2
+summary() { $PY -m commlib.tools.gpu_check summary "$@" | tee -a "$OUT/summary.txt"; }
+# pytest_step NAME LIMIT_S PYTEST_ARGS...: one process
+pytest_step() {
+    local name=$1 limit=$2
     shift 2
-    mkdir -p "$OUT/mpi$n"
-    rm -f "$OUT/mpi$n"/rank*.log
-    step "mpi$n" "$limit" mpiexec -n "$n" $PY tests/mpi_pytest.py "$OUT/mpi$n" "$@" -m gpu
-    [[ -f "$OUT/mpi$n/rank0.log" ]] && tail -1 "$OUT/mpi$n/rank0.log"
+    step "$name" "$limit" $PY -m pytest -p no:cacheprovider -q --junitxml="$LOGS/$name.xml" "$@"
+    summary "$name" "$LOGS/$name.xml"
+}
+# mpi_step NAME RANKS LIMIT_S PYTEST_ARGS...: under mpiexec, one report per rank
+mpi_step() {
+    local name=$1 ranks=$2 limit=$3
+    shift 3
+    mkdir -p "$LOGS/$name"
+    step "$name" "$limit" mpiexec -n "$ranks" $PY tests/mpi_pytest.py "$LOGS/$name" "$@"
+    summary "$name" "$LOGS/$name"/rank*.xml
 }
 
-step pytest_gpu 150 $PY -m pytest -m gpu -q -p no:cacheprovider tests
-if command -v mpiexec >/dev/null; then
-    mpi_step 1 100 tests/mpi
-    mpi_step 2 150 tests/mpi
-    mpi_step 4 75 tests/mpi/test_collectives_frameworks.py tests/mpi/test_gpu_faults.py
+if step preflight 60 $PY -m commlib.tools.gpu_check preflight --site "$ENV_DIR/site" $rehearse
+then
+    tee -a "$OUT/summary.txt" <"$LOGS/preflight.log"
 else
-    echo "gpu_check: no mpiexec (carry the mpich wheel): multi-rank gpu tests not run"
+    say "stopped: the preflight failed (above)"; exit 1
 fi
-step bench 90 $PY -m commlib.tools.bench_gpu --out "$OUT/gpu_check.json"
-# a transformers Qwen3-MoE (Ring + expert parallelism) in bfloat16 on the GPU
-step hf_train 60 $PY examples/hf_train.py --model qwen3_moe --device cuda --dtype bfloat16 \
-    --steps 5
-echo "gpu_check: $((SECONDS))s in all; logs in $OUT"
+
+LAST="cuda_graph or never_arrives"  # the last two steps' tests
+pytest_step pytest_gpu 50 -m gpu -k "not ($LAST)" tests
+step bench 70 $PY -m commlib.tools.bench_gpu --device $device $bench_size \
+    --out "$OUT/gpu_check.json" && tail -4 "$LOGS/bench.log"
+mpi_step mpi1 1 30 -m gpu -k "not ($LAST)" tests/mpi
+mpi_step mpi2 2 45 -m gpu -k "not ($LAST)" tests/mpi
+mpi_step mpi4 4 30 -m gpu -k "not ($LAST)" tests/mpi/test_collectives_frameworks.py \
+    tests/mpi/test_gpu_faults.py
+step hf_train 30 $PY examples/hf_train.py --model qwen3_moe --device $device --dtype bfloat16 \
+    --steps 3 && tail -2 "$LOGS/hf_train.log"
+mpi_step stall 2 20 -m gpu -k never_arrives tests/mpi/test_gpu_faults.py
+pytest_step graph 20 -m gpu -k cuda_graph tests/test_gpu_nccl.py
+say "$SECONDS s in all ($MODE); $( ((status == 0)) && echo "every step passed" || echo \
+    "some steps FAILED (above)"); logs in $OUT/logs.tgz"
 exit $status
