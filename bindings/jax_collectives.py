@@ -30,6 +30,7 @@ runs cannot mix their messages.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from typing import Any, Iterator, List, Optional, Sequence
 
@@ -155,15 +156,7 @@ class TracedComm:
             raise RuntimeError("commlib JAX transfers must be traced inside "
                                "TracedComm.ordered() (the bindings do this)")
 
-        def callback(ctx, outs, token, *ins):
-            stream = _stream_of(ctx)
-            on_gpu = stream is not None
-            views = [_view(b, on_gpu) for b in ins]
-            targets = [_view(b, on_gpu) for b in outs[1:]]
-            with _on_stream(stream):
-                transfer(targets, *views)
-            _view(outs[0], on_gpu)[...] = _view(token, on_gpu)
-
+        callback = functools.partial(_transfer_on_xla_stream, transfer)
         results = buffer_callback(callback, (jax.ShapeDtypeStruct((), jnp.uint8),) + tuple(shapes),
                                   has_side_effect=True)(chain.token, *operands)
         chain.token = results[0]
@@ -228,6 +221,18 @@ class TracedComm:
                                                           bits.dtype)], bits)
         out = _unbits(out, x.dtype)
         return jnp.concatenate(list(out), axis=axis)
+
+
+def _transfer_on_xla_stream(transfer, ctx, outs, token, *ins) -> None:
+    """A transfer's ``buffer_callback``: ``transfer(targets, *views)`` on views
+    of XLA's buffers, then the chain's token copied on, both with CuPy's
+    current stream set to XLA's (on a GPU): on CuPy's default stream the token
+    copy would be unordered with XLA's non-blocking streams."""
+    stream = _stream_of(ctx)
+    on_gpu = stream is not None
+    with _on_stream(stream):
+        transfer([_view(b, on_gpu) for b in outs[1:]], *[_view(b, on_gpu) for b in ins])
+        _view(outs[0], on_gpu)[...] = _view(token, on_gpu)
 
 
 def _stream_of(ctx) -> Optional[int]:
