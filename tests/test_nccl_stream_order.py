@@ -3,19 +3,29 @@ for. What is checked is the contract of a stream-ordered transport: work is
 enqueued after the caller's stream and the caller's stream waits for it
 (the host never does); buffers live until the transfer is done; a transfer
 past its deadline is aborted by the in-flight thread, once, and the next
-call raises and tells the peers; any failure of the communicator aborts
-NCCL; a failed launch closes its group; an aborted communicator is not
-destroyed again."""
+call raises and tells the peers; a CUDA error an event reports does so at
+once, naming it; any failure of the communicator aborts NCCL; a failed
+launch closes its group; an aborted communicator is not destroyed again;
+nothing is watched while the caller's stream is captured into a CUDA graph.
+The stand-ins are shared with test_nccl_deadlines."""
 
 import gc
+import threading
 import time
 import weakref
 
 import pytest
 
 import commlib
-from commlib.backends.inflight import InFlight
+from commlib.backends.inflight import CudaEvents, InFlight
 from commlib.backends.nccl import NcclBackend
+
+# how long a stand-in stays inside NCCL at most when a test never releases it
+# (the old code, which waits there, then fails instead of hanging)
+GIVE_UP_S = 3.0
+
+
+NOT_READY, ILLEGAL_ADDRESS = 600, 700  # cudaError_t
 
 
 class _Log:
@@ -23,75 +33,160 @@ class _Log:
 
     def __init__(self):
         self.steps = []
-        self.aborts = self.destroys = self.group_ends = 0
+        self.aborts = self.destroys = self.group_ends = self.queries = 0
+        self.devices = []  # (thread name, device) of each setDevice
+
+
+class _CudaError(RuntimeError):
+    """cupy.cuda.runtime.CUDARuntimeError: CUDA's name and text for a status."""
+
+    def __init__(self, status):
+        names = {ILLEGAL_ADDRESS: "cudaErrorIllegalAddress: an illegal memory access was "
+                                  "encountered"}
+        super().__init__(names.get(status, f"cudaError {status}"))
+
+
+class _Runtime:
+    """cupy.cuda.runtime: eventQuery returns the event's cudaError_t as is."""
+
+    streamCaptureModeThreadLocal = 1
+    CUDARuntimeError = _CudaError
+
+    def __init__(self, log):
+        self.log = log
+
+    def eventQuery(self, event):
+        self.log.queries += 1
+        return event.status()
+
+    def setDevice(self, index):
+        self.log.devices.append((threading.current_thread().name, index))
+
+
+def _exchange_capture_mode(log):
+    """cudaThreadExchangeStreamCaptureMode, which CuPy lacks (commlib calls it
+    through ctypes): recorded."""
+    def exchange(mode):
+        log.steps.append(("capture mode", threading.current_thread().name, mode))
+        return 0
+    return exchange
 
 
 class _Event:
-    def __init__(self, log, finished):
-        self.log, self.finished, self.stream = log, finished, None
+    def __init__(self, log, status):
+        self.log, self.status, self.stream = log, status, None
+
+    @property
+    def ptr(self):  # what the runtime stand-in is handed back
+        return self
 
     def record(self, stream):
         self.stream = stream
         self.log.steps.append(("record", stream.name, self))
 
     @property
-    def done(self):
-        return self.finished()
+    def done(self):  # CuPy's own reading: anything but success is "not yet"
+        self.log.queries += 1
+        return self.status() == 0
 
 
 class _Stream:
-    """A stream that has no ``synchronize``: the host must not wait on it."""
+    """A stream that has no ``synchronize``: the host must not wait on it.
+    ``capturing``: being captured into a CUDA graph."""
 
     ptr = 0
 
-    def __init__(self, log, name):
-        self.log, self.name = log, name
+    def __init__(self, log, name, capturing=False):
+        self.log, self.name, self.capturing = log, name, capturing
+        self.on_wait = lambda: None
 
     def wait_event(self, event):
         self.log.steps.append(("wait", self.name, event))
+        self.on_wait()
+
+    def is_capturing(self):
+        return self.capturing
 
 
 class _Comm:
-    def __init__(self, log, fail_send):
+    """An NCCL communicator. ``inside``/``release``: a send that signals it
+    has started and stays inside NCCL until released."""
+
+    def __init__(self, log, fail_send=False, inside=None, release=None):
         self.log, self.fail_send = log, fail_send
+        self.inside, self.release = inside, release
+        self.aborted = threading.Event()
 
     def send(self, *args):
         if self.fail_send:
             raise RuntimeError("NCCL error: invalid usage")
-        self.log.steps.append(("send", "nccl", None))
+        self.log.steps.append(("send", threading.current_thread().name, None))
+        if self.inside is not None:
+            self.inside.set()
+            self.release.wait(GIVE_UP_S)
+            self.log.steps.append(("sent", threading.current_thread().name, None))
 
     def recv(self, *args):
         self.log.steps.append(("recv", "nccl", None))
 
     def abort(self):
         self.log.aborts += 1
+        self.log.steps.append(("abort", threading.current_thread().name, None))
+        self.aborted.set()
 
     def destroy(self):
         self.log.destroys += 1
 
 
 class _Nccl:
-    def __init__(self, log):
-        self.log = log
+    """CuPy's NCCL module. ``release``: the first groupEnd stays in progress
+    (NCCL connecting to a peer that never comes) until it is set. ``init``:
+    what NcclCommunicator(size, uid, rank) does."""
+
+    def __init__(self, log, release=None, init=None):
+        self.log, self.release, self.init = log, release, init
+
+    def get_unique_id(self):
+        return b"u" * 128
+
+    def NcclCommunicator(self, size, uid, rank):
+        self.log.steps.append(("init", threading.current_thread().name, None))
+        return self.init()
 
     def groupStart(self):
         pass
 
     def groupEnd(self):
         self.log.group_ends += 1
+        if self.release is not None and self.log.group_ends == 1:
+            self.release.wait(GIVE_UP_S)
 
 
-def _cupy(log, caller, finished):
-    """CuPy's current stream and events; ``finished()`` says whether the
-    events have fired."""
+def _cupy(log, caller, status):
+    """CuPy's current stream and events; ``status()`` is the events'
+    cudaError_t (0: fired)."""
     class cuda:
+        runtime = _Runtime(log)
+
         @staticmethod
         def get_current_stream():
             return caller
 
         @staticmethod
         def Event(disable_timing):
-            return _Event(log, finished)
+            return _Event(log, status)
+
+        @staticmethod
+        def Stream(non_blocking):
+            return _Stream(log, "nccl")
+
+        @staticmethod
+        def Device(index):
+            class Device:
+                @staticmethod
+                def use():
+                    cuda.runtime.setDevice(index)
+            return Device
 
     class cupy:
         pass
@@ -114,15 +209,22 @@ def impatient():
     comm.free()
 
 
-def _backend(comm, finished=lambda: False, fail_send=False):
+def _backend(comm, finished=lambda: False, fail_send=False, status=None, capturing=False,
+             inside=None, release=None, release_group_end=None):
+    """A backend on stand-ins; its events' status is ``status()``, else
+    fired once ``finished()``. ``inside``, ``release``: of its sends (see
+    _Comm); ``release_group_end``: of its first groupEnd (see _Nccl)."""
     log = _Log()
-    caller = _Stream(log, "caller")
+    caller = _Stream(log, "caller", capturing)
+    status = status or (lambda: 0 if finished() else NOT_READY)
     backend = NcclBackend.__new__(NcclBackend)  # no GPU: the parts __init__ would build
-    backend.comm, backend._nccl = _Comm(log, fail_send), _Nccl(log)
-    backend._cupy = _cupy(log, caller, finished)
+    backend._nccl = _Nccl(log, release=release_group_end)
+    backend._cupy = _cupy(log, caller, status)
     backend.stream = _Stream(log, "nccl")
     backend.rank, backend.size, backend.device_index = 0, 1, 0
-    backend._attach(comm._watchdog, InFlight(sweep_s=0.01), root=backend)
+    backend._attach(comm._watchdog, InFlight(sweep_s=0.01), root=backend,
+                    comm=_Comm(log, fail_send, inside, release))
+    backend._cuda = CudaEvents(backend._cupy.cuda.runtime, _exchange_capture_mode(log))
     return backend, log
 
 
@@ -209,3 +311,39 @@ def test_free_waits_for_transfers_in_flight_then_destroys(world):
 def test_lane_must_be_a_non_negative_integer(world):
     with pytest.raises(ValueError, match="lane must be a non-negative integer"):
         world.ring_shift_async([1.0, 2.0], lane=-1)
+
+
+def test_nothing_is_watched_while_the_callers_stream_is_captured_into_a_cuda_graph(world):
+    """A captured event cannot be queried (CUDA error 907, and the capture is
+    lost): the transfer is ordered as usual, but not handed to the in-flight
+    thread, and no event is read."""
+    backend, log = _backend(world, capturing=True)
+    backend._grouped([(0, 8, 0)], [(0, 8, 0)], keep=())()
+    assert [s[0] for s in log.steps] == ["record", "wait", "send", "recv", "record", "wait"]
+    assert backend._in_flight._transfers == [] and backend._in_flight._thread is None
+    assert log.queries == 0
+
+
+@pytest.fixture
+def patient():
+    """A world whose deadline is far from the few milliseconds a CUDA error takes."""
+    comm = commlib.init(timeout=3)
+    yield comm
+    comm.free()
+
+
+def test_a_cuda_error_on_the_gpu_aborts_at_once_and_says_which(patient):
+    """cudaEventQuery's error (CuPy's Event.done reads it as "not yet") ends the
+    transfer now, naming the error, instead of at the deadline as a timeout;
+    free() does not wait for it."""
+    backend, log = _backend(patient, status=lambda: ILLEGAL_ADDRESS)
+    backend._grouped([(0, 8, 0)], [(0, 8, 0)], keep=())
+    started = time.monotonic()
+    backend.free()
+    assert time.monotonic() - started < patient.timeout / 2
+    assert (log.aborts, log.destroys) == (1, 0)
+    with pytest.raises(commlib.CommTimeoutError,
+                       match="failed on the GPU with cudaErrorIllegalAddress: an illegal memory "
+                             "access was encountered, so its NCCL communicator was aborted"):
+        patient.barrier()
+    assert "cudaErrorIllegalAddress" in patient._watchdog.failure  # the peers were told

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Callable, Dict, List, Optional, Tuple
+import time
+from typing import Callable, Dict, Hashable, List, NoReturn, Optional, Set, Tuple
 
 import numpy as np
 
 from ..arrays import byte_view
+from ..errors import CommlibError, CommTimeoutError
+from ..watchdog import TIMEOUT_ENV
 from . import displacements
-from .inflight import IN_FLIGHT, InFlight
+from .inflight import IN_FLIGHT, CudaEvents, InFlight
 
 # ncclDataType_t / ncclRedOp_t values (nccl.h); stable since NCCL 2.10
 _NCCL_TYPES = {
@@ -27,6 +30,8 @@ _NCCL_TYPES = {
 }
 _NCCL_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3}
 _UINT8 = _NCCL_TYPES["uint8"]
+# how long a wait for a thread inside NCCL sleeps between looks at the deadline
+_WAIT_SLICE_S = 0.001
 
 
 def _cuda_major() -> Optional[int]:
@@ -140,6 +145,73 @@ def reduction_op(dtype: np.dtype, op: str) -> int:
     return _NCCL_OPS[op]
 
 
+class _Guarded:
+    """One NCCL communicator, launched on by one thread and aborted by whichever
+    finds it failed (the in-flight thread, a deadline), never both at once:
+    CuPy clears its handle only after ncclCommAbort returns, so a launch beside
+    an abort would use a freed communicator. A thread inside NCCL waiting for a
+    peer (init, a first connection) may never come out, so an abort never
+    waits for it: that thread aborts as it comes out (ProcessGroupNCCL keeps
+    the same lock per communicator)."""
+
+    def __init__(self, comm, on_abort: Callable[[], None]):
+        self.comm = comm
+        self.abort_wanted = False
+        self._closed = False  # aborted or destroyed
+        self._inside = threading.Lock()  # held by the thread inside NCCL on it
+        self._on_abort = on_abort
+
+    def use(self, work: Callable[[], None], refuse: Callable[[], NoReturn]) -> None:
+        """``work()`` with the communicator to itself; ``refuse()`` once it is
+        to be aborted."""
+        if not self._enter():
+            refuse()
+        try:
+            work()
+        finally:
+            self._leave()
+
+    def abort(self) -> None:
+        """ncclCommAbort now, or as the thread inside NCCL on it comes out."""
+        self.abort_wanted = True
+        self._abort_if_wanted()
+
+    def destroy(self) -> None:
+        """ncclCommDestroy, unless it is to be aborted."""
+        if self._enter():
+            try:
+                if not self._closed:
+                    self._closed = True
+                    self.comm.destroy()
+            finally:
+                self._leave()
+
+    def _enter(self) -> bool:
+        while not self._inside.acquire(timeout=_WAIT_SLICE_S):
+            if self.abort_wanted:  # never wait for a thread stuck inside
+                return False
+        if self.abort_wanted:
+            self._leave()
+            return False
+        return True
+
+    def _leave(self) -> None:
+        self._inside.release()
+        self._abort_if_wanted()
+
+    def _abort_if_wanted(self) -> None:
+        if not self.abort_wanted or self._closed or not self._inside.acquire(blocking=False):
+            return
+        try:
+            if not self._closed:
+                self._closed = True
+                if self.comm is not None:  # None: its init failed
+                    self.comm.abort()
+                self._on_abort()
+        finally:
+            self._inside.release()
+
+
 class NcclBackend:
     """Collectives on CUDA buffers over one NCCL communicator, stream-ordered:
     each call is enqueued on this backend's stream after the work already
@@ -147,7 +219,15 @@ class NcclBackend:
     ordered after the torch or JAX stream the arrays came from), and the
     caller's stream waits on an event recorded after it. The host never
     waits for the GPU; ``IN_FLIGHT`` holds the buffers until the event fires
-    and aborts the communicator past the deadline."""
+    and aborts the communicator past the deadline.
+
+    The host does wait for peers where NCCL makes it: creating a
+    communicator (every rank must join) and the first launch over each link
+    (NCCL connects lazily, inside ``groupEnd``, and waits there for the
+    peer). CuPy's communicators are blocking (its ``NcclConfig`` has no
+    ``blocking`` field), so those calls run on a helper thread while this
+    one waits under the watchdog's deadline: a peer that never arrives
+    raises ``CommTimeoutError`` here instead of hanging the rank."""
 
     name = "nccl"
 
@@ -157,31 +237,49 @@ class NcclBackend:
         import cupy
         from cupy.cuda import nccl
 
+        self._build(cupy, nccl, host, device_index, in_flight, "NCCL communicator init")
+
+    def _build(self, cupy, nccl, host, device_index: int, in_flight: InFlight,
+               what: str) -> None:
+        """``__init__``, given CuPy and its NCCL module."""
         self._cupy = cupy
         self._nccl = nccl
         self._host = host
         self.device_index = device_index
+        self.rank, self.size = host.rank, host.size
         cupy.cuda.Device(device_index).use()
         uid = nccl.get_unique_id() if host.rank == 0 else None
         uid = host.bcast_object(uid, 0)
-        self.comm = nccl.NcclCommunicator(host.size, uid, host.rank)
-        self.rank, self.size = host.rank, host.size
         self.stream = cupy.cuda.Stream(non_blocking=True)
-        self._attach(host.watchdog, in_flight, root=self)
+        self._attach(host.watchdog, in_flight, root=self, comm=None)
 
-    def _attach(self, watchdog, in_flight: InFlight, root: "NcclBackend") -> None:
-        """The state every backend has besides its NCCL objects. ``root`` is
-        the communicator's first lane, which keeps the lanes' shared fate."""
+        def create() -> None:
+            self._guard.comm = nccl.NcclCommunicator(host.size, uid, host.rank)
+        self._within_deadline(lambda: self._guard.use(create, self._refuse),
+                              f"{what} on rank {self.rank}",
+                              "a peer never joined (it crashed, is stuck before it, or is in "
+                              "another call)")
+
+    def _attach(self, watchdog, in_flight: InFlight, root: "NcclBackend", comm) -> None:
+        """The state every backend has besides its NCCL objects (``comm``: the
+        NcclCommunicator, or None until made). ``root`` is the communicator's
+        first lane, which keeps the lanes' shared fate."""
         self.watchdog = watchdog
         self._in_flight = in_flight
         self._root = root
         self._lanes: Dict[int, "NcclBackend"] = {0: self}
-        self._abort_lock = threading.Lock()
-        self._aborted = False
+        self._guard = _Guarded(comm, on_abort=lambda: in_flight.forget(self))
+        self._cuda = CudaEvents(self._cupy.cuda.runtime)
+        self._connected: Set[Hashable] = set()  # the links NCCL has set up (see _enqueue)
         watchdog.on_failure(self._abort)
 
+    @property
+    def comm(self):
+        """CuPy's NcclCommunicator."""
+        return self._guard.comm
+
     def split(self, host) -> "NcclBackend":
-        return NcclBackend(host, self.device_index, self._in_flight)
+        return self._sibling(host, "NCCL communicator init")
 
     def lane(self, index: int) -> "NcclBackend":
         """A sibling on its own NCCL communicator and stream, so that its
@@ -189,10 +287,15 @@ class NcclBackend:
         in order): the ring backward's gradient hop beside the K/V rotation.
         Made on first use; every rank gets there in the same call."""
         if index not in self._lanes:
-            lane = NcclBackend(self._host, self.device_index, self._in_flight)
+            lane = self._sibling(self._host, f"NCCL communicator init for lane {index}")
             lane._root = self
             self._lanes[index] = lane
         return self._lanes[index]
+
+    def _sibling(self, host, what: str) -> "NcclBackend":
+        sibling = NcclBackend.__new__(NcclBackend)
+        sibling._build(self._cupy, self._nccl, host, self.device_index, self._in_flight, what)
+        return sibling
 
     def free(self) -> None:
         """Destroy the NCCL communicators once their transfers are done (an
@@ -200,10 +303,9 @@ class NcclBackend:
         for lane in self._lanes.values():
             if lane is not self:
                 lane.free()
-        if not self._aborted:
+        if not self._guard.abort_wanted:
             self.watchdog.wait_until(lambda: self._in_flight.pending(self) == 0)
-        if not self._aborted:
-            self.comm.destroy()
+        self._guard.destroy()
 
     def _abort(self) -> None:
         """Abort the NCCL communicators, once: kernels waiting on peers return
@@ -212,46 +314,121 @@ class NcclBackend:
         for lane in self._lanes.values():
             if lane is not self:
                 lane._abort()
-        with self._abort_lock:
-            if self._aborted:
-                return
-            self._aborted = True
-        self.comm.abort()
-        self._in_flight.forget(self)
+        self._guard.abort()
 
-    def _expire(self, what: str) -> None:
-        """In-flight thread: a transfer missed its deadline. Abort every lane
-        now; the watchdog makes the next call (or wait) on this communicator
-        raise and tell the peers."""
-        late = (f"{what} on rank {self.rank} did not finish on the GPU within "
-                f"{self.watchdog.timeout:g}s, so its NCCL communicator was aborted")
-        sys.stderr.write(f"commlib: {late}\n")
+    def _refuse(self) -> NoReturn:
+        """A launch on a communicator that is being aborted: the watchdog's
+        reason when it has one."""
+        self.watchdog.check_usable()
+        raise CommlibError("this communicator's NCCL communicator was aborted, so its calls "
+                           "are refused: free it and create a new one")
+
+    def _expire(self, what: str, error: Optional[str]) -> None:
+        """In-flight thread: a transfer missed its deadline (``error`` None) or
+        failed on the GPU. The watchdog makes the next call (or wait) on this
+        communicator raise and tell the peers; every lane is aborted."""
+        if error is None:
+            reason = (f"{what} on rank {self.rank} did not finish on the GPU within "
+                      f"{self.watchdog.timeout:g}s, so its NCCL communicator was aborted")
+        else:
+            reason = (f"{what} on rank {self.rank} failed on the GPU with {error}, so its NCCL "
+                      f"communicator was aborted. Such CUDA errors are usually sticky: this "
+                      f"process cannot use its GPU any more; restart it")
+        sys.stderr.write(f"commlib: {reason}\n")
+        self.watchdog.expire(reason)  # first: a launch refused by the abort gives this reason
         self._root._abort()
-        self.watchdog.expire(late)
 
-    def _enqueue(self, launch, keep: tuple) -> Callable[[], None]:
+    def _within_deadline(self, work: Callable[[], None], what: str, why: str) -> None:
+        """``work()`` on a helper thread (on this backend's device) while this
+        thread waits for it under the watchdog's deadline, hearing the peers'
+        notices meanwhile. Past the deadline this rank gives up (the peers are
+        told, the communicator aborted, by the helper if it is inside NCCL
+        and ever comes out) and raises ``CommTimeoutError``: "``what`` did not
+        complete within ...: ``why``"."""
+        finished = threading.Event()
+        failure: List[BaseException] = []
+
+        def run() -> None:
+            try:
+                self._cupy.cuda.runtime.setDevice(self.device_index)
+                work()
+            except BaseException as error:
+                failure.append(error)
+            finally:
+                finished.set()
+        threading.Thread(target=run, name="commlib-nccl-wait", daemon=True).start()
+        timeout = self.watchdog.timeout
+        deadline = time.monotonic() + timeout
+
+        def arrived() -> bool:
+            if finished.wait(_WAIT_SLICE_S):
+                return True
+            if time.monotonic() > deadline:
+                late = f"{what} did not complete within {timeout:g}s: {why}"
+                self.watchdog.give_up(late)
+                raise CommTimeoutError(f"{late}. Raise {TIMEOUT_ENV} (now {timeout:g}s) if "
+                                       f"the peers are only slow")
+            return False
+        self.watchdog.wait_until(arrived)
+        if failure:
+            raise failure[0]
+
+    def _enqueue(self, launch, keep: tuple, links: Set[Hashable]) -> Callable[[], None]:
         """Run ``launch(stream)`` on our stream after the caller's queued work;
         return what makes the caller's stream wait for it. ``keep`` (the
-        buffers) lives until it is done. A launch that fails leaves the peers
-        waiting in theirs: give up (which tells them and aborts)."""
+        buffers) lives until it is done. ``links`` are what the launch needs
+        connected (("send", peer), ("recv", peer), a collective's name): a
+        launch that needs a new one may wait in NCCL for a peer, so it runs
+        under the deadline. NCCL connects each algorithm of a collective on
+        its first use, and picks the algorithm by size: a later collective of
+        another size may still connect unbounded. A launch that fails leaves
+        the peers waiting in theirs: give up (which tells them and aborts).
+        While the caller's stream is captured into a CUDA graph nothing is
+        watched: its events cannot be queried, and the graph keeps the
+        buffers."""
         self.watchdog.check_usable()
-        self.stream.wait_event(_event(self._cupy, self._cupy.cuda.get_current_stream()))
+        caller = self._cupy.cuda.get_current_stream()
+        capturing = caller.is_capturing()
+        self.stream.wait_event(_event(self._cupy, caller))
+        new = links - self._connected
         try:
-            launch(self.stream.ptr)
+            if new:
+                self._connect(lambda: launch(self.stream.ptr), keep, _connecting(new))
+            else:
+                self._guard.use(lambda: launch(self.stream.ptr), self._refuse)
+        except CommlibError:  # refused or timed out: the watchdog already knows
+            raise
         except BaseException as error:
             self.watchdog.give_up(f"NCCL launch failed: {error}")
             raise
+        self._connected |= new
+        if self._guard.abort_wanted:  # aborted by another thread as it launched
+            self._refuse()
         done = _event(self._cupy, self.stream)
-        self._in_flight.add(self, done, keep, self.watchdog.timeout,
-                            f"{self.watchdog.op} (call #{self.watchdog.calls})", self._expire)
+        if not capturing:
+            self._in_flight.add(self, done, keep, self.watchdog.timeout,
+                                f"{self.watchdog.op} (call #{self.watchdog.calls})",
+                                self._expire, device=self.device_index, cuda=self._cuda)
 
         def finish() -> None:
             self.watchdog.check_usable()
             self._cupy.cuda.get_current_stream().wait_event(done)
         return finish
 
-    def _run(self, launch, *keep) -> None:
-        self._enqueue(launch, keep)()
+    def _connect(self, launch: Callable[[], None], keep: tuple, why: str) -> None:
+        """A launch that connects, under the deadline. Given up on, its helper
+        may still launch once NCCL lets it out: ``keep`` is held for the life
+        of the communicator."""
+        try:
+            self._within_deadline(lambda: self._guard.use(launch, self._refuse),
+                                  f"{self.watchdog.op} (call #{self.watchdog.calls}) on rank "
+                                  f"{self.rank}", why)
+        except CommlibError:
+            self.watchdog.hold(*keep)
+            raise
+
+    def _run(self, op: str, launch, *keep) -> None:
+        self._enqueue(launch, keep, {op})()
 
     def _grouped(self, sends, recvs, keep: tuple) -> Callable[[], None]:
         """One NCCL group of point-to-point transfers: (pointer, nbytes, peer)."""
@@ -266,7 +443,9 @@ class NcclBackend:
                         self.comm.recv(ptr, nbytes, _UINT8, peer, stream)
             finally:  # NCCL's group depth is per thread: always close it
                 self._nccl.groupEnd()
-        return self._enqueue(launch, keep)
+        links = {("send", peer) for _, nbytes, peer in sends if nbytes} | \
+            {("recv", peer) for _, nbytes, peer in recvs if nbytes}
+        return self._enqueue(launch, keep, links)
 
     def alltoallv(self, send, send_bytes, out, recv_bytes) -> None:
         self.start_alltoallv(send, send_bytes, out, recv_bytes)()
@@ -293,17 +472,27 @@ class NcclBackend:
                              [(out.data.ptr, out.nbytes, source)], (send, out))
 
     def allgather(self, send, out) -> None:
-        self._run(lambda s: self.comm.allGather(send.data.ptr, out.data.ptr, send.nbytes,
-                                                _UINT8, s), send, out)
+        self._run("allgather", lambda s: self.comm.allGather(
+            send.data.ptr, out.data.ptr, send.nbytes, _UINT8, s), send, out)
 
     def allreduce(self, send, out, dtype, op) -> None:
         nccl_type = reduction_type(dtype)
-        self._run(lambda s: self.comm.allReduce(send.data.ptr, out.data.ptr, send.size,
-                                                nccl_type, reduction_op(dtype, op), s),
-                  send, out)
+        self._run("allreduce", lambda s: self.comm.allReduce(
+            send.data.ptr, out.data.ptr, send.size, nccl_type, reduction_op(dtype, op), s),
+            send, out)
 
     def bcast(self, buf, root) -> None:
-        self._run(lambda s: self.comm.bcast(buf.data.ptr, buf.nbytes, _UINT8, root, s), buf)
+        self._run("bcast", lambda s: self.comm.bcast(
+            buf.data.ptr, buf.nbytes, _UINT8, root, s), buf)
+
+
+def _connecting(links: Set[Hashable]) -> str:
+    """Why a launch that set up ``links`` did not complete, in words."""
+    peers = sorted({link[1] for link in links if isinstance(link, tuple)})
+    where = f"to rank(s) {', '.join(map(str, peers))}" if peers else \
+        f"its peers for its first {', '.join(sorted(map(str, links)))} on this communicator"
+    return (f"NCCL was still connecting {where} (a peer that never reached the same call: it "
+            f"crashed, is stuck elsewhere, or is in another call)")
 
 
 def _event(cupy, stream):
