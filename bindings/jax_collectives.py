@@ -22,9 +22,13 @@ backward ones in reverse, across ``custom_vjp``, ``scan`` and separate jitted
 calls). Without that, the backward's first K/V shift of one rank, which
 depends on no forward result, met the forward's shift of another.
 
-Checks of shapes and arguments (``agree``) run once, when JAX traces, over
-a communicator of their own, so that tracing one function while another
-runs cannot mix their messages.
+Two communicators, split from the user's once (``traced``): "jax.runtime"
+carries the transfers, with the user's transport (NCCL on GPUs);
+"jax.checks" carries the checks of shapes and arguments (``agree``), which
+run once, when JAX traces, so that tracing one function while another runs
+cannot mix their messages. The checks move only host integers, so that
+communicator is split with ``backend="mpi"``: no NCCL communicator or
+stream of its own.
 """
 
 from __future__ import annotations
@@ -55,8 +59,9 @@ def traced(comm) -> "TracedComm":
     if isinstance(comm, TracedComm):
         return comm
     if comm not in _traced:
-        _traced[comm] = TracedComm(comm.split(0, comm.rank, cache_key="jax.runtime"),
-                                   comm.split(0, comm.rank, cache_key="jax.checks"), _Chain())
+        _traced[comm] = TracedComm(
+            comm.split(0, comm.rank, cache_key="jax.runtime"),
+            comm.split(0, comm.rank, cache_key="jax.checks", backend="mpi"), _Chain())
     return _traced[comm]
 
 
@@ -113,7 +118,8 @@ class TracedPending:
 class TracedComm:
     """The Communicator methods commlib's algorithms use, for traced JAX
     arrays. ``runtime`` carries the transfers, ``checks`` the trace-time
-    agreement; both are duplicates of the user's communicator."""
+    agreement; both are duplicates of the user's communicator, ``checks``
+    without a device transport (``traced``)."""
 
     def __init__(self, runtime, checks, chain: _Chain):
         self.runtime, self.checks, self._chain = runtime, checks, chain
@@ -139,7 +145,8 @@ class TracedComm:
         """Sub-communicators, made when tracing (with a ``cache_key``: once,
         owned by the communicator); their transfers join the same chain."""
         return TracedComm(self.runtime.split(color, key, cache_key=cache_key),
-                          self.checks.split(color, key, cache_key=cache_key), self._chain)
+                          self.checks.split(color, key, cache_key=cache_key, backend="mpi"),
+                          self._chain)
 
     def agree(self, op: str, *facts: Any, problem: Optional[Exception] = None) -> None:
         self.checks.agree(op, *facts, problem=problem)

@@ -41,14 +41,24 @@ def _normalize_axis(axis: int, ndim: int, what: str) -> int:
     return axis % ndim
 
 
-def _split_problem(color: Any, key: Any) -> Optional[ValueError]:
-    """What is wrong with split's arguments, if anything: MPI takes C ints."""
+def _split_problem(color: Any, key: Any, backend: Any,
+                   parent_backend: str) -> Optional[ValueError]:
+    """What is wrong with split's arguments, if anything: MPI takes C ints,
+    and a child can keep its parent's device transport or go without one,
+    not gain one."""
     for name, value, low, wanted in (
             ("color", color, 0, "a non-negative integer below 2**31"),
             ("key", key, -_C_INT_LIMIT, "an integer in [-2**31, 2**31)")):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
                 or not low <= value < _C_INT_LIMIT:
             return ValueError(f"split: {name} must be {wanted}, got {value!r}")
+    if backend is not None and not (isinstance(backend, str)
+                                    and backend in ("mpi", parent_backend)):
+        hint = (" (a split cannot add NCCL: create the parent with commlib.init(backend='nccl'))"
+                if backend == "nccl" else "")
+        return ValueError(f"split: backend must be None (keep this communicator's, "
+                          f"{parent_backend!r}) or 'mpi' (CUDA arrays over MPI, no NCCL "
+                          f"communicator), got {backend!r}{hint}")
     return None
 
 
@@ -110,7 +120,7 @@ class Communicator:
         self._context: consistency.Context = ()
         self.topology = topology
         self._children: List[Communicator] = []  # made by split, freed with this one
-        self._cached: Dict[Hashable, Tuple[int, int, Communicator]] = {}  # split's cache_key
+        self._cached: Dict[Hashable, Tuple[int, int, str, Communicator]] = {}  # split's cache_key
 
     @property
     def rank(self) -> int:
@@ -215,47 +225,60 @@ class Communicator:
             self._staged = StagedBackend(self._host)
         return self._staged
 
-    def split(self, color: int, key: int = 0, *,
-              cache_key: Optional[Hashable] = None) -> "Communicator":
+    def split(self, color: int, key: int = 0, *, cache_key: Optional[Hashable] = None,
+              backend: Optional[str] = None) -> "Communicator":
         """Ranks with the same ``color`` (a non-negative integer) form a new
         communicator, ordered by ``key`` then by rank; nodes of the topology
         are kept. Collective, under the deadline: the ranks first confirm
-        that all of them arrived with valid arguments
-        (``consistency.rendezvous``; a bad ``color`` or ``key`` on any rank
-        raises ``CollectiveMismatchError`` on every rank), and only then
-        enter MPI's split, which has no deadline of its own.
+        that all of them arrived with the same ``backend`` and valid
+        arguments (``consistency.rendezvous``; a bad ``color``, ``key`` or
+        ``backend`` on any rank raises ``CollectiveMismatchError`` on every
+        rank), and only then enter MPI's split, which has no deadline of its
+        own.
+
+        ``backend`` (in ``commlib.init``'s words): None or this one's name
+        keeps this communicator's transport for CUDA arrays; "mpi" makes a
+        child without a device transport (CUDA arrays travel over MPI, as on
+        any communicator without NCCL), for one that only checks and agrees:
+        under NCCL each split otherwise builds its own NCCL communicator and
+        stream.
 
         The new communicator belongs to this one: this one's ``free()``
         frees it too, unless it was freed before. ``cache_key`` (any
         hashable, e.g. ``("hybrid.ring", 4)``) keeps it under that key:
         later calls with the key return it without communicating, until it
         is freed. For algorithms that need the same sub-communicators at
-        every call; all ranks use the same keys, each with one color and
-        key."""
+        every call; all ranks use the same keys, each with one color, key
+        and backend."""
+        problem = _split_problem(color, key, backend, self.backend)
+        child_backend = self.backend if backend is None else backend
         if cache_key is not None and cache_key in self._cached:
-            cached_color, cached_key, child = self._cached[cache_key]
+            cached_color, cached_key, cached_backend, child = self._cached[cache_key]
             if child._watchdog.freed is None:
-                if (cached_color, cached_key) != (color, key):
+                if (cached_color, cached_key, cached_backend) != (color, key, child_backend):
                     raise ValueError(f"cache_key {cache_key!r} holds the split of color "
-                                     f"{cached_color} and key {cached_key}, not of color "
-                                     f"{color!r} and key {key!r}: give each split its own "
-                                     f"cache_key")
+                                     f"{cached_color}, key {cached_key} and backend "
+                                     f"{cached_backend!r}, not of color {color!r}, key "
+                                     f"{key!r} and backend {child_backend!r}: give each "
+                                     f"split its own cache_key")
                 return child
-        problem = _split_problem(color, key)
         self._watchdog.begin("split")
+        facts = (f"backend={child_backend!r}",) + \
+            (() if cache_key is None else (f"cache_key={cache_key!r}",))
         rows = consistency.rendezvous(
             self._host, "split", (0, 0) if problem else (int(color), int(key)),
-            () if cache_key is None else (f"cache_key={cache_key!r}",), self._context, problem)
+            facts, self._context, problem)
         colors, keys = rows[:, 0].tolist(), rows[:, 1].tolist()
         members = sorted((r for r in range(self.size) if colors[r] == color),
                          key=lambda r: (keys[r], r))  # MPI's order in the new communicator
         host = MpiBackend(self._host.comm.Split(int(color), int(key)), self.timeout)
         topology = self.topology.restrict(members, host.rank)
-        device = self._device.split(host) if self._device is not None else None
+        device = self._device.split(host) \
+            if self._device is not None and child_backend != "mpi" else None
         child = Communicator(host, topology, device, self._check)
         self._children = [c for c in self._children if c._watchdog.freed is None] + [child]
         if cache_key is not None:
-            self._cached[cache_key] = (color, key, child)
+            self._cached[cache_key] = (color, key, child_backend, child)
         return child
 
     def free(self) -> None:
