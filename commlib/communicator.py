@@ -250,7 +250,6 @@ class Communicator:
         is freed. For algorithms that need the same sub-communicators at
         every call; all ranks use the same keys, each with one color, key
         and backend."""
-        problem = _split_problem(color, key, backend, self.backend)
         child_backend = self.backend if backend is None else backend
         if cache_key is not None and cache_key in self._cached:
             cached_color, cached_key, cached_backend, child = self._cached[cache_key]
@@ -262,6 +261,7 @@ class Communicator:
                                      f"{key!r} and backend {child_backend!r}: give each "
                                      f"split its own cache_key")
                 return child
+        problem = _split_problem(color, key, backend, self.backend)
         self._watchdog.begin("split")
         facts = (f"backend={child_backend!r}",) + \
             (() if cache_key is None else (f"cache_key={cache_key!r}",))

@@ -247,14 +247,14 @@ def info_lines(comm: commlib.Communicator) -> List[str]:
         "backends    mpi: available",
         "            nccl: " + ("available" if nccl_reason is None
                                 else f"unavailable ({nccl_reason})"),
-        f"nccl        {_nccl_version()}",
+        f"nccl        {nccl_version()}",
         f"gpus        {_gpu_count()}",
         f"cuda-aware  {_cuda_aware_decision()}",
         "frameworks  " + ", ".join(_framework_status(name) for name in FRAMEWORKS),
     ]
 
 
-def _nccl_version() -> str:
+def nccl_version() -> str:
     """NCCL's version as CuPy reports it (e.g. 22005 -> 2.20.5), or why not.
     Any failure (no CuPy, no NCCL, no driver) is a fact to print, not an error."""
     try:

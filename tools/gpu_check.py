@@ -21,7 +21,7 @@ import sys
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import click
 
@@ -50,10 +50,13 @@ class Setting:
     rehearse: bool
 
 
-def _run(argv: Sequence[str], timeout: float, cwd: Path) -> subprocess.CompletedProcess:
+def _run(argv: Sequence[str], timeout: float, cwd: Path,
+         env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """``argv``'s outcome; one that cannot start or overruns ``timeout`` is a
+    failed check, not a crash of the preflight."""
     try:
         return subprocess.run(list(argv), cwd=cwd, capture_output=True, text=True,
-                              timeout=timeout)
+                              timeout=timeout, env=None if env is None else {**os.environ, **env})
     except subprocess.TimeoutExpired:
         raise PreflightError(f"`{' '.join(argv)}` did not finish within {timeout:g}s") from None
     except FileNotFoundError:
@@ -97,10 +100,10 @@ def check_nccl(setting: Setting) -> str:
     from cupy.cuda import nccl as cupy_nccl
 
     from commlib.backends import nccl
+    from commlib.tools.cli import nccl_version
     if not getattr(cupy_nccl, "available", False):
         raise PreflightError(f"CuPy finds no NCCL library: {nccl.install_hint()}")
-    version = cupy_nccl.get_version()
-    found = f"NCCL {version // 10000}.{version // 100 % 100}.{version % 100}"
+    found = f"NCCL {nccl_version()}"
     why_not = nccl.unavailable_reason()
     if setting.rehearse:
         return f"{found}; GPU: {why_not or 'present'} (rehearsal: not needed)"
@@ -147,10 +150,8 @@ def check_collection(setting: Setting) -> str:
     no errors (a broken import would otherwise show as a step of 0 tests)."""
     counts = []
     for where, env in (("tests", {}), ("tests/mpi", {"COMMLIB_TEST_UNDER_MPIEXEC": "1"})):
-        done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q",
-             "-p", "no:cacheprovider", where], cwd=setting.repo, capture_output=True, text=True,
-            env={**os.environ, **env}, timeout=120)
+        done = _run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q",
+                     "-p", "no:cacheprovider", where], 120, setting.repo, env)
         last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
         if done.returncode != 0:
             raise PreflightError(f"pytest -m gpu --collect-only {where} failed (exit "
