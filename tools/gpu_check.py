@@ -18,6 +18,7 @@ import importlib.metadata
 import os
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,11 +181,15 @@ def preflight(site: Path, rehearse: bool) -> None:
     failed = 0
     for check in CHECKS:
         name = check.__name__.removeprefix("check_")
+        # announced first: a check that hangs until the step's limit is named by the log
+        click.echo(f"  ...    {name}")
+        started = time.perf_counter()
         try:
-            click.echo(f"  ok     {name}: {check(setting)}")
+            found, outcome = check(setting), "ok    "
         except PreflightError as error:
             failed += 1
-            click.echo(f"  FAILED {name}: {error}")
+            found, outcome = str(error), "FAILED"
+        click.echo(f"  {outcome} {name} ({time.perf_counter() - started:.1f} s): {found}")
     if failed:
         raise SystemExit(f"gpu_check: preflight: {failed} of {len(CHECKS)} checks failed; fix "
                          f"them before spending GPU time on the steps")

@@ -153,9 +153,9 @@ mpi_step() {
     summary "$name" "$LOGS/$name"/rank*.xml
 }
 
-if step preflight 60 $PY -m commlib.tools.gpu_check preflight --site "$ENV_DIR/site" $rehearse
+if step preflight 90 $PY -m commlib.tools.gpu_check preflight --site "$ENV_DIR/site" $rehearse
 then
-    tee -a "$OUT/summary.txt" <"$LOGS/preflight.log"
+    grep -v "^  \.\.\. " "$LOGS/preflight.log" | tee -a "$OUT/summary.txt"
 else
     say "stopped: the preflight failed (above)"; exit 1
 fi
