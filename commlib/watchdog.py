@@ -22,7 +22,7 @@ import json
 import math
 import os
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -122,7 +122,8 @@ class Watchdog:
         self._sent_to = [0] * self.size
         self._heard_from = [0] * self.size
         self._abandoned: List = []  # requests and buffers of calls given up on
-        self._expired: Optional[str] = None  # set by a thread watching the GPU
+        # set by a thread watching the GPU: the reason, and whether it was the deadline
+        self._expired: Optional[Tuple[str, bool]] = None
         self._notice_buffer = bytearray(NOTICE_BYTES)
         self._notice = self._post_notice_receive()
         _listening.add(self)
@@ -182,19 +183,22 @@ class Watchdog:
         be in flight) alive for as long as this communicator."""
         self._abandoned.extend(objects)
 
-    def expire(self, reason: str) -> None:
+    def expire(self, reason: str, *, timed_out: bool = True) -> None:
         """From another thread (the GPU in-flight watcher): work of this
-        communicator missed its deadline. This thread raises
-        ``CommTimeoutError`` at its next call or wait, and tells the peers."""
-        self._expired = reason
+        communicator missed its deadline (``timed_out``) or failed on the GPU.
+        This thread raises at its next call or wait, and tells the peers."""
+        self._expired = (reason, timed_out)
 
     def raise_if_expired(self) -> None:
-        reason = self._expired
-        if reason is not None and self.failure is None:
-            self.give_up(reason)
-            raise CommTimeoutError(f"{reason}. Raise {TIMEOUT_ENV} (now {self.timeout:g}s) if "
-                                   f"the GPU is only busy; otherwise a peer died or is in "
-                                   f"another call: create a new communicator")
+        if self._expired is None or self.failure is not None:
+            return
+        reason, timed_out = self._expired
+        self.give_up(reason)
+        if not timed_out:  # the reason says what to do: a longer deadline would not help
+            raise CommlibError(reason)
+        raise CommTimeoutError(f"{reason}. Raise {TIMEOUT_ENV} (now {self.timeout:g}s) if "
+                               f"the GPU is only busy; otherwise a peer died or is in "
+                               f"another call: create a new communicator")
 
     def wait_until(self, done: Callable[[], bool],
                    pending: Callable[[], Optional[List[int]]] = lambda: None) -> None:

@@ -335,7 +335,8 @@ class NcclBackend:
                       f"communicator was aborted. Such CUDA errors are usually sticky: this "
                       f"process cannot use its GPU any more; restart it")
         sys.stderr.write(f"commlib: {reason}\n")
-        self.watchdog.expire(reason)  # first: a launch refused by the abort gives this reason
+        # first: a launch refused by the abort gives this reason
+        self.watchdog.expire(reason, timed_out=error is None)
         self._root._abort()
 
     def _within_deadline(self, work: Callable[[], None], what: str, why: str) -> None:
