@@ -13,10 +13,11 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
+
+from commlib.tools.world import mpiexec_path
 
 TESTS = Path(__file__).resolve().parent
 
@@ -26,8 +27,7 @@ LAUNCHER_ENV = "COMMLIB_TEST_LAUNCHER"
 
 def mpiexec() -> str:
     """The mpiexec beside this Python (the MPI wheel's), else on PATH."""
-    local = Path(sys.executable).parent / "mpiexec"
-    found = str(local) if local.exists() else shutil.which("mpiexec")
+    found = mpiexec_path()
     if found is None:
         raise RuntimeError("mpiexec not found: pip install mpich (or put a system MPI on PATH)")
     return found

@@ -19,7 +19,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -34,7 +33,7 @@ from click.core import ParameterSource
 
 import commlib
 from commlib.namespace import FRAMEWORKS
-from commlib.tools.world import world
+from commlib.tools.world import mpiexec_path, world
 from commlib.topology import RANKS_PER_NODE_ENV, Topology
 
 PATTERNS = ("uniform", "random", "zipf", "hotspot", "router")
@@ -957,8 +956,7 @@ def without_np(argv: Sequence[str]) -> List[str]:
 def relaunch(nprocs: int, argv: Sequence[str]) -> int:
     """Run this command again as ``mpiexec -n nprocs`` (the mpiexec beside
     this Python, else on PATH) and return its exit status."""
-    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    launcher = local if os.path.exists(local) else shutil.which("mpiexec")
+    launcher = mpiexec_path()
     if launcher is None:
         raise click.UsageError("--np needs mpiexec: pip install mpich, or launch with "
                                "mpiexec yourself")
@@ -986,6 +984,7 @@ def plot_busbw(rows: Sequence[Row], path: str, nranks: int) -> None:
 
 
 # commands that live in their own modules (they do not import this one)
+from commlib.tools.cluster import cluster  # noqa: E402
 from commlib.tools.diag_attention import ring as diag_ring  # noqa: E402
 from commlib.tools.diag_attention import ulysses as diag_ulysses  # noqa: E402
 from commlib.tools.diag_moe import moe  # noqa: E402
@@ -994,6 +993,7 @@ from commlib.tools.simulate import simulate  # noqa: E402
 for command in (moe, diag_ring, diag_ulysses):
     diag.add_command(relaunchable(command))
 main.add_command(simulate)
+main.add_command(cluster)
 
 
 if __name__ == "__main__":

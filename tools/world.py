@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import click
@@ -30,3 +33,10 @@ def world(check: Optional[Callable[[int], None]] = None,
         yield comm
     finally:
         comm.free()
+
+
+def mpiexec_path() -> Optional[str]:
+    """The mpiexec beside this Python (the mpich wheel's, in a venv), else
+    the one on PATH (None: there is none)."""
+    local = Path(sys.executable).parent / "mpiexec"
+    return str(local) if local.exists() else shutil.which("mpiexec")
