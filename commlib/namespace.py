@@ -271,8 +271,9 @@ def from_bytes(raw: Any, dtype: Any, row_shape: Tuple[int, ...]) -> Any:
         return torch.empty((rows,) + tuple(row_shape), dtype=dtype, device=raw.device)
     try:
         viewed = raw.view(dtype)
-    except (RuntimeError, ValueError):  # strides the view cannot express
-        viewed = contiguous(raw).view(dtype)
+    except (RuntimeError, ValueError):  # strides the view cannot express; flattened,
+        # since torch counts one row of any stride as contiguous and keeps that stride
+        viewed = contiguous(raw).reshape(-1).view(dtype)
     return viewed.reshape((rows,) + tuple(row_shape))
 
 

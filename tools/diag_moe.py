@@ -33,8 +33,10 @@ import numpy as np
 import commlib
 from commlib.moe import Dispatcher, DispatchStats
 from commlib.moe.quantize import BLOCK
+from commlib.tools.cluster import parse_rate
 from commlib.tools.simulate import DTYPES, SCORE, parse_dtype, synthetic_routing
 from commlib.tools.world import world
+from commlib.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,8 @@ class Settings:
     hierarchical: bool
     fp8: bool
     fixed_capacity: bool
+    pipeline_chunks: Optional[int]
+    link_rate: Optional[str]
     iters: int
     seed: int
 
@@ -162,8 +166,11 @@ def report(settings: Settings, comm: commlib.Communicator,
     sent = stats.inter_node_bytes + stats.intra_node_bytes
     topology = comm.topology
     seconds, p99 = (float(t) for t in np.percentile(measured.times, [50, 99]))
+    limit = (link_limit(stats.traffic, topology, parse_rate(settings.link_rate))
+             if settings.link_rate else None)
     return {
         "tokens_per_s": total_tokens / seconds if seconds > 0 else float("inf"),
+        "link_limit_s": limit,
         "seconds_per_iter": seconds,
         "time_us_p50": seconds * 1e6,
         "time_us_p99": p99 * 1e6,
@@ -183,6 +190,20 @@ def report(settings: Settings, comm: commlib.Communicator,
                        ranks_per_node=[len(topology.ranks_of(n))
                                        for n in range(topology.num_nodes)]),
     }
+
+
+def link_limit(traffic: np.ndarray, topology: Topology, bits_per_s: int) -> float:
+    """Seconds one dispatch + combine needs at least on links of
+    ``bits_per_s`` each way: the busiest node's bytes out of it or into it
+    (payload, ``traffic`` [source, destination]) over the rate, twice
+    (combine sends the same rows back)."""
+    node = np.array([topology.node_of(r) for r in range(topology.size)])
+    busiest = 0
+    for n in range(topology.num_nodes):
+        inside = node == n
+        busiest = max(busiest, int(traffic[np.ix_(inside, ~inside)].sum()),
+                      int(traffic[np.ix_(~inside, inside)].sum()))
+    return 2 * busiest * 8 / bits_per_s
 
 
 def summary_lines(result: Dict[str, Any]) -> List[str]:
@@ -207,6 +228,9 @@ def summary_lines(result: Dict[str, Any]) -> List[str]:
         f"time per dispatch+combine  {result['seconds_per_iter'] * 1e3:.3f} ms "
         f"(median of {config['iters']}, slowest rank; p99 "
         f"{result['time_us_p99'] / 1e3:.3f} ms)",
+        *([f"link limit                 {result['link_limit_s'] * 1e3:.3f} ms at "
+           f"{config['link_rate']} (measured {ratio:.2f}x it)"]
+          if (ratio := _over(result['seconds_per_iter'], result['link_limit_s'])) else []),
         f"tokens/s                   {result['tokens_per_s']:.4g}",
         f"inter_node_bytes           {result['inter_node_bytes']}",
         f"intra_node_bytes           {result['intra_node_bytes']}",
@@ -214,6 +238,11 @@ def summary_lines(result: Dict[str, Any]) -> List[str]:
         f"imbalance                  {result['imbalance']:.3f}",
         f"dropped                    {result['dropped']}",
     ]
+
+
+def _over(seconds: float, limit: Optional[float]) -> Optional[float]:
+    """``seconds`` over the link limit (None without one, or where nothing crosses)."""
+    return seconds / limit if limit else None
 
 
 def _plural(count: int, noun: str) -> str:
@@ -258,6 +287,13 @@ def plot_traffic(traffic: np.ndarray, path: str) -> None:
 @click.option("--fixed-capacity", is_flag=True,
               help="Sync-free fixed slots (max_tokens_per_rank = --tokens); stats collected "
                    "after the timed loop.")
+@click.option("--pipeline-chunks", type=click.IntRange(min=1), default=None,
+              help="Chunks a two-hop dispatch cuts its inter-node hop into (1: not "
+              "pipelined). Default: chosen from the bytes.")
+@click.option("--link-rate", callback=lambda c, p, v: v and parse_rate(v) and v,
+              help="Each node's link to the others, each direction, as tc writes it "
+              "(300mbit): prints the link limit, the time the inter-node bytes of "
+              "dispatch + combine need at that rate, beside the measured time.")
 @click.option("--iters", type=click.IntRange(min=1), default=5, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True),
@@ -296,6 +332,7 @@ def run(comm: commlib.Communicator, settings: Settings) -> Dict[str, Any]:
                             hierarchical=settings.hierarchical,
                             max_tokens_per_rank=settings.tokens if settings.fixed_capacity
                             else None)
+    dispatcher.pipeline_chunks = settings.pipeline_chunks
     measured = time_dispatch(comm, dispatcher, x, experts, weights, settings.iters,
                              settings.quantize)
     return report(settings, comm, measured)

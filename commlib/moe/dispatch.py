@@ -38,7 +38,10 @@ travels in expert_y's dtype.
 
 Overlap: ``dispatch_async`` / ``combine_async`` return once the first hop
 is in flight; ``wait()`` finishes it. Over MPI the progress thread moves
-the bytes meanwhile (``commlib.progress``).
+the bytes meanwhile (``commlib.progress``). Two hops are pipelined
+(``commlib.moe.pipeline``): the inter-node hop goes in chunks, each
+forwarded inside its node while the next one crosses, with the result of
+one exchange, bit for bit.
 
 Everything runs in the caller's framework, on its device (torch ops for torch
 tensors, ``jax.numpy`` for JAX arrays, NumPy for NumPy): permutations,
@@ -62,7 +65,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import array_api_extra as xpx
 import numpy as np
@@ -83,20 +86,11 @@ from ..namespace import (
     take_rows,
     to_host,
 )
-from . import contract
+from . import contract, pipeline
+from .hops import Hop, take_sent
+from .pipeline import TwoHopRoute
 from .quantize import dequantize_fp8, quantize_fp8
 from .stats import DispatchStats
-
-
-@dataclass
-class _Hop:
-    """One all-to-all hop: the source rows sent (rank-major) and the counts.
-    Under a fixed capacity a sent row equal to ``sources`` is an empty slot."""
-
-    send_rows: Any           # caller's framework: source row of each sent row, in send order
-    send_counts: np.ndarray  # host int64 [P]
-    recv_counts: np.ndarray  # host int64 [P]
-    sources: int             # rows on the sending side
 
 
 @dataclass
@@ -107,12 +101,14 @@ class DispatchHandle:
     expert e: host int64, or, under a fixed capacity, an array in x's
     framework on its device (the dispatch reads nothing back). ``stats``:
     the global picture of this dispatch (None under a fixed capacity:
-    ``Dispatcher.collect_stats()`` gathers those). The index arrays are in
-    the caller's framework, on its device."""
+    ``Dispatcher.collect_stats()`` gathers those). ``route``: the way the
+    rows came, flat (one ``Hop``) or two-hop (a ``TwoHopRoute``), with
+    ``send`` and ``back`` along it. The index arrays are in the caller's
+    framework, on its device."""
 
     tokens_per_expert: Any
     stats: Optional[DispatchStats]
-    hops: List[_Hop] = field(repr=False)
+    route: Union[Hop, TwoHopRoute] = field(repr=False)
     arrival_rows: Any = field(repr=False)     # received row of each expert row (padding: R)
     arrival_slots: Any = field(repr=False)    # which of the token's k slots it is
     arrival_weights: Any = field(repr=False)  # its routing weight (float32; padding: 0)
@@ -154,10 +150,11 @@ class _Plan:
 
 @dataclass
 class _Counts:
-    """The host counts of a dispatch without a fixed capacity."""
+    """The host counts of a dispatch without a fixed capacity, per chunk of
+    a pipelined two-hop dispatch (one chunk otherwise)."""
 
-    send: np.ndarray              # rows to each rank on hop 1
-    forward: Optional[np.ndarray]  # two hops: rows each owner will get
+    send: np.ndarray               # [chunks, P] rows to each rank on hop 1
+    forward: Optional[np.ndarray]  # two hops: [chunks, P] rows each owner will get
     requested: np.ndarray         # assignments per expert after capacity
     dropped: np.ndarray           # assignments per expert over capacity
     id_range: Tuple[int, int]
@@ -217,20 +214,43 @@ def _slots(keys: Any, first: Any, sources: int, caps: Any, starts: Any,
     return rows, first & ~fits, xp.minimum(per_dest, caps)
 
 
-def _take_sent(rows: Any, send_rows: Any, sources: int) -> Any:
-    """``rows[send_rows]`` where an index ``sources`` (an empty slot) takes
-    any row: what such a slot carries is never read."""
-    xp = namespace(send_rows)
-    if sources == 0:
-        return xp.zeros((send_rows.shape[0],) + tuple(rows.shape[1:]), dtype=rows.dtype,
-                        device=device(rows))
-    return take_rows(rows, xp.where(send_rows < sources, send_rows, 0))
+def _stable_order(values: Any, listing: Any = None) -> Any:
+    """The indices of 1-D ``values`` sorted stably, ties in the order of
+    ``listing`` (a permutation of the indices; None: index order)."""
+    xp = namespace(values)
+    if listing is None:
+        return xp.argsort(values, stable=True)
+    return xp.take(listing, xp.argsort(xp.take(values, listing), stable=True))
+
+
+def _pair_listing(order: Any, k: int) -> Any:
+    """The (arrival, slot) pairs ``arrival * k + slot`` of the arrivals
+    taken in ``order``, slot by slot (None for index order)."""
+    if order is None:
+        return None
+    xp = namespace(order)
+    slots = xp.arange(k, dtype=order.dtype, device=device(order))
+    return xp.reshape(order[:, None] * k + slots, (-1,))
+
+
+def _fixed_blocks(put: Callable[[np.ndarray], Any], rows: np.ndarray) -> tuple:
+    """A fixed-capacity hop's blocks of ``rows[d]`` rows to each rank d:
+    (rows and where each block starts, beside the data; the total; the
+    host rows)."""
+    return put(rows), put(np.cumsum(rows) - rows), int(rows.sum()), rows
 
 
 class Dispatcher:
     """Expert-parallel dispatch and combine over ``comm``: expert e of
     ``num_experts`` lives on rank ``e // (num_experts // comm.size)``.
-    ``max_tokens_per_rank`` selects the fixed-capacity mode."""
+    ``max_tokens_per_rank`` selects the fixed-capacity mode.
+
+    ``pipeline_chunks`` (an attribute, the same on every rank; checked and
+    agreed on in every dispatch): the chunks a two-hop dispatch cuts its
+    inter-node hop into, 1 for none; None, the default, chooses from the
+    bytes (``commlib.moe.pipeline``). Flat dispatch has one hop."""
+
+    pipeline_chunks: Optional[int] = None
 
     def __init__(self, comm, num_experts: int, *, capacity_factor: Optional[float] = None,
                  drop_policy: str = "probs", hierarchical: bool = False,
@@ -272,7 +292,8 @@ class Dispatcher:
         ``.wait()`` gives (expert_x, handle). Computation in between (another
         micro-batch's experts) overlaps the transfer; over MPI a progress
         thread moves it meanwhile. x must not change until the wait."""
-        problem = contract.input_problem(x, experts, weights, quantize)
+        problem = contract.input_problem(x, experts, weights, quantize) \
+            or pipeline.chunks_problem(self.pipeline_chunks)
         plan = counts = None
         if problem is None:
             plan = self._plan(x, experts, weights)
@@ -293,118 +314,161 @@ class Dispatcher:
         """Counts known on the host: each hop's rows are exactly the copies."""
         xp = namespace(meta)
         message = xp.concat([meta, wire.payload], axis=1)
-        send_counts = [counts.send]
-        recv_counts: List[Optional[np.ndarray]] = [None]
-        if self.hierarchical:
-            recv_first, forward = self._exchange_forward_counts(counts)
-            send_counts.append(forward)
-            recv_counts = [recv_first, None]
+        tokens, k = int(message.shape[0]), plan.ids.shape[1]
+        row_bytes = int(wire.payload.shape[1])
+        first_rows = compact(plan.keys % max(tokens, 1), plan.first, int(counts.send.sum()))
         traffic = np.zeros((self.comm.size, self.comm.size), np.int64)
-        traffic[self.comm.rank] = sum(send_counts) * wire.payload.shape[1]
+        if self.hierarchical:
+            chunked = pipeline.exchange_counts(self.comm, counts.send, counts.forward,
+                                               self.pipeline_chunks, row_bytes)
+            traffic[self.comm.rank] = (chunked.sent.sum(axis=0)
+                                       + chunked.forwarded.sum(axis=0)) * row_bytes
+        else:
+            traffic[self.comm.rank] = counts.send[0] * row_bytes
         stats = DispatchStats.gather(self.comm, counts.requested, counts.dropped, traffic)
         self.stats = self.stats + stats
         first_expert = self.comm.rank * self.local_experts
         per_expert = stats.tokens_per_expert[first_expert:first_expert
                                              + self.local_experts].copy()
         maps = self._device_maps(meta)
-        k = plan.ids.shape[1]
 
-        def send(hop_index: int, message: Any, keys: Any, first: Any):
-            sources, hop_counts = int(message.shape[0]), send_counts[hop_index]
-            send_rows = compact(keys % max(sources, 1), first, int(hop_counts.sum()))
-            pending = self.comm.alltoallv_async(xp.take(message, send_rows, axis=0),
-                                                hop_counts, recv_counts[hop_index])
-            return pending, _Hop(send_rows, hop_counts, pending.recv_counts, sources)
+        if self.hierarchical:
+            route = TwoHopRoute(Hop(first_rows, chunked.sent.sum(axis=0),
+                                    chunked.received.sum(axis=0), tokens),
+                                chunked.sent, chunked.received)
 
-        pending, hop = send(0, message, plan.keys, plan.first)
+            def forward_chunk(chunk: int, arrived: Any) -> Tuple[Any, Hop]:
+                sources = int(arrived.shape[0])
+                keys, first = _copy_keys(_lookup(maps[1], self._served(arrived, k, maps[0])))
+                hop = Hop(compact(keys % max(sources, 1), first,
+                                  int(chunked.forwarded[chunk].sum())),
+                          chunked.forwarded[chunk], chunked.delivered[chunk], sources)
+                route.second.append(hop)
+                stamped = route.stamp(chunk, arrived, 8 * k, self.comm.rank)
+                return xp.take(stamped, hop.send_rows, axis=0), hop
+            path: Union[Hop, TwoHopRoute] = route
+            arrivals = self._two_hop(route, lambda c: xp.take(message, route.chunk_rows(c),
+                                                              axis=0), forward_chunk, 8 * k)
+        else:
+            pending = self.comm.alltoallv_async(xp.take(message, first_rows, axis=0),
+                                                counts.send[0])
+            path = Hop(first_rows, counts.send[0], pending.recv_counts, tokens)
+
+            def arrivals() -> Tuple[Any, Any, int]:
+                return pending.wait(), None, 8 * k
 
         def finish():
-            arrived, hops = pending.wait(), [hop]
-            if self.hierarchical:  # forward what arrived: the experts of this rank's node
-                keys, first = _copy_keys(_lookup(maps[1], self._served(arrived, k, maps[0])))
-                forwarded, second = send(1, arrived, keys, first)
-                arrived = forwarded.wait()
-                hops.append(second)
+            arrived, order, payload_at = arrivals()
             ids = self._served(arrived, k, maps[-1])
-            arrival, slot, pair = self._expand(ids, int(per_expert.sum()))
+            arrival, slot, pair = self._expand(ids, int(per_expert.sum()), order)
             expert_x = wire.deliver(tuple(take_rows(a, arrival) for a in
-                                          wire.decode(arrived[:, 8 * k:])))
+                                          wire.decode(arrived[:, payload_at:])))
             gate = from_bytes(arrived[:, 4 * k:8 * k], xp.float32, (k,))
-            handle = DispatchHandle(per_expert, stats, hops, arrival, slot,
+            handle = DispatchHandle(per_expert, stats, path, arrival, slot,
                                     xp.take(xp.reshape(gate, (-1,)), pair),
                                     int(arrived.shape[0]))
             return expert_x, handle
         return PendingMoE(finish)
+
+    def _two_hop(self, route: TwoHopRoute, message: Callable[[int], Any],
+                 forward_chunk: Callable[[int, Any], Tuple[Any, Hop]],
+                 meta_bytes: int) -> Callable[[], Tuple[Any, Any, int]]:
+        """Every chunk's hop 1 started (``message(c)``: chunk c's rows);
+        the returned call forwards each chunk as it lands and gives the
+        owner's arrivals, their order as one exchange would have them, and
+        where each arrival's payload starts."""
+        started = route.start(self.comm, message)
+
+        def arrivals() -> Tuple[Any, Any, int]:
+            arrived = route.forward(self.comm, started, forward_chunk)
+            return arrived, route.order(arrived, meta_bytes), meta_bytes + route.origin_bytes
+        return arrivals
 
     def _dispatch_fixed(self, plan: _Plan, meta: Any, wire: _Wire) -> PendingMoE:
         """Capacity known in advance: every hop's blocks have a fixed number
         of rows per destination (empty slots carry the id -1), so no count
         crosses the host and the device is never read."""
         xp = namespace(meta)
-        k = plan.ids.shape[1]
-        layout = self._fixed_layout(meta, k)
+        tokens, k = int(meta.shape[0]), plan.ids.shape[1]
+        row_bytes = int(wire.payload.shape[1])
+        layout = self._fixed_layout(meta, k, row_bytes)
         maps = self._device_maps(meta)
         blank = as_bytes(xp.concat([xp.full((1, k), -1.0, dtype=xp.float32, device=device(meta)),
                                     xp.zeros((1, k), dtype=xp.float32, device=device(meta))],
                                    axis=1))
 
-        def send(hop_index: int, meta: Any, payload: Any, keys: Any, first: Any):
-            caps, starts, total, host_caps = layout["hops"][hop_index]
-            sources = int(meta.shape[0])
-            send_rows, lost, sent = _slots(keys, first, sources, caps, starts, total)
+        def rows_of(meta: Any, payload: Any, send_rows: Any, sources: int) -> Any:
             empty = (send_rows >= sources)[:, None]
-            rows = xp.concat([xp.where(empty, blank, _take_sent(meta, send_rows, sources)),
-                              _take_sent(payload, send_rows, sources)], axis=1)
-            pending = self.comm.alltoallv_async(rows, host_caps, host_caps)
-            return pending, _Hop(send_rows, host_caps, host_caps, sources), lost, sent
+            return xp.concat([xp.where(empty, blank, take_sent(meta, send_rows, sources)),
+                              take_sent(payload, send_rows, sources)], axis=1)
 
-        pending, hop, lost, sent = send(0, meta, wire.payload, plan.keys, plan.first)
+        caps, starts, total, host_caps = layout["hops"][0]
+        first_rows, lost, sent = _slots(plan.keys, plan.first, tokens, caps, starts, total)
+        first = Hop(first_rows, host_caps, host_caps, tokens)
         overflow = self._overflowed(plan, lost, maps[0])
         kept = xp.where(overflow, -1, plan.ids)
-        row_bytes = int(wire.payload.shape[1])
         counts = [bincount(kept, self.num_experts),
                   bincount(xp.where(overflow, plan.ids, -1), self.num_experts)
                   + (plan.dropped if plan.dropped is not None else 0),
                   plan.invalid, sent * row_bytes]
 
-        def finish():
-            arrived, hops = pending.wait(), [hop]
-            if self.hierarchical:  # forward: never overflows (see _fixed_layout)
+        if self.hierarchical:
+            route = TwoHopRoute(first, layout["pieces"], layout["pieces"])
+
+            def forward_chunk(chunk: int, arrived: Any) -> Tuple[Any, Hop]:
+                caps, starts, total, host_caps = layout["hops"][1 + chunk]
+                sources = int(arrived.shape[0])
                 keys, first = _copy_keys(_lookup(maps[1], self._served(arrived, k, maps[0])))
-                forwarded, second, _, more = send(1, arrived[:, :8 * k], arrived[:, 8 * k:],
-                                                  keys, first)
+                # never overflows (see _fixed_layout)
+                send_rows, _, more = _slots(keys, first, sources, caps, starts, total)
                 counts[3] = counts[3] + more * row_bytes
-                arrived = forwarded.wait()
-                hops.append(second)
+                hop = Hop(send_rows, host_caps, host_caps, sources)
+                route.second.append(hop)
+                stamped = route.stamp(chunk, arrived, 8 * k, self.comm.rank)
+                return rows_of(stamped[:, :8 * k], stamped[:, 8 * k:], send_rows, sources), hop
+            path: Union[Hop, TwoHopRoute] = route
+            arrivals = self._two_hop(route, lambda c: rows_of(meta, wire.payload,
+                                                              route.chunk_rows(c), tokens),
+                                     forward_chunk, 8 * k)
+        else:
+            pending = self.comm.alltoallv_async(rows_of(meta, wire.payload, first_rows, tokens),
+                                                host_caps, host_caps)
+            path = first
+
+            def arrivals() -> Tuple[Any, Any, int]:
+                return pending.wait(), None, 8 * k
+
+        def finish():
+            arrived, order, payload_at = arrivals()
             ids = self._served(arrived, k, maps[-1])
             gate = xp.concat([xp.reshape(from_bytes(arrived[:, 4 * k:8 * k], xp.float32, (k,)),
                                          (-1,)), xp.zeros(1, dtype=xp.float32,
                                                           device=device(ids))])
             arrival, slot, pair, slot_rows, per_expert, spilled = \
-                self._expand_fixed(ids, layout["slots"])
+                self._expand_fixed(ids, layout["slots"], order)
             received = int(arrived.shape[0])
             expert_x = wire.deliver(tuple(
-                xp.reshape(_take_sent(a, arrival, received),
+                xp.reshape(take_sent(a, arrival, received),
                            (self.local_experts, layout["slots"]) + tuple(a.shape[1:]))
-                for a in wire.decode(arrived[:, 8 * k:])))
+                for a in wire.decode(arrived[:, payload_at:])))
             counts[1] = counts[1] + spilled
             counts[0] = counts[0] - spilled
             self._note(xp.concat([xp.astype(c, index_dtype(ids)) for c in counts]))
             slot_weights = xp.where(slot_rows < self.local_experts * layout["slots"],
                                     gate[:-1], 0.0)
-            handle = DispatchHandle(per_expert, None, hops, arrival, slot, xp.take(gate, pair),
+            handle = DispatchHandle(per_expert, None, path, arrival, slot, xp.take(gate, pair),
                                     received, (self.local_experts, layout["slots"]),
                                     slot_rows, slot_weights)
             return expert_x, handle
         return PendingMoE(finish)
 
-    @staticmethod
-    def _facts(x: Any, experts: Any, quantize: Optional[str],
+    def _facts(self, x: Any, experts: Any, quantize: Optional[str],
                dequantize: bool) -> Tuple[str, ...]:
         """What every rank's dispatch must share."""
         return (f"k={experts.shape[-1] if experts.ndim == 2 else None}",
                 f"row shape {tuple(x.shape[1:])}", f"dtype {dtype_name(x)}",
-                f"quantize={quantize}", f"dequantize={bool(dequantize)}")
+                f"quantize={quantize}", f"dequantize={bool(dequantize)}",
+                f"pipeline_chunks={self.pipeline_chunks}")
 
     def _wire(self, x: Any, quantize: Optional[str], dequantize: bool) -> _Wire:
         """x's rows as the bytes that travel and how the owner reads them:
@@ -440,7 +504,7 @@ class Dispatcher:
             extremes = xp.reshape(xp.astype(xp.stack([xp.min(experts), xp.max(experts)]),
                                             kind), (2,))
         else:
-            extremes = xp.asarray([-1, -1], dtype=kind, device=where)
+            extremes = xp.full((2,), -1, dtype=kind, device=where)
         inside = (ids >= -1) & (ids < count)
         invalid = xp.reshape(xp.sum(xp.astype(~inside, kind)), (1,))
         ids = xp.where(inside, ids, -1)
@@ -450,31 +514,52 @@ class Dispatcher:
         return _Plan(ids, gate, keys, first, dropped, invalid, extremes)
 
     def _host_counts(self, plan: _Plan) -> _Counts:
-        """The dispatch's one copy to the host: [rows per rank on hop 1 |
-        (two hops) rows per owner after forwarding | assignments per expert
-        | (capacity) drops per expert | smallest id, largest id]."""
+        """The dispatch's one copy to the host: [rows per (chunk, rank) on
+        hop 1 | (two hops) rows per (chunk, owner) after forwarding |
+        assignments per expert | (capacity) drops per expert | smallest id,
+        largest id]. Chunks: the token ranges of a pipelined two-hop
+        dispatch (``pipeline.token_chunks``), one otherwise."""
         xp = namespace(plan.ids)
         size, count = self.comm.size, self.num_experts
+        chunks = self._counted_chunks()
         maps = self._device_maps(plan.ids)
         tokens = max(plan.ids.shape[0], 1)
-        parts = [bincount(xp.where(plan.first, plan.keys // tokens, -1), size)]
+        dest = plan.keys // tokens
+        if chunks > 1:
+            dest = pipeline.token_chunks(plan.keys % tokens, tokens, chunks) * size + dest
+        parts = [bincount(xp.where(plan.first, dest, -1), chunks * size)]
         if self.hierarchical:  # distinct owners per token: the rows forwarded to each
             owners = xp.sort(_lookup(maps[-1], plan.ids), axis=1)
             starts = xp.concat([xp.ones((owners.shape[0], min(1, owners.shape[1])),
                                         dtype=xp.bool, device=device(owners)),
                                 owners[:, 1:] != owners[:, :-1]], axis=1)
-            parts.append(bincount(xp.where(starts, owners, -1), size))
+            if chunks > 1:
+                row = xp.arange(owners.shape[0], dtype=owners.dtype, device=device(owners))
+                owners = xp.where(owners >= 0, pipeline.token_chunks(row, tokens, chunks)[:, None]
+                                  * size + owners, -1)
+            parts.append(bincount(xp.where(starts, owners, -1), chunks * size))
         parts.append(bincount(plan.ids, count))
         if plan.dropped is not None:
             parts.append(plan.dropped)
         host = to_host(xp.concat(parts + [plan.extremes])).astype(np.int64)
-        split = np.cumsum([size] + ([size] if self.hierarchical else []) + [count]
-                          + ([count] if plan.dropped is not None else []))
+        split = np.cumsum([chunks * size] + ([chunks * size] if self.hierarchical else [])
+                          + [count] + ([count] if plan.dropped is not None else []))
         pieces = np.split(host, split)
-        forward = pieces.pop(1) if self.hierarchical else None
+        forward = pieces.pop(1).reshape(chunks, size) if self.hierarchical else None
         dropped = pieces[2] if plan.dropped is not None else np.zeros(count, np.int64)
-        return _Counts(pieces[0], forward, pieces[1], dropped,
+        return _Counts(pieces[0].reshape(chunks, size), forward, pieces[1], dropped,
                        (int(pieces[-1][0]), int(pieces[-1][1])))
+
+    def _counted_chunks(self) -> int:
+        """Token ranges a counted dispatch counts its rows in: a two-hop
+        dispatch's ``pipeline_chunks``, or, by default, the most chunks the
+        count exchange may merge them into (``pipeline.exchange_counts``);
+        one for flat dispatch or a single node."""
+        if not self.hierarchical:
+            return 1
+        if self.pipeline_chunks is not None:
+            return self.pipeline_chunks
+        return pipeline.AUTO_MOST_CHUNKS if self.comm.topology.num_nodes > 1 else 1
 
     def _capacity(self, tokens: int, k: int) -> Optional[int]:
         """Assignments each expert takes from one rank."""
@@ -534,54 +619,46 @@ class Dispatcher:
         """The hop maps beside ``like``."""
         return self._beside(like, ("maps",), lambda put: [put(m) for m in self._hop_maps])
 
-    def _fixed_layout(self, like: Any, k: int) -> dict:
+    def _fixed_layout(self, like: Any, k: int, row_bytes: int = 0) -> dict:
         """Fixed capacity: rows per destination on each hop and slots per
         local expert, from ``max_tokens_per_rank`` C alone, so that every
         rank sizes every buffer alike. Per source rank an expert takes at
         most ``per_source`` = C (or the capacity factor's cap) of its
         tokens; a block to a rank holds at most min(C, its experts *
         per_source) rows. Two hops: hop 1 to each forwarder (the rank with
-        this local rank on each node), hop 2 from the forwarder to each
-        owner of its node, nodes * min(C, L * per_source) rows, which the
-        forwarder can never exceed. An expert's slots: P * per_source."""
+        this local rank on each node), ``first`` = min(C, L * ranks per
+        node * per_source) rows, cut into the pipeline's chunks of equal
+        slot ranges ("pieces"); hop 2 of a chunk, from the forwarder to each
+        owner of its node, nodes * min(chunk's slots, L * per_source) rows,
+        which the forwarder can never exceed (one exchange's hop 2: nodes *
+        min(C, L * per_source)). An expert's slots: P * per_source.
+        ``row_bytes``: a row's payload, whence the default chunk count."""
         C = self.max_tokens_per_rank
         per_source = min(C, self._capacity(C, k) or C)
         size, local = self.comm.size, self.local_experts
         topology = self.comm.topology
-        mine = np.arange(size)
         if not self.hierarchical:
-            hops = [np.full(size, min(C, local * per_source), np.int64)]
-        else:
-            node_ranks = len(topology.ranks_of(topology.node_of(self.comm.rank)))
+            blocks = [np.full(size, min(C, local * per_source), np.int64)]
+            return self._beside(like, ("fixed", k), lambda put: {
+                "hops": [_fixed_blocks(put, h) for h in blocks], "slots": size * per_source})
+        node_ranks = len(topology.ranks_of(topology.node_of(self.comm.rank)))
+        first = min(C, local * node_ranks * per_source)
+        chunks = self.pipeline_chunks or (
+            pipeline.auto_chunks(first * row_bytes) if topology.num_nodes > 1 else 1)
+
+        def make(put):
+            mine = np.arange(size)
             same_local = np.array([topology.ranks_of(topology.node_of(r)).index(r)
                                    == topology.local_rank for r in mine])
             same_node = np.array([topology.node_of(r) == topology.node_of(self.comm.rank)
                                   for r in mine])
-            first = min(C, local * node_ranks * per_source)
-            second = topology.num_nodes * min(C, local * per_source)
-            hops = [np.where(same_local, first, 0), np.where(same_node, second, 0)]
-
-        def make(put):
-            return {"hops": [(put(h), put(np.cumsum(h) - h), int(h.sum()), h) for h in hops],
-                    "slots": size * per_source}
-        return self._beside(like, ("fixed", k), make)
-
-    def _exchange_forward_counts(self, counts: _Counts) -> Tuple[np.ndarray, np.ndarray]:
-        """Two hops: every rank tells each forwarder how many rows it sends
-        it and how many of those go on to each owner of the forwarder's node
-        (one host all-to-all, in place of hop 1's own count exchange).
-        Returns hop 1's receive counts and hop 2's send counts, so the
-        forwarder needs no second look at the device."""
-        topology, size = self.comm.topology, self.comm.size
-        nodes = [list(topology.ranks_of(topology.node_of(r))) for r in range(size)]
-        local = topology.local_rank  # this rank's forwarder on each node: the same local rank
-        table = np.array([[counts.send[r]] + [counts.forward[o] if nodes[r][local] == r
-                                              else 0 for o in nodes[r]]
-                          for r in range(size)], dtype=np.int64)
-        received = np.asarray(self.comm.alltoall(table))
-        forward = np.zeros(size, np.int64)
-        forward[nodes[self.comm.rank]] = received[:, 1:].sum(axis=0)
-        return received[:, 0].copy(), forward
+            slots = pipeline.even_pieces(np.array([first]), chunks)[:, 0]
+            blocks = [np.where(same_local, first, 0)] + [
+                np.where(same_node, topology.num_nodes * min(int(n), local * per_source), 0)
+                for n in slots]
+            return {"hops": [_fixed_blocks(put, h) for h in blocks], "slots": size * per_source,
+                    "pieces": pipeline.even_pieces(blocks[0], chunks)}
+        return self._beside(like, ("fixed", k, chunks), make)
 
     def _served(self, message: Any, k: int, destination: Any) -> Any:
         """The expert ids of arrived rows [rows, k] that ``destination`` (a
@@ -592,20 +669,22 @@ class Dispatcher:
                         destination.dtype)
         return xp.where(_lookup(destination, ids) == self.comm.rank, ids, -1)
 
-    def _expand(self, ids: Any, total: int) -> Tuple[Any, Any, Any]:
+    def _expand(self, ids: Any, total: int, order: Any = None) -> Tuple[Any, Any, Any]:
         """One row per (arrival, local expert), grouped by local expert,
-        arrivals in order within an expert; ``total`` such rows (known from
-        the stats). Returns (arrival rows, slots, (arrival, slot) pairs)."""
+        arrivals within an expert in ``order`` (default: as they came);
+        ``total`` such rows (known from the stats). Returns (arrival rows,
+        slots, (arrival, slot) pairs)."""
         xp = namespace(ids)
         k = ids.shape[1]
         flat = xp.reshape(ids, (-1,))
         # -1 (not served here) sorts first, then this rank's experts in order
-        pairs = xp.argsort(flat, stable=True)[flat.shape[0] - total:]
+        pairs = _stable_order(flat, _pair_listing(order, k))[flat.shape[0] - total:]
         return pairs // k, pairs % k, pairs
 
-    def _expand_fixed(self, ids: Any, slots: int) -> Tuple[Any, ...]:
+    def _expand_fixed(self, ids: Any, slots: int, order: Any = None) -> Tuple[Any, ...]:
         """Fixed capacity: expert e's rows are the ``slots`` rows from
-        ``e * slots``, its arrivals first in order, padding after. Returns
+        ``e * slots``, its arrivals first in ``order`` (default: as they
+        came), padding after. Returns
         (arrival row per expert row, ``received`` for padding; its slot;
         its (arrival, slot) pair, R*k for padding; the inverse: the expert
         row of each pair, L * slots for none; rows per local expert;
@@ -616,7 +695,7 @@ class Dispatcher:
         local, pairs = self.local_experts, ids.shape[0] * ids.shape[1]
         flat = xp.reshape(ids, (-1,))
         expert = xp.where(flat >= 0, flat - self.comm.rank * local, local)  # local: none
-        order = xp.argsort(expert, stable=True)
+        order = _stable_order(expert, _pair_listing(order, k))
         grouped = xp.take(expert, order)
         position = xp.arange(pairs, dtype=kind, device=where) - xp.searchsorted(grouped, grouped)
         served = grouped < local
@@ -707,7 +786,7 @@ class Dispatcher:
         back to its token."""
         xp = namespace(expert_y)
         rows = self._expert_rows(expert_y, handle)
-        arrived = float32(_take_sent(self.send_rows(d_y, handle), handle.arrival_rows,
+        arrived = float32(take_sent(self.send_rows(d_y, handle), handle.arrival_rows,
                                      handle.received_rows))
         weights = xp.reshape(handle.arrival_weights, (-1,) + (1,) * (arrived.ndim - 1))
         d_expert_y = xp.reshape(xp.astype(arrived * weights, expert_y.dtype), expert_y.shape)
@@ -771,34 +850,10 @@ class Dispatcher:
 
     def _return_async(self, rows: Any, handle: DispatchHandle, wire: Any) -> PendingMoE:
         """``return_rows`` with its first hop in flight."""
-        xp = namespace(rows)
-        width = tuple(rows.shape[1:])
-        hops = list(reversed(handle.hops))
-
-        def start(hop: _Hop, rows: Any):
-            return self.comm.alltoallv_async(xp.astype(rows, wire, copy=False),
-                                             hop.recv_counts, hop.send_counts)
-
-        def land(hop: _Hop, back: Any) -> Any:  # empty slots land on a spare row
-            summed = xp.zeros((hop.sources + 1,) + width, dtype=xp.float32,
-                              device=device(back))
-            return scatter_add(summed, hop.send_rows, back)[:hop.sources]
-
-        pending = start(hops[0], rows)
-
-        def finish():
-            back = land(hops[0], pending.wait())
-            for hop in hops[1:]:
-                back = land(hop, start(hop, back).wait())
-            return xp.astype(back, wire, copy=False)
-        return PendingMoE(finish)
+        return PendingMoE(handle.route.back(self.comm, rows, wire))
 
     def send_rows(self, tokens: Any, handle: DispatchHandle) -> Any:
         """Per-token rows [T, ...] along the dispatch path to the arrivals
         [received, ...], one copy per rank a token visits (the adjoint of
         ``return_rows``)."""
-        rows = tokens
-        for hop in handle.hops:
-            rows, _ = self.comm.alltoallv(_take_sent(rows, hop.send_rows, hop.sources),
-                                          hop.send_counts, hop.recv_counts)
-        return rows
+        return handle.route.send(self.comm, tokens)

@@ -238,11 +238,13 @@ def test_fp8_dispatch_then_combine_is_the_loop_within_the_bound(comm, impl):
 
 # -- overlap handles --------------------------------------------------------------
 @pytest.mark.parametrize("fixed", [False, True], ids=["counted", "fixed"])
-@pytest.mark.parametrize("hierarchical", [False, True], ids=["flat", "two-hop"])
-def test_two_micro_batches_in_flight_equal_the_synchronous_calls(comm, fixed, hierarchical):
+@pytest.mark.parametrize("hierarchical, chunks", [(False, 1), (True, 1), (True, 3)],
+                         ids=["flat", "two-hop", "two-hop-pipelined"])
+def test_two_micro_batches_in_flight_equal_the_synchronous_calls(comm, fixed, hierarchical,
+                                                                 chunks):
     """DualPipe's pairing: B's dispatch starts before A's is waited on, A's
     combine before B's; the waits come in every order, and each result is
-    the synchronous one."""
+    the synchronous one-exchange one (pipelined: bit for bit)."""
     world = world_for(comm)
     try:
         num_experts = 4 * comm.size
@@ -250,12 +252,15 @@ def test_two_micro_batches_in_flight_equal_the_synchronous_calls(comm, fixed, hi
         batches = [make_routing(comm, "plain", num_experts, seed=20 + i) for i in range(2)]
         limit = dict(max_tokens_per_rank=most_tokens(world, batches[0][0].shape[0])) \
             if fixed else {}
-        d = Dispatcher(world, num_experts, hierarchical=hierarchical, **limit)
+        one = Dispatcher(world, num_experts, hierarchical=hierarchical, **limit)
+        one.pipeline_chunks = 1
         run = run_fixed_experts if fixed else run_experts
         expected = []
         for batch in batches:
-            expert_x, handle = d.dispatch(*batch)
-            expected.append(d.combine(run(world, expert_x, handle, maps), handle))
+            expert_x, handle = one.dispatch(*batch)
+            expected.append(one.combine(run(world, expert_x, handle, maps), handle))
+        d = Dispatcher(world, num_experts, hierarchical=hierarchical, **limit)
+        d.pipeline_chunks = chunks
         for order in ([0, 1], [1, 0]):
             started = [d.dispatch_async(*batch) for batch in batches]
             dispatched = {i: started[i].wait() for i in order}
@@ -303,6 +308,17 @@ GRADIENT_TOLERANCE = {("fixed", "float32"): (5e-7, 5e-7, 5e-7),
                          for dtype in ("float32", "bfloat16")}}
 
 
+def linear_experts(expert_x, handle, mine):
+    """Each local expert a matrix of ``mine`` [local, H, G], applied to its
+    rows, counted ([rows, H]) or in fixed slots ([local, slots, H])."""
+    import torch
+    if expert_x.ndim == 3:
+        return torch.einsum("lsh,lhg->lsg", expert_x, mine)
+    owner = torch.repeat_interleave(torch.arange(mine.shape[0]),
+                                    torch.as_tensor(handle.tokens_per_expert))
+    return torch.einsum("th,thg->tg", expert_x, mine[owner])
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("mode", ["fixed", "fp8", "fixed-fp8"])
 def test_torch_gradients_through_fixed_capacity_and_fp8(comm, mode, dtype):
@@ -328,13 +344,7 @@ def test_torch_gradients_through_fixed_capacity_and_fp8(comm, mode, dtype):
         d = TorchDispatcher(comm, num_experts, **options)
         expert_x, handle = d.dispatch(x, torch.from_numpy(experts_np), weights,
                                       quantize=quantize, dequantize=quantize is not None)
-        if expert_x.ndim == 3:
-            expert_y = torch.einsum("lsh,lhg->lsg", expert_x, mine)
-        else:
-            owner = torch.repeat_interleave(torch.arange(local),
-                                            torch.as_tensor(handle.tokens_per_expert))
-            expert_y = torch.einsum("th,thg->tg", expert_x, mine[owner])
-        y = d.combine(expert_y, handle)
+        y = d.combine(linear_experts(expert_x, handle, mine), handle)
         (y.float() ** 2).sum().backward()
         return [t.grad.float().numpy() for t in (x, weights, mine)]
 
