@@ -36,13 +36,20 @@ def check_degree(size: int, ulysses_size: int) -> None:
                          f"use one of {divisors(size)}")
 
 
+def colors(rank: int, ulysses_size: int) -> Tuple[int, int]:
+    """(Ulysses group, ring) of ``rank``: groups of ``ulysses_size``
+    consecutive ranks, rings of the ranks at the same position of every
+    group, each ordered by rank. The one place that says so: ``groups``
+    splits by it and the planner prices by it."""
+    return rank // ulysses_size, rank % ulysses_size
+
+
 def groups(comm, ulysses_size: int) -> Tuple[Any, Any]:
     """(Ulysses group, ring) sub-communicators of ``comm``, made once per
     degree (collective the first time), owned by ``comm`` and freed with it."""
-    return (comm.split(comm.rank // ulysses_size, key=comm.rank,
-                       cache_key=("hybrid.ulysses", ulysses_size)),
-            comm.split(comm.rank % ulysses_size, key=comm.rank,
-                       cache_key=("hybrid.ring", ulysses_size)))
+    group, ring = colors(comm.rank, ulysses_size)
+    return (comm.split(group, key=comm.rank, cache_key=("hybrid.ulysses", ulysses_size)),
+            comm.split(ring, key=comm.rank, cache_key=("hybrid.ring", ulysses_size)))
 
 
 def _check(q, size: int, ulysses_size: int, method: str) -> None:

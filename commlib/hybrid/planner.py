@@ -10,6 +10,16 @@ cheaper depends on the head counts against the degree and on which traffic
 the fabric carries better, so the planner measures the fabric once (a short
 probe, cached per communicator) and prices every allowed degree.
 
+Where the communicator spans hosts there are two fabrics, and the probe
+measures both: inside a host (the ranks of each host among themselves) and
+across hosts (one rank per host, every rank of a host crossing at once, and
+one rank per host alone: whether the ranks of a host share one link or each
+has its own). Each candidate's Ulysses groups and rings are priced by the
+fabric they span, read from the rank -> group mapping of ``hybrid_attention``
+(``attention.colors``) and the communicator's topology: Ulysses groups of
+consecutive ranks stay inside a host when the degree divides the ranks per
+host (USP's placement), and the ring across the groups then crosses hosts.
+
 The ring across groups can also gather K and V once instead
 (``method="allgather"``): the same bytes in one collective that nothing
 overlaps, but no merge per hop and one or two kernel calls per query chunk.
@@ -23,25 +33,103 @@ there the hops are priced as exposed.
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..kernels.tiled import attention_forward
+from ..topology import Topology
 from ..ulysses.relayout import divisors, padded_heads
+from .attention import colors
 
 _fabrics: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_PROBE_SMALL, _PROBE_LARGE = 256, 2**20  # bytes per peer
+_PROBE_SMALL = 256  # bytes per peer
+# (large message in bytes per peer, samples of each size): the next rung is
+# measured only when the large message was not told apart from the small one,
+# or took too short a time (below)
+_PROBE_LADDER = ((2**16, 5), (2**20, 7), (2**23, 9))
+# a large message that takes less is measured larger again while a rung is
+# left: where cores are shared, each handshake of a message can wait a
+# scheduler tick (a millisecond or more), and a rate read off a few ticks
+# is the ticks'
+_PROBE_LONG_ENOUGH_S = 10e-3
+_PROBE_BUFFER_LIMIT = 2**26  # bytes an all-to-all probe sends per rank, at most
+_NOISE_DEVIATIONS = 3  # a time difference counts when above 3 median absolute deviations
 _MERGE_PASSES = 6  # array passes of merge_into over the running output
+_BACKWARD_WORK = 2.5  # backward kernel flops over the forward's (FlashAttention's count)
+_GRADIENT_BYTES = 4  # dK and dV travel in float32
+_clock = time.perf_counter
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of transfer as probed: ``latency`` (s) + bytes / ``bandwidth``
+    (bytes/s per rank). ``resolved`` False: the largest probe message was not
+    measurably slower than the smallest (less than twice its time, or within
+    the noise), so ``bandwidth`` is only the lower bound that the probe
+    shows (inf where the timings had no spread at all): not the bottleneck
+    at the sizes probed, and priced at that bound."""
+
+    latency: float
+    bandwidth: float
+    resolved: bool = True
+
+    def seconds(self, nbytes: float, calls: int = 1) -> float:
+        """``calls`` transfers that move ``nbytes`` per rank between them."""
+        return calls * self.latency + (nbytes / self.bandwidth if nbytes else 0.0)
+
+    def describe(self) -> str:
+        largest = f"{_PROBE_LADDER[-1][0] // 2**20} MiB per peer"
+        rate = (_rate(self.bandwidth) if self.resolved else
+                f"bandwidth not measurable ({largest} no slower than {_PROBE_SMALL} B)"
+                if math.isinf(self.bandwidth) else
+                f">= {_rate(self.bandwidth)} (not the bottleneck: {largest} was not "
+                f"measurably slower than {_PROBE_SMALL} B)")
+        return f"{self.latency * 1e6:.0f} us + {rate}"
+
+
+def _rate(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / 1e9:.2f} GB/s" if bytes_per_s >= 1e9 else \
+        f"{bytes_per_s / 1e6:.1f} MB/s"
+
+
+@dataclass(frozen=True)
+class Across:
+    """The links between hosts. ``alltoall`` and ``hop``: per rank, probed
+    over one rank per host with every rank of a host (``ranks_per_host``)
+    crossing at once; ``hop_alone``: one rank per host crossing alone."""
+
+    alltoall: Link
+    hop: Link
+    hop_alone: Link
+    ranks_per_host: int
+
+    def hop_bandwidth(self, crossing: int) -> float:
+        """Per rank, with ``crossing`` ranks of a host sending across at once:
+        at most what one rank alone gets, and all of them together at most
+        what the host's ranks got together (a shared link gives each of
+        fewer ranks more; a link per rank gives each the same)."""
+        return min(self.hop_alone.bandwidth,
+                   self.hop.bandwidth * self.ranks_per_host / max(crossing, 1))
+
+    def describe(self) -> str:
+        return (f"all-to-all {self.alltoall.describe()} per rank, ring hop "
+                f"{self.hop.describe()} per rank ({self.ranks_per_host} ranks of a host "
+                f"crossing at once), {self.hop_alone.describe()} for one alone")
 
 
 @dataclass(frozen=True)
 class Fabric:
     """What the probe measured: latency (s) and bandwidth (bytes/s per rank)
-    of an all-to-all and of a ring hop, and the local kernel's flop rate."""
+    of an all-to-all and of a ring hop inside a host (the whole
+    communicator on one host), the local kernel's flop rate and the copy
+    rate; ``across``: the links between hosts (None on one host);
+    ``bounds``: which of "all-to-all" and "ring hop" inside a host have
+    only a lower bound for their bandwidth (``Link.resolved``)."""
 
     alltoall_latency: float
     alltoall_bandwidth: float
@@ -50,14 +138,24 @@ class Fabric:
     flops: float
     memory_bandwidth: float  # bytes/s of an array copy: packing, unpacking, merging
     overlap: bool = False    # whether ring hops hide behind compute (NCCL)
+    across: Optional[Across] = None
+    bounds: Tuple[str, ...] = ()
+
+    @property
+    def alltoall(self) -> Link:
+        return Link(self.alltoall_latency, self.alltoall_bandwidth, "all-to-all" not in self.bounds)
+
+    @property
+    def hop(self) -> Link:
+        return Link(self.hop_latency, self.hop_bandwidth, "ring hop" not in self.bounds)
 
     def describe(self) -> str:
-        return (f"all-to-all {self.alltoall_latency * 1e6:.0f} us + "
-                f"{self.alltoall_bandwidth / 1e9:.2f} GB/s per rank, ring hop "
-                f"{self.hop_latency * 1e6:.0f} us + {self.hop_bandwidth / 1e9:.2f} GB/s "
-                f"({'overlapped' if self.overlap else 'exposed'}), kernel "
-                f"{self.flops / 1e9:.1f} GFLOP/s, copies {self.memory_bandwidth / 1e9:.1f} GB/s "
-                f"per rank")
+        inside = (f"all-to-all {self.alltoall.describe()} per rank, ring hop "
+                  f"{self.hop.describe()} ({'overlapped' if self.overlap else 'exposed'})")
+        where = "," if self.across is None else \
+            f" inside a host; across hosts: {self.across.describe()};"
+        return (f"{inside}{where} kernel {self.flops / 1e9:.1f} GFLOP/s, copies "
+                f"{self.memory_bandwidth / 1e9:.1f} GB/s per rank")
 
 
 @dataclass(frozen=True)
@@ -70,16 +168,28 @@ class Candidate:
     ulysses_s: float   # all-to-alls, packing and unpacking
     ring_s: float      # exposed hops (or the all-gather) and the merges
     method: str = "ring"
+    ulysses_span: str = "inside a host"  # or "across hosts": the fabric the groups span
+    ring_span: str = "inside a host"
 
     @property
     def seconds(self) -> float:
         return self.compute_s + self.ulysses_s + self.ring_s
 
+    def label(self, spans: bool) -> str:
+        """"Ulysses u x Ring r", and where ``spans`` the fabric each spans."""
+        where = [f"{name} {span}" for name, degree, span in
+                 (("Ulysses", self.ulysses_size, self.ulysses_span),
+                  ("ring", self.ring_size, self.ring_span)) if spans and degree > 1]
+        return (f"Ulysses {self.ulysses_size} x Ring {self.ring_size}"
+                f"{_by(self.method, self.ring_size)}"
+                + (f" ({', '.join(where)})" if where else ""))
+
 
 @dataclass(frozen=True)
 class Plan:
     """The planner's pick: ``ulysses_size`` x ``ring_size`` = world size,
-    the ring run as ``method`` ("ring" or "allgather")."""
+    the ring run as ``method`` ("ring" or "allgather"); priced per forward,
+    or per forward and backward where ``backward``."""
 
     ulysses_size: int
     ring_size: int
@@ -88,18 +198,20 @@ class Plan:
     rejected: List[str] = field(repr=False)
     fabric: Fabric = field(repr=False)
     method: str = "ring"
+    backward: bool = False
 
     def explain(self) -> str:
-        lines = [f"Ulysses {c.ulysses_size} x Ring {c.ring_size}"
-                 f"{_by(c.method, c.ring_size)}: moves "
+        spans = any("across hosts" in (c.ulysses_span, c.ring_span) for c in self.candidates)
+        picked = next(c for c in self.candidates
+                      if (c.ulysses_size, c.method) == (self.ulysses_size, self.method))
+        lines = [f"{c.label(spans)}: moves "
                  f"{c.ulysses_bytes / 2**20:.1f} MiB all-to-all + {c.ring_bytes / 2**20:.1f} MiB "
-                 f"ring per rank, predicted {c.seconds * 1e3:.1f} ms (compute "
+                 f"ring per rank per forward, predicted {c.seconds * 1e3:.1f} ms (compute "
                  f"{c.compute_s * 1e3:.1f}, all-to-all {c.ulysses_s * 1e3:.1f}, ring "
                  f"{c.ring_s * 1e3:.1f})" for c in self.candidates]
         rejected = f" Not allowed: {'; '.join(self.rejected)}." if self.rejected else ""
-        return (f"Picked Ulysses {self.ulysses_size} x Ring {self.ring_size}"
-                f"{_by(self.method, self.ring_size)} "
-                f"({self.predicted_seconds * 1e3:.1f} ms predicted per forward). "
+        return (f"Picked {picked.label(spans)} ({self.predicted_seconds * 1e3:.1f} ms predicted "
+                f"per forward{' and backward' if self.backward else ''}). "
                 + " ".join(f"{line}." for line in lines) + rejected
                 + f" Fabric: {self.fabric.describe()}.")
 
@@ -108,82 +220,240 @@ def _by(method: str, ring: int) -> str:
     return " by all-gather" if method == "allgather" and ring > 1 else ""
 
 
-def _timed(comm, call, repeats: int = 3) -> float:
-    """Slowest rank's best time of ``call``."""
-    best = float("inf")
-    for _ in range(repeats):
-        comm.barrier()
-        start = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - start)
-    return float(comm.allreduce(np.array([best]), op="max")[0])
+# -- the probe ------------------------------------------------------------------------
+def _slowest(world, calls: Sequence[Optional[Callable[[], object]]], samples: int,
+             warm_up: bool = True) -> np.ndarray:
+    """[samples, calls] seconds: per sample, each call's time on the slowest
+    rank of ``world``. The calls alternate within each sample (drift hits
+    them alike), each from a barrier of ``world`` (sub-communicators probed
+    at once load their links at once); one allreduce at the end, so every
+    rank decides on the same numbers. A rank whose call is None idles."""
+    times = np.zeros((samples, len(calls)))
+    for sample in range(-1 if warm_up else 0, samples):
+        for i, call in enumerate(calls):
+            world.barrier()
+            if call is not None:
+                start = _clock()
+                call()
+                if sample >= 0:
+                    times[sample, i] = _clock() - start
+    return np.asarray(world.allreduce(times, op="max"))
+
+
+def _link(world, transfer: Optional[Callable[[int], Callable[[], object]]],
+          moved: Callable[[int], float]) -> Link:
+    """Latency and bandwidth of ``transfer(bytes_per_peer)`` (None on ranks
+    that idle), which moves ``moved(bytes_per_peer)`` bytes per rank: the
+    medians of interleaved samples of a small and a large message. Where
+    the large one is not told apart (less than twice the small one's time,
+    or within the noise) or took under ``_PROBE_LONG_ENOUGH_S``, a larger
+    message and more samples are measured; past the last rung a bandwidth
+    not told apart is only a lower bound (``Link``)."""
+    for large, samples in _PROBE_LADDER:
+        calls = [None, None] if transfer is None else [transfer(_PROBE_SMALL), transfer(large)]
+        times = _slowest(world, calls, samples)
+        small_s, large_s = np.median(times, axis=0)
+        noise = float(np.max(np.median(np.abs(times - [small_s, large_s]), axis=0)))
+        gap, threshold = large_s - small_s, max(_NOISE_DEVIATIONS * noise, small_s)
+        carried = moved(large) - moved(_PROBE_SMALL)
+        if gap > threshold and (large_s >= _PROBE_LONG_ENOUGH_S
+                                or large == _PROBE_LADDER[-1][0]):
+            return Link(float(small_s), float(carried / gap))
+    return Link(float(small_s), float(carried / threshold) if threshold > 0 else math.inf, False)
+
+
+def _hop_of(comm) -> Optional[Callable[[int], Callable[[], object]]]:
+    """Ring hops of a message of n bytes over ``comm`` (None: none)."""
+    if comm is None:
+        return None
+
+    def transfer(per_peer: int) -> Callable[[], object]:
+        send = np.zeros(per_peer, np.uint8)
+        return lambda: comm.ring_shift(send)
+    return transfer
+
+
+def _links(world, comm, peers: int) -> Tuple[Link, Link]:
+    """(all-to-all, ring hop) of ``comm`` (None: this rank idles), all of
+    whose copies across ``world`` are probed at once; ``peers``: the size
+    of the largest of them, by which bytes are counted (one rank alone
+    copies to itself)."""
+    def capped(per_peer: int) -> int:
+        return min(per_peer, _PROBE_BUFFER_LIMIT // peers)
+
+    def alltoall(per_peer: int) -> Callable[[], object]:
+        send = np.zeros(comm.size * capped(per_peer), np.uint8)
+        return lambda: comm.alltoall(send)
+
+    return (_link(world, None if comm is None else alltoall,
+                  lambda per_peer: capped(per_peer) * max(peers - 1, 1)),
+            _link(world, _hop_of(comm), float))
+
+
+def _across_hosts(comm, topology: Topology) -> Tuple[Optional[Tuple[Link, Link]], Across]:
+    """The links inside hosts (None when no host has two ranks) and across
+    them; collective. Sub-communicators of ``comm``, freed before returning:
+    each host's ranks, and the ranks of each local rank (one per host)."""
+    sizes = [len(topology.ranks_of(n)) for n in range(topology.num_nodes)]
+    host = comm.split(topology.node, key=comm.rank, backend="mpi")
+    peers = comm.split(topology.local_rank, key=comm.rank, backend="mpi")
+    try:
+        inside = _links(comm, host if host.size > 1 else None, max(sizes)) \
+            if max(sizes) > 1 else None
+        alltoall, hop = _links(comm, peers if peers.size > 1 else None, topology.num_nodes)
+        alone = _link(comm, _hop_of(peers if topology.local_rank == 0 else None), float)
+    finally:
+        peers.free()
+        host.free()
+    return inside, Across(alltoall, hop, alone, max(sizes))
 
 
 def probe(comm) -> Fabric:
-    """Measure the fabric under ``comm`` (collective; cached per communicator)."""
+    """Measure the fabric under ``comm`` (collective; cached per
+    communicator). Every decision, the re-measuring included, is taken on
+    allreduced numbers, so every rank takes the same ones and returns the
+    same Fabric."""
     if comm in _fabrics:
         return _fabrics[comm]
-    size = comm.size
-    small = np.zeros(size * _PROBE_SMALL, np.uint8)
-    large = np.zeros(size * _PROBE_LARGE, np.uint8)
-    t_small = _timed(comm, lambda: comm.alltoall(small))
-    t_large = _timed(comm, lambda: comm.alltoall(large))
-    moved = _PROBE_LARGE * max(size - 1, 1)
-    h_small = _timed(comm, lambda: comm.ring_shift(small[:_PROBE_SMALL]))
-    h_large = _timed(comm, lambda: comm.ring_shift(large[:_PROBE_LARGE]))
+    topology = comm.topology
+    if topology.num_nodes == 1:
+        inside, across = _links(comm, comm, comm.size), None
+    else:
+        inside, across = _across_hosts(comm, topology)
+        if inside is None:  # no two ranks share a host: every exchange crosses
+            inside = (across.alltoall, across.hop)
+    alltoall, hop = inside
     # long enough (tens of ms) that ranks sharing a core show it
     q = np.random.default_rng(0).standard_normal((1, 1024, 4, 64), dtype=np.float32)
-    t_kernel = _timed(comm, lambda: attention_forward(q, q, q), repeats=2)
+    t_kernel = np.median(_slowest(comm, [lambda: attention_forward(q, q, q)], 3, False))
     block = np.zeros(4 * 2**20 // 4, np.float32)
-    t_copy = _timed(comm, lambda: block.copy())
-    fabric = Fabric(t_small, moved / max(t_large - t_small, 1e-9), h_small,
-                    _PROBE_LARGE / max(h_large - h_small, 1e-9),
+    t_copy = np.median(_slowest(comm, [block.copy], 5))
+    bounds = tuple(name for name, link in (("all-to-all", alltoall), ("ring hop", hop))
+                   if not link.resolved)
+    fabric = Fabric(alltoall.latency, alltoall.bandwidth, hop.latency, hop.bandwidth,
                     4 * 1024 * 1024 * 4 * 64 / t_kernel, block.nbytes / t_copy,
-                    comm.backend == "nccl")
+                    comm.backend == "nccl", across, bounds)
     _fabrics[comm] = fabric
     return fabric
 
 
+# -- the cost model --------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Spread:
+    """Where a degree's groups sit: the most group (ring) peers a rank has
+    on other hosts, and the most ranks of one host whose ring successor is
+    on another host (0: the ring stays inside hosts)."""
+
+    ulysses_remote: int
+    ring_remote: int
+    ring_crossing: int
+
+    @classmethod
+    def of(cls, topology: Topology, degree: int) -> "_Spread":
+        node = topology.node_of_rank
+        ulysses: dict = {}
+        rings: dict = {}
+        for rank in range(topology.size):  # members in rank order, as groups() splits
+            group, ring = colors(rank, degree)
+            ulysses.setdefault(group, []).append(rank)
+            rings.setdefault(ring, []).append(rank)
+
+        def remote(groups: dict) -> int:
+            return max(sum(node[peer] != node[rank] for peer in members)
+                       for members in groups.values() for rank in members)
+
+        crossing = [0] * topology.num_nodes
+        for ring in rings.values():
+            for rank, successor in zip(ring, ring[1:] + ring[:1]):
+                crossing[node[rank]] += node[successor] != node[rank]
+        return cls(remote(ulysses), remote(rings), max(crossing))
+
+
+def _exchange(fabric: Fabric, members: int, remote: int, per_peer: float, calls: int) -> float:
+    """``calls`` all-to-alls that send ``per_peer`` bytes between them to
+    each of a group's other ``members - 1`` ranks, ``remote`` of them on
+    other hosts: the bytes across hosts and those inside go at once."""
+    if remote == 0 or fabric.across is None:
+        return fabric.alltoall.seconds(per_peer * (members - 1), calls)
+    inside = members - 1 - remote
+    return max(fabric.across.alltoall.seconds(per_peer * remote, calls),
+               fabric.alltoall.seconds(per_peer * inside, calls) if inside else 0.0)
+
+
+def _hop(fabric: Fabric, crossing: int, nbytes: float) -> float:
+    """A ring step moving ``nbytes`` per rank: it lasts as long as its
+    slowest hop, one across hosts where ``crossing`` ranks of a host cross."""
+    if crossing == 0 or fabric.across is None:
+        return fabric.hop.seconds(nbytes)
+    return fabric.across.hop.latency + nbytes / fabric.across.hop_bandwidth(crossing)
+
+
 def price(size: int, degree: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,
-          itemsize: int, causal: bool, fabric: Fabric, method: str = "ring") -> Candidate:
+          itemsize: int, causal: bool, fabric: Fabric, method: str = "ring", *,
+          topology: Optional[Topology] = None, backward: bool = False,
+          layout: str = "contiguous") -> Candidate:
     """The cost model of Ulysses ``degree`` x Ring ``size // degree``, the
-    ring run as ``method``."""
+    ring run as ``method`` over shards in ``layout``, its groups placed as
+    ``hybrid_attention`` places them on ``topology`` (None: one host); per
+    forward, or per forward and backward where ``backward``."""
     ring = size // degree
+    spread = _Spread.of(topology or Topology(0, (0,) * size), degree)
     token = head_dim * itemsize
     # heads of the busiest rank, to which every all-to-all chunk is padded
     local, local_kv = padded_heads(heads, degree, heads), padded_heads(kv_heads, degree, heads)
     # all-to-all: q, k, v in and out back, each rank keeping 1/degree of it
+    # (the backward: q, k, v, dout, out in and dq, dk, dv back, twice the bytes)
     relaid = (2 * local + 2 * local_kv) * degree * (seq_len / size) * token
     ulysses_bytes = relaid * (degree - 1) / degree
-    ulysses_s = (2 * fabric.alltoall_latency + ulysses_bytes / fabric.alltoall_bandwidth
+    ulysses_s = (_exchange(fabric, degree, spread.ulysses_remote, relaid / degree, 2)
                  + 2 * relaid / fabric.memory_bandwidth) if degree > 1 else 0.0
     # ring: K and V of each of the other ring ranks' spans, kv heads of this group
     hop_bytes = 2 * (seq_len / ring) * local_kv * token
+    gradient_bytes = hop_bytes * _GRADIENT_BYTES / itemsize
     ring_bytes = hop_bytes * (ring - 1)
     work = 4 * seq_len * seq_len * local * head_dim / ring / fabric.flops
-    if causal:  # Ulysses is balanced; a contiguous ring's last rank does R - 1/2 of R blocks
-        work *= 0.5 if ring == 1 else (ring - 0.5) / ring
+    if causal:  # Ulysses and zigzag rings are balanced; a contiguous ring's last rank
+        # does R - 1/2 of R blocks
+        work *= 0.5 if ring == 1 or layout != "contiguous" else (ring - 0.5) / ring
+    passes = 1 + _BACKWARD_WORK if backward else 1
     # each merge reads and writes the float32 running output a few times
     output = (seq_len / ring) * local * head_dim * 4
     merge = _MERGE_PASSES * output / fabric.memory_bandwidth
-    if method == "allgather":  # one exposed collective (an all-to-all's rate); a merge at most
-        gather = (fabric.alltoall_latency + ring_bytes / fabric.alltoall_bandwidth
-                  if ring > 1 else 0.0)
-        return Candidate(degree, ring, ulysses_bytes, ring_bytes, work, ulysses_s,
-                         gather + (merge if ring > 1 else 0.0), method)
-    per_hop = fabric.hop_latency + hop_bytes / fabric.hop_bandwidth
-    hops = (ring - 1) * (max(0.0, per_hop - work / ring) if fabric.overlap else per_hop)
-    return Candidate(degree, ring, ulysses_bytes, ring_bytes, work, ulysses_s,
-                     hops + (ring - 1) * merge)
+    spans = ("across hosts" if spread.ulysses_remote else "inside a host",
+             "across hosts" if spread.ring_crossing else "inside a host")
+    if backward:  # twice the forward's bytes and all-to-alls
+        ulysses_s *= 3
+    if ring == 1:
+        ring_s = 0.0
+    elif method == "allgather":  # one exposed collective (an all-to-all's rate); a merge at most
+        ring_s = _exchange(fabric, ring, spread.ring_remote, hop_bytes, 1) + merge
+        if backward:  # K and V gathered again, dK and dV reduce-scattered (an all-to-all)
+            ring_s += _exchange(fabric, ring, spread.ring_remote, hop_bytes + gradient_bytes, 2)
+    else:
+        def exposed(seconds: float, step_work: float) -> float:
+            return max(0.0, seconds - step_work) if fabric.overlap else seconds
+
+        per_hop = _hop(fabric, spread.ring_crossing, hop_bytes)
+        ring_s = (ring - 1) * (exposed(per_hop, work / ring) + merge)
+        if backward:  # K and V around again, and dK, dV one hop behind them, home at the end
+            step = _BACKWARD_WORK * work / ring
+            both = _hop(fabric, spread.ring_crossing, hop_bytes + gradient_bytes)
+            ring_s += (ring - 1) * exposed(both, step) + \
+                exposed(_hop(fabric, spread.ring_crossing, gradient_bytes), step)
+    return Candidate(degree, ring, ulysses_bytes, ring_bytes, work * passes, ulysses_s,
+                     ring_s, method, *spans)
 
 
 def plan(comm, seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
          itemsize: int = 2, causal: bool = False, fabric: Optional[Fabric] = None,
-         methods: Sequence[str] = ("ring", "allgather")) -> Plan:
+         methods: Sequence[str] = ("ring", "allgather"), backward: bool = False,
+         layout: str = "contiguous") -> Plan:
     """The cheapest allowed Ulysses x Ring split of ``comm`` for this shape,
     and the cheaper of ``methods`` for its ring, by the cost model over the
-    probed (or given) fabric. A ``seq_len`` the world size does not divide
-    is priced padded (``cu_seqlens`` pads it)."""
+    probed (or given) fabric and ``comm.topology``; per forward, or per
+    forward and backward (training) where ``backward``; the causal work of
+    a ring balanced unless ``layout`` is "contiguous". A ``seq_len`` the
+    world size does not divide is priced padded (``cu_seqlens`` pads it)."""
     fabric = fabric or probe(comm)
     padded = -(-seq_len // comm.size) * comm.size
     candidates, rejected = [], []
@@ -193,9 +463,11 @@ def plan(comm, seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
             continue
         for method in (methods if degree < comm.size else methods[:1]):
             candidates.append(price(comm.size, degree, padded, num_heads, num_kv_heads,
-                                    head_dim, itemsize, causal, fabric, method))
+                                    head_dim, itemsize, causal, fabric, method,
+                                    topology=comm.topology, backward=backward,
+                                    layout=layout))
     if not candidates:
         raise ValueError("no Ulysses x Ring split fits: " + "; ".join(rejected))
     best = min(candidates, key=lambda c: c.seconds)
     return Plan(best.ulysses_size, best.ring_size, best.seconds, candidates, rejected, fabric,
-                best.method)
+                best.method, backward)
