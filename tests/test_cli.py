@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from commlib.backends import cuda_aware, nccl
 from commlib.moe import route
 from commlib.tools import cli
+from commlib.topology import Topology
 
 import requires
 from launch import run
@@ -326,13 +327,14 @@ def test_new_patterns_check_clean_in_a_world_of_one(pattern):
     assert f"pattern: {pattern}" in result.output
 
 
-def test_slow_link_lines_star_the_slowest_pair():
+def test_slow_link_lines_star_the_slow_pair():
     times = np.array([[0, 1e-4, 2e-4], [1e-4, 0, 5e-4], [2e-4, 5e-4, 0]])
-    lines = cli.slow_link_lines(times)
+    lines = cli.slow_link_lines(cli.attribute_slow_links(times, Topology(0, (0, 0, 0))))
     body = [line.split() for line in lines if not line.startswith("#")]
     assert len(body) == 3 and all(len(cells) == 4 for cells in body)
     assert body[1][3] == "500.0*" and body[2][2] == "500.0*" and body[0][3] == "200.0"
-    assert lines[-1] == "# slowest link: 1 <-> 2, 500.0 us"
+    assert lines[-1] == ("# slow link: 1 <-> 2, 500.0 us, 3.3x slower than the median "
+                         "healthy link inside a host")
 
 
 def test_progress_line_appears_after_a_while_and_is_cleared(monkeypatch, capsys):
@@ -430,8 +432,9 @@ def test_router_pattern_and_slow_links_under_mpiexec():
     assert [row[-1] for row in sizes] == ["0"] * 4
     assert [cells[0] for cells in matrix] == ["0", "1"]
     assert matrix[0][1] == "-" and matrix[1][2] == "-"
-    assert matrix[0][2].endswith("*") and matrix[1][1].endswith("*")
-    assert "# slowest link: 0 <-> 1" in result.stdout
+    # one link is its own reference: never slow
+    assert not matrix[0][2].endswith("*") and not matrix[1][1].endswith("*")
+    assert "# no slow links: none takes over 2x the fastest link of its kind" in result.stdout
 
 
 def test_plot_draws_busbw_against_size(tmp_path):

@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, packages_distributions, version
-from typing import Callable, List, NoReturn, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 import click
 import ml_dtypes
@@ -40,6 +40,14 @@ PATTERNS = ("uniform", "random", "zipf", "hotspot", "router")
 MPI_ENV_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
 LINK_BYTES = 1024 ** 2
 LINK_ITERS = 5
+# --slow-links: a link is slow when it takes over this many times the fastest
+# link of its kind (the fastest is never slow, so it stands for a healthy one)
+SLOW_FACTOR = 2.0
+# the kinds of link: between ranks of one host, between ranks of two hosts (also
+# the names of the parts of a Row sent apart)
+INSIDE, BETWEEN = "inside", "between"
+# --slow-links names at most this many single slow links (the matrix has them all)
+_MAX_LINKS_NAMED = 5
 # show the progress line only once a sweep has run this long
 _PROGRESS_AFTER_S = 2.0
 _SIZE_SUFFIXES = {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
@@ -337,12 +345,14 @@ def diag() -> None:
               help="After the table, per size: each rank's send and receive bytes, its own "
                    "median time and its algbw.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True),
-              help="Also write the rows to this file as a JSON list (rank 0).")
+              help="Also write the rows to this file as a JSON list (rank 0); with "
+                   "--slow-links, an object of the rows and the links.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True),
               help="Plot busbw against size to this PNG (rank 0; needs matplotlib).")
 @click.option("--slow-links", is_flag=True,
-              help="After the sweep, time 1 MiB between every pair of ranks and print "
-                   "the rank x rank matrix, marking the slowest link.")
+              help=f"After the sweep, time 1 MiB between every pair of ranks, print the "
+                   f"rank x rank matrix and name what is slow (over {SLOW_FACTOR:g}x the "
+                   f"fastest link of its kind): a host, a rank or a link.")
 @click.option("--backend", type=click.Choice(["mpi", "nccl", "auto"]), default="mpi",
               show_default=True,
               help="mpi: host buffers over MPI; nccl: CuPy buffers over NCCL (needs a GPU); "
@@ -357,7 +367,9 @@ def alltoall(ctx: click.Context, sweep: Sweep, pattern: str, seed: int, experts:
     Exits 1 if any element arrived wrong.
 
     Sizes and bandwidths are those of the busiest rank (the most bytes sent
-    or received), times those of each iteration's slowest rank.
+    or received), times those of each iteration's slowest rank. When ranks
+    share nodes and span several, each size's bytes inside nodes and between
+    them are also sent apart, and their bandwidths reported after the table.
 
     On rank 0, a progress line is shown on stderr when it is a terminal and
     the sweep has run for more than a couple of seconds.
@@ -380,11 +392,14 @@ def alltoall(ctx: click.Context, sweep: Sweep, pattern: str, seed: int, experts:
         echo = click.echo if comm.rank == 0 else _silent
         if per_rank:
             echo("\n".join(line for row in rows for line in per_rank_lines(row)))
+        links = None
         if slow_links:
-            echo("\n".join(slow_link_lines(time_links(comm))))
+            links = attribute_slow_links(time_links(comm), comm.topology)
+            echo("\n".join(slow_link_lines(links)))
         if comm.rank == 0:
-            _save(rows, json_path, plot_path, comm.size)
-        wrong = sum(row.wrong or 0 for row in rows)
+            _save(rows, json_path, plot_path, comm.size, links)
+        wrong = sum(part.wrong or 0 for row in rows for part in (row, row.inside, row.between)
+                    if part is not None)
         if wrong:
             echo(f"# FAILED: {wrong} element(s) arrived wrong", err=True)
             ctx.exit(1)
@@ -402,20 +417,40 @@ def _run_sweep(comm: commlib.Communicator, sweep: Sweep, traffic: Traffic) -> Li
     rows = []
     for size in sizes:
         progress.show(size)
-        row = _alltoall_row(comm, size, sweep, traffic)
+        row = replace(_alltoall_row(comm, size, sweep, traffic),
+                      **_host_parts(comm, size, sweep, traffic))
         progress.clear()
         echo(format_row(row))
         rows.append(row)
     echo(f"# Avg bus bandwidth : {np.mean([row.busbw for row in rows]):.3f}")
+    if any(row.inside is not None for row in rows):
+        echo("\n".join(host_part_lines(rows)))
     return rows
 
 
+def _host_parts(comm: commlib.Communicator, size: int, sweep: Sweep,
+                traffic: Traffic) -> Dict[str, Row]:
+    """The size's bytes to peers on the same host and to peers on other hosts,
+    each sent alone (so that the slower kind does not hide the faster), as
+    rows by kind; none where a kind carries nothing (one node, one rank per
+    host), since the other would then be the whole exchange again."""
+    sizes = traffic.counts(size, comm.size, sweep.dtype) * sweep.dtype.itemsize
+    parts = {kind: sizes * mask for kind, mask in link_kinds(comm.topology).items()}
+    if not all(part.any() for part in parts.values()):
+        return {}
+    return {kind: _alltoall_row(comm, size, sweep, replace(traffic, matrix=part))
+            for kind, part in parts.items()}
+
+
 def _save(rows: List[Row], json_path: Optional[str], plot_path: Optional[str],
-          nranks: int) -> None:
-    """Write the rows where --json and --plot asked (rank 0 only)."""
+          nranks: int, links: Optional[SlowLinks] = None) -> None:
+    """Write the rows where --json and --plot asked (rank 0 only); with the
+    links of --slow-links, the JSON is an object of both."""
     if json_path is not None:
+        report = [row.as_json() for row in rows]
         with open(json_path, "w") as file:
-            json.dump([row.as_json() for row in rows], file, indent=1)
+            json.dump(report if links is None else {"rows": report, "links": links.as_json()},
+                      file, indent=1)
     if plot_path is not None:
         plot_busbw(rows, plot_path, nranks)
 
@@ -733,16 +768,21 @@ class Row:
     wrong: Optional[int]
     busiest: int
     ranks: Tuple[RankTime, ...]
+    inside: Optional["Row"] = None
+    between: Optional["Row"] = None
 
     def as_json(self) -> dict:
         """The row for --json: times in microseconds, bandwidths in GB/s,
-        ``wrong`` null when the check is off."""
+        ``wrong`` null when the check is off; the parts inside and between
+        hosts as rows of their own, null where they were not sent apart."""
         return {"size_bytes": self.size, "count": self.count, "dtype": self.dtype,
                 "time_us_avg": self.avg * 1e6, "time_us_min": self.min * 1e6,
                 "time_us_max": self.max * 1e6, "time_us_p50": self.p50 * 1e6,
                 "time_us_p99": self.p99 * 1e6, "algbw_gbps": self.algbw,
                 "busbw_gbps": self.busbw, "wrong": self.wrong, "busiest_rank": self.busiest,
-                "ranks": [rank.as_json() for rank in self.ranks]}
+                "ranks": [rank.as_json() for rank in self.ranks],
+                "inside_hosts": None if self.inside is None else self.inside.as_json(),
+                "between_hosts": None if self.between is None else self.between.as_json()}
 
 
 _COLUMNS = (("size", "(B)", 12), ("count", "(elements)", 12), ("type", "", 15),
@@ -750,6 +790,9 @@ _COLUMNS = (("size", "(B)", 12), ("count", "(elements)", 12), ("type", "", 15),
             ("algbw", "(GB/s)", 8), ("busbw", "(GB/s)", 8), ("#wrong", "", 7))
 _RANK_COLUMNS = (("rank", "", 8), ("send", "(B)", 12), ("recv", "(B)", 12),
                  ("time p50", "(us)", 10), ("algbw", "(GB/s)", 8))
+_HOST_COLUMNS = (("size", "(B)", 12), ("inside", "(B)", 12), ("time avg", "(us)", 10),
+                 ("algbw", "(GB/s)", 8), ("between", "(B)", 12), ("time avg", "(us)", 10),
+                 ("algbw", "(GB/s)", 8))
 
 
 def bus_bandwidth(algbw: float, nranks: int) -> float:
@@ -786,6 +829,21 @@ def per_rank_lines(row: Row) -> List[str]:
     lines += [_aligned((rank.rank, rank.send, rank.recv, f"{rank.time * 1e6:.2f}",
                         f"{rank.algbw:.3f}"), _RANK_COLUMNS) for rank in row.ranks]
     return lines + [f"# busiest rank: {row.busiest} ({row.size} B)"]
+
+
+def host_part_lines(rows: Sequence[Row]) -> List[str]:
+    """Each size's parts inside and between hosts: the busiest rank's bytes of
+    the part, its time avg and algbw. Every line is a '#' comment, so the
+    table's data lines stay the sizes'."""
+    lines = ["# inside hosts (each host's ranks among themselves) and between hosts (pairs "
+             "on different hosts), each sent alone",
+             *table_header(_HOST_COLUMNS).splitlines()[1:]]
+    for row in rows:
+        cells = [row.size]
+        for part in (row.inside, row.between):
+            cells += [part.size, f"{part.avg * 1e6:.2f}", f"{part.algbw:.3f}"]
+        lines.append("#" + _aligned(cells, _HOST_COLUMNS)[1:])
+    return lines
 
 
 def _alltoall_row(comm: commlib.Communicator, size: int, sweep: Sweep,
@@ -915,22 +973,147 @@ def _best_exchange(comm: commlib.Communicator, send: np.ndarray, counts: np.ndar
     return best
 
 
-def slow_link_lines(times: np.ndarray) -> List[str]:
-    """The link matrix in microseconds, '-' on the diagonal, the slowest
-    link starred and named below it."""
+def link_kinds(topology: Topology) -> Dict[str, np.ndarray]:
+    """[P, P] masks of the links of each kind: between two ranks of one host
+    (INSIDE), between ranks of two hosts (BETWEEN); a rank's copy to itself
+    is neither."""
+    nodes = np.asarray(topology.node_of_rank)
+    same = nodes[:, None] == nodes[None, :]
+    return {INSIDE: same & ~np.eye(len(nodes), dtype=bool), BETWEEN: ~same}
+
+
+@dataclass(frozen=True)
+class Culprit:
+    """What --slow-links names: a host (``kind`` "host": a node and its
+    ranks), a rank (its node too) or a link (two ranks, ``node`` None), and
+    ``ratio``, the median over its slow links of their time over the median
+    healthy link of the same kind."""
+
+    kind: str
+    ranks: Tuple[int, ...]
+    node: Optional[int]
+    ratio: float
+
+    def as_json(self) -> dict:
+        """The culprit for --json."""
+        return {"kind": self.kind, "ranks": list(self.ranks), "node": self.node,
+                "ratio": self.ratio}
+
+
+@dataclass(frozen=True, eq=False)  # arrays: no meaningful ==
+class SlowLinks:
+    """--slow-links' verdict on [P, P] link times (seconds): ``slow`` marks
+    the links over ``factor`` x the fastest of their kind, ``typical`` is the
+    median of each kind's healthy links (None: no link of that kind), and
+    ``culprits`` explain the slow links, widest cause first."""
+
+    times: np.ndarray
+    node_of_rank: Tuple[int, ...]
+    factor: float
+    slow: np.ndarray
+    typical: Dict[str, Optional[float]]
+    culprits: Tuple[Culprit, ...]
+
+    def as_json(self) -> dict:
+        """The links for --json: the matrix (0 on the diagonal) and the
+        verdict, so that both can be drawn."""
+        return {"bytes": LINK_BYTES, "iters": LINK_ITERS, "factor": self.factor,
+                "node_of_rank": list(self.node_of_rank),
+                "time_us": (self.times * 1e6).tolist(), "slow": self.slow.tolist(),
+                "typical_us": {kind: None if time is None else time * 1e6
+                               for kind, time in self.typical.items()},
+                "culprits": [culprit.as_json() for culprit in self.culprits]}
+
+
+def attribute_slow_links(times: np.ndarray, topology: Topology,
+                         factor: float = SLOW_FACTOR) -> SlowLinks:
+    """Which host, rank or link makes the slow links slow, from the times
+    alone. A link is slow over ``factor`` x the fastest link of its kind
+    (inside a host, between hosts: shared memory and the network differ),
+    not over the median: a slow host owns 2 of the 3 links of 3 hosts.
+    Then, widest first: a host whose every link to other hosts is slow (of
+    two hosts, never: the fastest link between them is not); a rank, not
+    alone on its host, whose every link is slow; the slow links neither
+    explains, one by one, slowest first."""
+    kinds = link_kinds(topology)
+    slow = np.zeros(times.shape, dtype=bool)
+    ratio = np.zeros(times.shape)
+    typical: Dict[str, Optional[float]] = {}
+    for kind, mask in kinds.items():
+        typical[kind] = None
+        if mask.any():
+            slow |= mask & (times > factor * times[mask].min())
+            typical[kind] = float(np.median(times[mask & ~slow]))
+            ratio[mask] = times[mask] / typical[kind]
+    culprits = []
+    explained = np.zeros(times.shape, dtype=bool)
+
+    def name(kind: str, links: np.ndarray, ranks: Tuple[int, ...], node: int) -> None:
+        if links.any() and slow[links].all():
+            culprits.append(Culprit(kind, ranks, node, float(np.median(ratio[links]))))
+            explained[links] = True
+
+    nodes = np.asarray(topology.node_of_rank)
+    for node in range(topology.num_nodes):
+        on_node = nodes == node
+        name("host", kinds[BETWEEN] & (on_node[:, None] | on_node[None, :]),
+             topology.ranks_of(node), node)
+    for rank in range(topology.size):
+        if len(topology.ranks_of(topology.node_of(rank))) > 1:
+            touching = np.zeros(times.shape, dtype=bool)
+            touching[rank, :] = touching[:, rank] = True
+            name("rank", touching & ~np.eye(topology.size, dtype=bool), (rank,),
+                 topology.node_of(rank))
+    single = sorted(zip(*np.nonzero(np.triu(slow & ~explained))),
+                    key=lambda link: -ratio[link])
+    culprits += [Culprit("link", (int(i), int(j)), None, float(ratio[i, j]))
+                 for i, j in single]
+    return SlowLinks(times, tuple(topology.node_of_rank), factor, slow, typical,
+                     tuple(culprits))
+
+
+def slow_link_lines(links: SlowLinks) -> List[str]:
+    """The link matrix in microseconds, '-' on the diagonal, slow links
+    starred, and below it what is slow, or that nothing is."""
+    times = links.times
     size = len(times)
     lines = [f"# slow links: {LINK_BYTES} B each way between each pair, best of "
              f"{LINK_ITERS}, time (us)",
+             f"# * slow: over {links.factor:g}x the fastest link of its kind (inside a "
+             f"host, between hosts)",
              "#  src\\dst" + "".join(f"{j:>11}" for j in range(size))]
     if size < 2:
         return lines + ["# no links in a world of one"]
-    slowest = np.unravel_index(np.argmax(times), times.shape)
     for i in range(size):
-        cells = ["-" if i == j else f"{times[i, j] * 1e6:.1f}" + ("*" if (i, j) in
-                 (slowest, slowest[::-1]) else " ") for j in range(size)]
+        cells = ["-" if i == j else f"{times[i, j] * 1e6:.1f}" + ("*" if links.slow[i, j]
+                 else " ") for j in range(size)]
         lines.append(f"  {i:>8}" + "".join(f"{cell:>11}" for cell in cells))
-    i, j = sorted(int(r) for r in slowest)
-    return lines + [f"# slowest link: {i} <-> {j}, {times[i, j] * 1e6:.1f} us"]
+    if not links.culprits:
+        return lines + [f"# no slow links: none takes over {links.factor:g}x the fastest "
+                        f"link of its kind"]
+    single = [culprit for culprit in links.culprits if culprit.kind == "link"]
+    lines += [_culprit_line(culprit, links) for culprit in links.culprits
+              if culprit.kind != "link"]
+    lines += [_culprit_line(culprit, links) for culprit in single[:_MAX_LINKS_NAMED]]
+    if len(single) > _MAX_LINKS_NAMED:
+        lines.append(f"# ... and {len(single) - _MAX_LINKS_NAMED} more slow links "
+                     f"(starred above)")
+    return lines
+
+
+def _culprit_line(culprit: Culprit, links: SlowLinks) -> str:
+    """One culprit named, with how much slower than healthy its links are."""
+    ranks = ", ".join(map(str, culprit.ranks))
+    slower = f"{culprit.ratio:.1f}x slower than the median healthy link"
+    if culprit.kind == "host":
+        return (f"# slow host node{culprit.node} (rank{'s' if len(culprit.ranks) > 1 else ''} "
+                f"{ranks}): its links to other hosts {slower} between hosts")
+    if culprit.kind == "rank":
+        return f"# slow rank {ranks} (on node{culprit.node}): its links {slower}"
+    i, j = culprit.ranks
+    kind = "inside a host" if links.node_of_rank[i] == links.node_of_rank[j] \
+        else "between hosts"
+    return f"# slow link: {i} <-> {j}, {links.times[i, j] * 1e6:.1f} us, {slower} {kind}"
 
 
 # -- relaunch and plot ------------------------------------------------------------

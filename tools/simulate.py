@@ -215,13 +215,17 @@ def schemes(config: Config, topk_groups: int, bandwidths: Tuple[float, float]
                                                ("two_hop", topk_groups, True))}
 
 
-def report_lines(config: Config, chosen: str, results: Dict[str, Prediction]) -> List[str]:
-    """A table, one line per scheme, the one matching the flags marked."""
+def report_lines(config: Config, chosen: str, results: Dict[str, Prediction],
+                 bandwidths: Tuple[float, float]) -> List[str]:
+    """A table, one line per scheme, the one matching the flags marked,
+    under the (intra, inter) GB/s its times assume."""
     layout = config.layout
     tokens = config.tokens * layout.size
     lines = [f"# commlib simulate: {layout.nodes} nodes x {layout.gpus_per_node} GPUs, "
              f"{layout.experts} experts, top-{config.topk}, {config.tokens} tokens/GPU, "
              f"{config.row_bytes} B/row",
+             f"# time: the slowest GPU's inter-node bytes at {bandwidths[1]:g} GB/s plus its "
+             f"intra-node bytes at {bandwidths[0]:g} GB/s",
              f"# {'scheme':<14} {'inter-node B':>14} {'intra-node B':>14} "
              f"{'B/token':>10} {'max inter/GPU':>14} {'time (ms)':>10}"]
     for name, result in results.items():
@@ -254,7 +258,7 @@ def report_lines(config: Config, chosen: str, results: Dict[str, Prediction]) ->
 @click.option("--intra-bw", type=click.FloatRange(min=0, min_open=True), default=160.0,
               show_default=True, help="GB/s each GPU sends inside its node.")
 @click.option("--inter-bw", type=click.FloatRange(min=0, min_open=True), default=50.0,
-              show_default=True, help="GB/s each GPU sends to other nodes.")
+              show_default=True, help="GB/s each GPU sends to other nodes (300 Mbit/s is 0.0375).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True),
               help="Also write the prediction as JSON to this file.")
 def simulate(nodes: int, gpus_per_node: int, experts: int, topk: int,
@@ -274,7 +278,7 @@ def simulate(nodes: int, gpus_per_node: int, experts: int, topk: int,
     if chosen not in results:
         results[chosen] = predict(config.traffic(topk_groups, hierarchical), layout,
                                   intra_bw, inter_bw)
-    click.echo("\n".join(report_lines(config, chosen, results)))
+    click.echo("\n".join(report_lines(config, chosen, results, (intra_bw, inter_bw))))
     if json_path:
         _write_json(json_path, chosen, results, dict(
             nodes=nodes, gpus_per_node=gpus_per_node, experts=experts, topk=topk,
