@@ -13,6 +13,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -23,6 +24,9 @@ TESTS = Path(__file__).resolve().parent
 
 
 LAUNCHER_ENV = "COMMLIB_TEST_LAUNCHER"
+# launches of a world size that divides evenly go across this many emulated
+# hosts (commlib.tools.cluster; root only), nodes that MPI detects for real
+HOSTS_ENV = "COMMLIB_TEST_HOSTS"
 
 
 def mpiexec() -> str:
@@ -55,6 +59,20 @@ def _is_open_mpi(program: str) -> bool:
     return "Open MPI" in version
 
 
+def hosts_for(nprocs: int) -> int:
+    """The emulated hosts a launch of ``nprocs`` ranks spans: ``COMMLIB_TEST_HOSTS``
+    where it divides ``nprocs`` into hosts of more than one rank, else 1."""
+    raw = os.environ.get(HOSTS_ENV, "").strip() or "1"
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{HOSTS_ENV}={raw!r}: give the number of emulated hosts (2), or "
+                         f"unset it for one host")
+    hosts = int(raw)
+    if hosts > 1 and os.environ.get(LAUNCHER_ENV, "").strip():
+        raise ValueError(f"{HOSTS_ENV} and {LAUNCHER_ENV} both set: the emulated hosts are "
+                         f"launched by MPICH's mpiexec; unset one of them")
+    return hosts if nprocs % hosts == 0 and nprocs // hosts > 1 else 1
+
+
 @functools.lru_cache(maxsize=None)
 def jax_cache_env() -> Dict[str, str]:
     """JAX's persistent compilation cache in a directory of this session's
@@ -70,13 +88,16 @@ def jax_cache_env() -> Dict[str, str]:
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
-def run(nprocs: int, argv: List[str], timeout: float,
-        env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
-    """``launcher() -n nprocs argv...``, with ``jax_cache_env()`` unless the
-    environment sets those variables; on timeout the whole process group is
-    killed and ``subprocess.TimeoutExpired`` raised."""
+def run(nprocs: int, argv: List[str], timeout: float, env: Optional[Dict[str, str]] = None,
+        hosts: int = 1) -> subprocess.CompletedProcess:
+    """``launcher() -n nprocs argv...`` (across ``hosts`` emulated hosts
+    where more than one), with ``jax_cache_env()`` unless the environment
+    sets those variables; on timeout the whole process group is killed and
+    ``subprocess.TimeoutExpired`` raised."""
     full_env = {**jax_cache_env(), **os.environ, **(env or {})}
-    proc = subprocess.Popen([*launcher(), "-n", str(nprocs), *argv], env=full_env,
+    start = [*launcher()] if hosts == 1 else \
+        [sys.executable, "-m", "commlib.tools.cluster", "run", "--quiet", "--hosts", str(hosts)]
+    proc = subprocess.Popen([*start, "-n", str(nprocs), *argv], env=full_env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:

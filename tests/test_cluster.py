@@ -129,3 +129,21 @@ def test_the_command_line_runs_a_program_across_hosts_and_counts_the_links():
                              "import sys; sys.exit(3)"], capture_output=True, text=True,
                             timeout=120)
     assert failed.returncode != 0
+
+
+def test_what_a_killed_launch_left_is_removed_by_the_next_one():
+    """A cluster whose process died without ``down`` (killed outright) is
+    swept; one whose process lives (this one's) is not."""
+    needs_a_cluster()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    stale, live = f"cl{dead}h0", f"cl{emulated.os.getpid()}h9"
+    for name in (stale, live):
+        subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        emulated.sweep_stale()
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert stale not in listed and live in listed
+    finally:
+        for name in (stale, live):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)

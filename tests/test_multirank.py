@@ -8,11 +8,12 @@ import sys
 import pytest
 
 import rank_outcomes
-from launch import TESTS, run
+from launch import TESTS, hosts_for, run
 
 # a hang detector (COMMLIB_TIMEOUT=120 ends a stuck collective sooner): the
-# whole suite at 4 ranks, oversubscribing a 2-core machine, took 560 s once
-TIMEOUT_S = 900
+# whole suite at 4 ranks, oversubscribing a 2-core machine, took 560 s once;
+# its framework half on 2 emulated hosts (TCP between them) 661 s
+TIMEOUT_S = 1200
 MPI_TESTS = TESTS / "mpi"
 # the files whose tests are about the MPI library underneath: collectives,
 # communicators and their lifecycle (splits, duplicates, frees, deadlines),
@@ -40,16 +41,24 @@ def _files(names=None, exclude=()):
     return sorted((found if names is None else found & set(names)) - set(exclude))
 
 
-LAUNCHES = [pytest.param(1, _files(), "0", id="1"),
-            pytest.param(2, _files(), "0", id="2"),
-            pytest.param(3, _files(), "0", id="3"),
-            pytest.param(4, _files(MPI_LAYER), "0", id="4-mpi-layer"),
-            pytest.param(4, _files(exclude=MPI_LAYER), "0", id="4-frameworks"),
-            pytest.param(3, _files(CHECKED), "1", id="3-checked")]
+def _launch(nprocs, files, check, name):
+    """A launch of ``files`` at ``nprocs`` ranks, across ``COMMLIB_TEST_HOSTS``
+    emulated hosts where they divide it (CI: the 4-rank launches on 2 hosts x 2)."""
+    hosts = hosts_for(nprocs)
+    return pytest.param(nprocs, hosts, files, check,
+                        id=name + (f"-on-{hosts}-hosts" if hosts > 1 else ""))
 
 
-@pytest.mark.parametrize("nprocs, files, check", LAUNCHES)
-def test_mpi_suite(nprocs, files, check, tmp_path, request):
+LAUNCHES = [_launch(1, _files(), "0", "1"),
+            _launch(2, _files(), "0", "2"),
+            _launch(3, _files(), "0", "3"),
+            _launch(4, _files(MPI_LAYER), "0", "4-mpi-layer"),
+            _launch(4, _files(exclude=MPI_LAYER), "0", "4-frameworks"),
+            _launch(3, _files(CHECKED), "1", "3-checked")]
+
+
+@pytest.mark.parametrize("nprocs, hosts, files, check", LAUNCHES)
+def test_mpi_suite(nprocs, hosts, files, check, tmp_path, request):
     """tests/mpi at each world size (4 ranks in two launches, so that a second
     MPI can rerun the MPI layer alone); some of it once more with
     COMMLIB_CHECK=1."""
@@ -57,7 +66,7 @@ def test_mpi_suite(nprocs, files, check, tmp_path, request):
             *(str(MPI_TESTS / name) for name in files)]
     env = {"COMMLIB_CHECK": check, "COMMLIB_TIMEOUT": "120"}
     try:
-        result = run(nprocs, argv, timeout=TIMEOUT_S, env=env)
+        result = run(nprocs, argv, timeout=TIMEOUT_S, env=env, hosts=hosts)
     except subprocess.TimeoutExpired:
         pytest.fail(f"tests/mpi at {nprocs} ranks did not finish in {TIMEOUT_S}s (a hang):\n"
                     + _logs(tmp_path, nprocs))

@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -47,6 +48,7 @@ INTERFACE = "eth0"
 # MPICH between hosts: the OFI netmod over libfabric's TCP provider on the shaped link
 # (the default netmod's shared memory would cross the namespaces, and no link)
 NETWORK_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": INTERFACE}
+_STALE_NAME = re.compile(r"^cl(\d+)(?:h\d+|br)$")  # the namespaces Cluster names
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)bit\s*(?:/s)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
 # Hydra's ssh launcher runs `SCRIPT [ssh options] HOST COMMAND...`, COMMAND as
@@ -138,6 +140,7 @@ class Cluster:
         reason = problem()
         if reason:
             raise ClusterError(reason)
+        sweep_stale()
         self._state = Path(tempfile.mkdtemp(prefix=f"commlib-cluster-{os.getpid()}-"))
         try:
             self._build()
@@ -223,6 +226,30 @@ class Cluster:
         return counted
 
 
+def sweep_stale() -> None:
+    """Remove what clusters of processes that no longer exist left behind
+    (a launch killed outright never reaches ``down``)."""
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for name in (line.split()[0] for line in listed.splitlines() if line.strip()):
+        found = _STALE_NAME.match(name)
+        if found and not alive(int(found.group(1))):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    for state in Path(tempfile.gettempdir()).glob("commlib-cluster-*-*"):
+        pid = state.name.split("-")[2]
+        if pid.isdigit() and not alive(int(pid)):
+            for uts in state.glob("*.uts"):
+                subprocess.run(["umount", str(uts)], capture_output=True)
+            shutil.rmtree(state, ignore_errors=True)
+
+
 def _run(argv: Sequence[str]) -> str:
     done = subprocess.run(list(argv), capture_output=True, text=True)
     if done.returncode != 0:
@@ -286,6 +313,8 @@ def run(hosts: int, ranks: int, rate: Optional[str], host_rates: Dict[int, str],
     if ranks % hosts:
         raise click.BadParameter(f"{ranks} ranks do not spread evenly over {hosts} hosts: "
                                  f"give a multiple of {hosts}", param_hint="-n")
+    # a launcher killed politely (a test's time limit, Ctrl-C) still removes its hosts
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         with Cluster(hosts, rate, host_rates) as emulated:
             done = emulated.run(ranks // hosts, argv)

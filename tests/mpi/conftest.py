@@ -37,7 +37,12 @@ def same_on_all_ranks(value) -> None:
 
 
 def raises_everywhere(exc_type, call, match=None):
-    """``call()`` raises ``exc_type`` on this rank, and every rank agrees."""
+    """``call()`` raises ``exc_type`` on this rank, and every rank agrees.
+    Every rank enters first: a rank that gives up on purpose must not do so
+    while a slower peer is still in the calls before (its ``commlib.init``,
+    say), where that peer would hear of it outside this check (seen across
+    hosts, where the other host's ranks start later)."""
+    MPI.COMM_WORLD.Barrier()
     try:
         call()
     except exc_type as error:

@@ -3,6 +3,8 @@ the GPU queries stood in for (so it runs on any machine): ranks that share a
 GPU fall back to MPI under "auto" and are named under "nccl"; one rank's bad
 ``device=`` stops every rank."""
 
+import socket
+
 import pytest
 
 import commlib
@@ -23,15 +25,21 @@ class _FakeNccl:
         pass
 
 
+def on_this_host(identity):
+    """A GPU's identity as ranks on different hosts see it: the same bus id
+    on two hosts is two GPUs (the real identity, a UUID, differs)."""
+    return f"{identity} on {socket.gethostname()}"
+
+
 @pytest.fixture
 def gpus(monkeypatch, comm):
     """Make every rank see ``count`` GPUs, ``identity_of(index)`` telling
-    which physical GPU a device index is on that rank."""
+    which physical GPU a device index is on that rank's host."""
     def install(identity_of, count=8, allowed=False, current=lambda: 0):
         monkeypatch.setattr(nccl, "unavailable_reason", lambda: None)
         monkeypatch.setattr(nccl, "current_device", current)
         monkeypatch.setattr(nccl, "visible_devices", lambda: count)
-        monkeypatch.setattr(nccl, "device_identity", identity_of)
+        monkeypatch.setattr(nccl, "device_identity", lambda index: on_this_host(identity_of(index)))
         monkeypatch.setattr(nccl, "shares_gpus_allowed", lambda: allowed)
         monkeypatch.setattr(nccl, "NcclBackend", _FakeNccl)
     return install
@@ -42,7 +50,7 @@ def test_a_gpu_per_rank_builds_nccl_on_the_chosen_device(comm, gpus):
     world = commlib.init(backend="nccl")
     try:
         assert all_ranks(world.backend == "nccl"
-                         and world._device.device_index == comm.rank % 8)
+                         and world._device.device_index == comm.topology.local_rank)
     finally:
         world.free()
 
@@ -57,12 +65,12 @@ def test_devices_the_ranks_made_current_are_adopted(comm, gpus):
 
 
 def test_cudas_default_device_everywhere_is_not_a_choice(comm, gpus):
-    if comm.size == 1:
+    if comm.topology.local_size == 1:
         pytest.skip("one rank's current device is a choice (or the same as its local rank's)")
     gpus(lambda index: f"host {index}", current=lambda: 0)
     world = commlib.init(backend="nccl")
     try:
-        assert all_ranks(world._device.device_index == comm.rank % 8)
+        assert all_ranks(world._device.device_index == comm.topology.local_rank)
     finally:
         world.free()
 
@@ -77,9 +85,9 @@ def test_device_argument_wins_over_the_current_device(comm, gpus):
 
 
 def test_ranks_sharing_a_gpu_fall_back_under_auto_and_are_named_under_nccl(comm, gpus):
-    if comm.size == 1:
-        pytest.skip("one rank cannot share a GPU")
-    gpus(lambda index: "host 0000:01:00.0")  # every rank lands on one GPU
+    if comm.topology.local_size == 1:
+        pytest.skip("one rank on a host cannot share a GPU")
+    gpus(lambda index: "host 0000:01:00.0")  # every rank of a host lands on one GPU
     world = commlib.init(backend="auto")
     try:
         assert all_ranks(world.backend == "mpi")
@@ -87,8 +95,10 @@ def test_ranks_sharing_a_gpu_fall_back_under_auto_and_are_named_under_nccl(comm,
         world.free()
     error = raises_everywhere(commlib.BackendUnavailableError,
                               lambda: commlib.init(backend="nccl"))
-    others = ", ".join(str(r) for r in range(comm.size) if r != comm.rank)
-    assert f"rank {comm.rank}: shares GPU host 0000:01:00.0 with rank(s) {others}" in str(error)
+    others = ", ".join(str(r) for r in comm.topology.ranks_of(comm.topology.node)
+                       if r != comm.rank)
+    assert (f"rank {comm.rank}: shares GPU {on_this_host('host 0000:01:00.0')} with rank(s) "
+            f"{others}") in str(error)
 
 
 def test_sharing_is_allowed_where_nccl_allows_it(comm, gpus):

@@ -8,11 +8,18 @@ import commlib
 from conftest import raises_everywhere
 
 
-def test_one_machine_is_one_node(comm):
+def test_each_host_is_one_node(comm):
+    """Nodes are the hosts the ranks run on (one machine: one node; the
+    emulated cluster of CI: one per host), by the host names MPI reports."""
+    hosts = MPI.COMM_WORLD.allgather(MPI.Get_processor_name())
+    names = sorted(set(hosts), key=hosts.index)  # nodes in order of their first rank
+    mine = [r for r in range(comm.size) if hosts[r] == hosts[comm.rank]]
     assert comm.size == MPI.COMM_WORLD.Get_size()
-    assert comm.topology.num_nodes == 1
-    assert comm.topology.local_rank == comm.rank
-    assert comm.topology.local_size == comm.size
+    assert comm.topology.num_nodes == len(names)
+    assert comm.topology.node == names.index(hosts[comm.rank])
+    assert comm.topology.ranks_of(comm.topology.node) == tuple(mine)
+    assert comm.topology.local_rank == mine.index(comm.rank)
+    assert comm.topology.local_size == len(mine)
     assert not comm.topology.emulated
 
 
