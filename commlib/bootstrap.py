@@ -7,6 +7,7 @@ arrived."""
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 from . import progress
@@ -65,9 +66,9 @@ def init(backend: str = "auto", *, mpi_comm=None, ranks_per_node: Optional[int] 
     host = MpiBackend(_duplicate(mpi_comm if mpi_comm is not None else MPI.COMM_WORLD,
                                  seconds), seconds)
     try:
-        shared_rank, leader, shared_size = _shared_memory_domain(host.comm)
-        share_cores(shared_size)
-        progress.share_cores(shared_size)
+        shared_rank, leader, shared_size, cores = _shared_memory_domain(host.comm)
+        share_cores(shared_size, cores)
+        progress.share_cores(shared_size, cores)
         topology = _discover_topology(host, leader, ranks_per_node)
         gpu = _device_backend(host, backend, shared_rank, leader, device) \
             if backend != "mpi" else None
@@ -93,14 +94,18 @@ def _duplicate(parent, timeout: float):
 
 def _shared_memory_domain(comm):
     """(this rank's index among the ranks sharing its memory, the lowest rank
-    of ``comm`` among them, how many they are): the hardware's view of a
-    node. Every rank of ``comm`` is known to have arrived (``_duplicate``)."""
+    of ``comm`` among them, how many they are, how many cores they may run
+    on together): the hardware's view of a node. The cores are the union of
+    the ranks' affinities, not the machine's count: a cpuset (Slurm, a
+    container, ``taskset``) can give a node's ranks fewer cores than it has.
+    Every rank of ``comm`` is known to have arrived (``_duplicate``)."""
     from mpi4py import MPI
 
     shared = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
+        cores = set().union(*shared.allgather(sorted(os.sched_getaffinity(0))))
         return (shared.Get_rank(), shared.allreduce(comm.Get_rank(), op=MPI.MIN),
-                shared.Get_size())
+                shared.Get_size(), len(cores))
     finally:
         shared.Free()
 

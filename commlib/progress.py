@@ -35,11 +35,12 @@ THREAD_ENV = "COMMLIB_PROGRESS_THREAD"
 _spare_core = False
 
 
-def share_cores(ranks_on_node: int) -> None:
+def share_cores(ranks_on_node: int, cores_on_node: int) -> None:
     """Told by ``init``: whether a progress thread would have a core to
-    itself (see the module docstring)."""
+    itself (see the module docstring): this rank may use more than one,
+    and its node's ranks together more than one each."""
     global _spare_core
-    _spare_core = len(os.sched_getaffinity(0)) > 1 and ranks_on_node < (os.cpu_count() or 1)
+    _spare_core = len(os.sched_getaffinity(0)) > 1 and ranks_on_node < cores_on_node
 
 
 class Progress:

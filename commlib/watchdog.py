@@ -45,12 +45,12 @@ SPIN_POLLS = 64
 _spin_polls = SPIN_POLLS
 
 
-def share_cores(ranks_on_node: int) -> None:
-    """Told by ``init``: with more ranks on this node than it has cores,
-    waits yield between polls from the first; otherwise they poll without
-    yielding. For the whole process: it is a property of the node."""
+def share_cores(ranks_on_node: int, cores_on_node: int) -> None:
+    """Told by ``init``: with more ranks on this node than the cores they
+    may run on, waits yield between polls from the first; otherwise they
+    poll without yielding. For the whole process: it is a property of the node."""
     global _spin_polls
-    _spin_polls = SPIN_POLLS if ranks_on_node <= (os.cpu_count() or 1) else 0
+    _spin_polls = SPIN_POLLS if ranks_on_node <= cores_on_node else 0
 
 
 # communicators that failed or did not drain, with their abandoned requests

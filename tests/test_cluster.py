@@ -20,9 +20,10 @@ SCRIPT = textwrap.dedent("""
     import numpy as np
     import commlib
     comm = commlib.init()
-    size = int(sys.argv[1])
+    size, out = int(sys.argv[1]), sys.argv[2]
+    report = open(f"{out}/rank{comm.rank}.txt", "w")  # ranks' stdout lines can interleave
     print("node", comm.rank, socket.gethostname(), comm.topology.num_nodes,
-          comm.topology.local_size, flush=True)
+          comm.topology.local_size, file=report, flush=True)
     same_host = [r for r in range(comm.size) if r != comm.rank
                  and comm.topology.node_of(r) == comm.topology.node_of(comm.rank)]
     comm.barrier()
@@ -31,7 +32,7 @@ SCRIPT = textwrap.dedent("""
     # over shared memory, to the others over the link
     comm.alltoall(np.full((comm.size, size), comm.rank, np.uint8))
     comm.barrier()
-    print("seconds", time.perf_counter() - start, flush=True)
+    print("seconds", time.perf_counter() - start, file=report, flush=True)
 """)
 
 
@@ -90,13 +91,14 @@ def test_two_hosts_are_two_nodes_and_their_traffic_crosses_the_links(tmp_path):
     with emulated.Cluster(2, rate="50mbit") as hosts:
         names = list(hosts.names)
         before = hosts.link_bytes()
-        done = hosts.run(2, [sys.executable, str(script), str(size)], capture_output=True,
-                         text=True, timeout=300)
+        done = hosts.run(2, [sys.executable, str(script), str(size), str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
         after = hosts.link_bytes()
         assert done.returncode == 0, done.stdout + done.stderr
         shaped = subprocess.run(["ip", "netns", "exec", names[0], "tc", "qdisc", "show", "dev",
                                  emulated.INTERFACE], capture_output=True, text=True).stdout
-    lines = [line.split() for line in done.stdout.splitlines()]
+    lines = [line.split() for rank in range(4)
+             for line in (tmp_path / f"rank{rank}.txt").read_text().splitlines()]
     nodes = sorted(tuple(words[1:]) for words in lines if words[0] == "node")
     assert nodes == [("0", names[0], "2", "2"), ("1", names[0], "2", "2"),
                      ("2", names[1], "2", "2"), ("3", names[1], "2", "2")]
@@ -119,10 +121,10 @@ def test_the_command_line_runs_a_program_across_hosts_and_counts_the_links():
     done = subprocess.run(
         [sys.executable, "-m", "commlib.tools.cluster", "run", "--hosts", "3", "-n", "3",
          "--host-rate", "2=20mbit", sys.executable, "-c",
-         "import socket; print(socket.gethostname())"],
+         "import os, socket; os.write(1, socket.gethostname().encode() + b'\\n')"],
         capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert len(set(done.stdout.split())) == 3
+    assert len(set(done.stdout.split())) == 3  # one write of one line each: whole, distinct
     assert "link bytes (sent/received): host 0" in done.stderr and "host 2" in done.stderr
     failed = subprocess.run([sys.executable, "-m", "commlib.tools.cluster", "run", "--hosts",
                              "2", "-n", "2", "--quiet", sys.executable, "-c",

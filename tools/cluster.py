@@ -56,7 +56,11 @@ _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
 _LAUNCHER = """#!/bin/sh
 while [ "${1#-}" != "$1" ]; do shift; done
 host=$1; shift
-exec nsenter --net=/run/netns/"$host" --uts=STATE/"$host".uts -- sh -c "$*"
+line="$*"
+set -- nsenter --net=/run/netns/"$host" --uts=STATE/"$host".uts --
+cpus=$(cat STATE/"$host".cpus)
+if [ -n "$cpus" ]; then set -- "$@" taskset -c "$cpus"; fi
+exec "$@" sh -c "$line"
 """
 
 
@@ -84,7 +88,7 @@ def problem() -> Optional[str]:
     if os.geteuid() != 0:
         return "the emulated cluster needs root (network namespaces, veth pairs and tc); " \
             "run as root, or on a real cluster use its launcher"
-    missing = [tool for tool in ("ip", "tc", "nsenter", "unshare", "mount")
+    missing = [tool for tool in ("ip", "tc", "nsenter", "unshare", "mount", "taskset")
                if shutil.which(tool) is None]
     if missing:
         return f"the emulated cluster needs {', '.join(missing)} (iproute2, util-linux)"
@@ -122,6 +126,7 @@ class Cluster:
         self.rates: List[Optional[int]] = [
             parse_rate((host_rates or {}).get(i, rate)) if (host_rates or {}).get(i, rate)
             else None for i in range(hosts)]
+        self.cpus = split_cores(sorted(os.sched_getaffinity(0)), hosts)
         tag = f"cl{os.getpid()}"
         self.names = [f"{tag}h{i}" for i in range(hosts)]  # namespaces and host names
         self._bridge = f"{tag}br"
@@ -172,6 +177,7 @@ class Cluster:
             if self.rates[i] is not None:
                 for namespace, device in ((name, INTERFACE), (self._bridge, outer)):
                     _shape(namespace, device, self.rates[i])
+            (state / f"{name}.cpus").write_text(self.cpus[i] or "")
             uts = state / f"{name}.uts"
             uts.touch()
             _run(["unshare", f"--uts={uts}", "hostname", name])
@@ -200,8 +206,9 @@ class Cluster:
                    str(self._state / "launch-on-host"), "-hosts", hosts,
                    "-n", str(ranks_per_host * self.hosts), *mpiexec_args, *argv]
         first = self.names[0]
+        pinned = ["taskset", "-c", self.cpus[0]] if self.cpus[0] else []
         inside_first = ["nsenter", f"--net=/run/netns/{first}",
-                        f"--uts={self._state / (first + '.uts')}", "--", *mpiexec]
+                        f"--uts={self._state / (first + '.uts')}", "--", *pinned, *mpiexec]
         return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
                 'mount --bind "$0" /etc/hosts && exec "$@"', str(self._state / "hosts"),
                 *inside_first]
@@ -248,6 +255,16 @@ def sweep_stale() -> None:
             for uts in state.glob("*.uts"):
                 subprocess.run(["umount", str(uts)], capture_output=True)
             shutil.rmtree(state, ignore_errors=True)
+
+
+def split_cores(cores: Sequence[int], hosts: int) -> List[Optional[str]]:
+    """Each host's cores (a taskset list), as many each and none shared, so
+    that one host's ranks do not compute on another's cores (nor count them
+    as theirs); None for every host where there are fewer cores than hosts."""
+    per = len(cores) // hosts
+    if per == 0:
+        return [None] * hosts
+    return [",".join(map(str, cores[i * per:(i + 1) * per])) for i in range(hosts)]
 
 
 def _run(argv: Sequence[str]) -> str:
