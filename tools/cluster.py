@@ -123,9 +123,8 @@ class Cluster:
             raise ClusterError(f"host_rates names hosts {unknown}, but the hosts are "
                                f"0..{hosts - 1}")
         self.hosts = hosts
-        self.rates: List[Optional[int]] = [
-            parse_rate((host_rates or {}).get(i, rate)) if (host_rates or {}).get(i, rate)
-            else None for i in range(hosts)]
+        chosen = [(host_rates or {}).get(i, rate) for i in range(hosts)]
+        self.rates: List[Optional[int]] = [parse_rate(r) if r else None for r in chosen]
         self.cpus = split_cores(sorted(os.sched_getaffinity(0)), hosts)
         tag = f"cl{os.getpid()}"
         self.names = [f"{tag}h{i}" for i in range(hosts)]  # namespaces and host names

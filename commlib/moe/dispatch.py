@@ -619,7 +619,7 @@ class Dispatcher:
         """The hop maps beside ``like``."""
         return self._beside(like, ("maps",), lambda put: [put(m) for m in self._hop_maps])
 
-    def _fixed_layout(self, like: Any, k: int, row_bytes: int = 0) -> dict:
+    def _fixed_layout(self, like: Any, k: int, row_bytes: int) -> dict:
         """Fixed capacity: rows per destination on each hop and slots per
         local expert, from ``max_tokens_per_rank`` C alone, so that every
         rank sizes every buffer alike. Per source rank an expert takes at
