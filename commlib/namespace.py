@@ -97,6 +97,20 @@ def to_host(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+def from_host_ints(values: Any, like: Any) -> Any:
+    """A few host integers as a 1-D array beside ``like`` (its framework,
+    device and index dtype), made by one fill each, not copied from host
+    memory (NumPy excepted): on a GPU such a copy can make the host wait
+    for the device's queued work, and a CUDA graph cannot capture it."""
+    xp, where, kind = namespace(like), device(like), index_dtype(like)
+    values = [int(v) for v in values]
+    if framework(like) == "numpy":
+        return np.asarray(values, dtype=kind)
+    if not values:
+        return xp.zeros(0, dtype=kind, device=where)
+    return xp.concat([xp.full((1,), v, dtype=kind, device=where) for v in values])
+
+
 def host_int(x: Any) -> int:
     """A 0-d integer array of any framework as a Python int: the scalar
     sibling of ``to_host`` (one device value, one wait), read without a
@@ -133,19 +147,27 @@ def check_int(x: Any, check: Callable[[int], None]) -> None:
     io_callback(run, jax.ShapeDtypeStruct((), jnp.uint8), x)
 
 
-def scatter_add(out: Any, index: Any, values: Any, scale: Any = None) -> Any:
-    """``out[index[i]] += scale[i] * values[i]`` along axis 0 (``scale``: one
-    factor per row, default 1), with repeated indices accumulating (which
-    ``x[index] += v`` does not), in out's dtype (bfloat16 values into a
-    float32 sum, say). In place for NumPy, CuPy and PyTorch; JAX returns the
-    new array. Always use the result."""
-    kind = framework(out)
-    if kind == "numpy":  # widens and scales each round's rows as it adds them
-        _scatter_add_rounds(out, index, values, scale)
+def sum_rows(values: Any, index: Any, count: int, *, scale: Any = None, rows: Any = None,
+             dtype: Any = None) -> Any:
+    """Rows of ``values`` summed by ``index`` into ``count`` new rows:
+    ``out[j] = sum over i with index[i] == j of scale[i] * values[rows[i]]``
+    (``scale``: one factor per term, default 1; ``rows``: the row of
+    ``values`` term i takes, default the i-th: one gather, not two), in
+    ``dtype`` (default values'; bfloat16 rows into a float32 sum, say), in
+    values' framework, on its device. Each sum adds its terms in index
+    order."""
+    xp = namespace(values)
+    dtype = values.dtype if dtype is None else dtype
+    out = xp.zeros((count,) + tuple(values.shape[1:]), dtype=dtype, device=device(values))
+    if framework(values) == "numpy":
+        _sum_rows_in_rounds(out, index, values, scale, rows)
         return out
-    values = namespace(values).astype(values, out.dtype, copy=False)
+    if rows is not None:
+        values = take_rows(values, rows)
+    values = xp.astype(values, dtype, copy=False)
     if scale is not None:
         values = values * _per_row(scale, values.ndim)
+    kind = framework(values)
     if kind == "torch":
         return out.index_add_(0, index, values)
     if kind == "jax":
@@ -160,14 +182,15 @@ def _per_row(scale: Any, ndim: int) -> Any:
     return namespace(scale).reshape(scale, (-1,) + (1,) * (ndim - 1))
 
 
-def _scatter_add_rounds(out: np.ndarray, index: np.ndarray, values: np.ndarray,
-                        scale: Any) -> None:
-    """NumPy's scatter-add in rounds: round d adds every row's d-th
-    contribution, and within a round no row repeats, so plain fancy-index
-    += is correct. With a handful of contributions per row that is 6x
-    faster than np.add.at. Contributions beyond the first ``_ROUNDS`` of a
-    row (a fixed capacity's padding all lands on one spare row) are summed
-    with one ``np.add.reduceat`` instead of a round each."""
+def _sum_rows_in_rounds(out: np.ndarray, index: np.ndarray, values: np.ndarray,
+                        scale: Any, rows: Any) -> None:
+    """NumPy's scatter-add into zeros, in rounds: round d adds every row's
+    d-th term, and within a round no row repeats, so plain fancy-index
+    assignment (round 0, onto zeros) and += are correct. With a handful of
+    terms per row that is 10x faster than np.add.at (each round's terms are
+    scaled where they were gathered). Terms beyond the first ``_ROUNDS`` of
+    a row (a fixed capacity's padding all lands on one spare row) are
+    summed with one ``np.add.reduceat`` instead of a round each."""
     if index.size == 0:
         return
     order = np.argsort(index, kind="stable")
@@ -176,20 +199,24 @@ def _scatter_add_rounds(out: np.ndarray, index: np.ndarray, values: np.ndarray,
     depth = np.arange(index.size) - np.repeat(starts, np.diff(np.r_[starts, index.size]))
 
     def scaled(pick):
-        part = values[pick]
-        return part if scale is None else part * _per_row(scale[pick], values.ndim)
+        part = values[pick if rows is None else rows[pick]].astype(out.dtype, copy=False)
+        if scale is not None:  # part is a fresh copy: scaled in place
+            part *= _per_row(scale[pick], values.ndim)
+        return part
     for round_ in range(min(int(depth.max()) + 1, _ROUNDS)):
         pick = order[depth == round_]
-        out[index[pick]] += scaled(pick)
+        if round_:
+            out[index[pick]] += scaled(pick)
+        else:
+            out[index[pick]] = scaled(pick)
     deep = depth >= _ROUNDS  # in index order: each deep row's group is contiguous
     if deep.any():
         rest = order[deep]
         firsts = np.flatnonzero(np.r_[True, ordered[deep][1:] != ordered[deep][:-1]])
-        out[index[rest[firsts]]] += np.add.reduceat(
-            scaled(rest).astype(out.dtype, copy=False), firsts, axis=0)
+        out[index[rest[firsts]]] += np.add.reduceat(scaled(rest), firsts, axis=0)
 
 
-# rounds of scatter-add before the rest of a row's contributions are summed at once
+# rounds of sum_rows before the rest of a row's terms are summed at once
 _ROUNDS = 16
 
 
@@ -207,10 +234,8 @@ def bincount(x: Any, n: int) -> Any:
         return np.bincount(np.where(inside, flat, n), minlength=n + 1)[:n].astype(
             index_dtype(x), copy=False)
     kind = index_dtype(x)
-    where = device(x)
-    tally = xp.zeros(n + 1, dtype=kind, device=where)  # slot n: the values outside
-    tally = scatter_add(tally, xp.astype(xp.where(inside, flat, n), kind, copy=False),
-                        xp.ones(flat.shape, dtype=kind, device=where))
+    tally = sum_rows(xp.ones(flat.shape, dtype=kind, device=device(x)),  # slot n: the outside
+                     xp.astype(xp.where(inside, flat, n), kind, copy=False), n + 1)
     return tally[:n]
 
 

@@ -5,7 +5,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commlib.namespace import scatter_add
+from commlib.namespace import sum_rows
 
 import requires
 
@@ -13,8 +13,8 @@ import requires
 @settings(max_examples=60, deadline=None)
 @given(rows=st.integers(1, 40), targets=st.integers(1, 6), width=st.integers(1, 5),
        spare=st.integers(0, 200), scaled=st.booleans(), seed=st.integers(0, 2**16))
-def test_scatter_add_is_np_add_at_even_when_one_row_takes_hundreds(rows, targets, width,
-                                                                     spare, scaled, seed):
+def test_sum_rows_is_np_add_at_even_when_one_row_takes_hundreds(rows, targets, width,
+                                                                  spare, scaled, seed):
     """Repeated indices accumulate, whatever their number: a fixed
     capacity's padding sends ``spare`` rows to one spare index, which the
     NumPy path sums at once past its first rounds."""
@@ -26,16 +26,19 @@ def test_scatter_add_is_np_add_at_even_when_one_row_takes_hundreds(rows, targets
     expected = np.zeros((targets + 1, width), np.float64)
     np.add.at(expected, index, values.astype(np.float64)
               * (1.0 if scale is None else scale[:, None]))
-    out = scatter_add(np.zeros((targets + 1, width), np.float32), index, values, scale)
+    out = sum_rows(values, index, targets + 1, scale=scale)
+    assert np.allclose(out, expected, rtol=1e-5, atol=1e-4)
+    picked = rng.permutation(index.size)  # rows=: the terms taken from elsewhere in values
+    out = sum_rows(values[np.argsort(picked)], index, targets + 1, scale=scale, rows=picked)
     assert np.allclose(out, expected, rtol=1e-5, atol=1e-4)
 
 
-def test_scatter_add_in_torch_matches_numpy():
+def test_sum_rows_in_torch_matches_numpy():
     torch = requires.module("torch")
     rng = np.random.default_rng(1)
     index = np.r_[rng.integers(0, 3, 50), np.full(300, 3)]
     values = rng.standard_normal((index.size, 4)).astype(np.float32)
-    numpy_sum = scatter_add(np.zeros((4, 4), np.float32), index, values)
-    torch_sum = scatter_add(torch.zeros(4, 4), torch.from_numpy(index),
-                            torch.from_numpy(values).bfloat16())
+    numpy_sum = sum_rows(values, index, 4)
+    torch_sum = sum_rows(torch.from_numpy(values).bfloat16(), torch.from_numpy(index), 4,
+                         dtype=torch.float32)
     assert np.allclose(torch_sum.numpy(), numpy_sum, atol=0.5)  # bfloat16 inputs

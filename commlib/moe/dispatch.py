@@ -40,8 +40,9 @@ Overlap: ``dispatch_async`` / ``combine_async`` return once the first hop
 is in flight; ``wait()`` finishes it. Over MPI the progress thread moves
 the bytes meanwhile (``commlib.progress``). Two hops are pipelined
 (``commlib.moe.pipeline``): the inter-node hop goes in chunks, each
-forwarded inside its node while the next one crosses, with the result of
-one exchange, bit for bit.
+forwarded inside its node and expanded by its owners (``commlib.moe.expand``)
+while the next one crosses, and combine sends each chunk back while the
+owners sum the next; the sums are one exchange's, bit for bit.
 
 Everything runs in the caller's framework, on its device (torch ops for torch
 tensors, ``jax.numpy`` for JAX arrays, NumPy for NumPy): permutations,
@@ -82,11 +83,11 @@ from ..namespace import (
     from_bytes,
     index_dtype,
     namespace,
-    scatter_add,
-    take_rows,
+    sum_rows,
     to_host,
 )
 from . import contract, pipeline
+from .expand import Expansion, GatheredRows, ScatteredRows
 from .hops import Hop, take_sent
 from .pipeline import TwoHopRoute
 from .quantize import dequantize_fp8, quantize_fp8
@@ -103,19 +104,20 @@ class DispatchHandle:
     the global picture of this dispatch (None under a fixed capacity:
     ``Dispatcher.collect_stats()`` gathers those). ``route``: the way the
     rows came, flat (one ``Hop``) or two-hop (a ``TwoHopRoute``), with
-    ``send`` and ``back`` along it. The index arrays are in the caller's
+    ``send`` and ``back`` along it; ``owned``: how combine sums the expert
+    rows per arrival, one record per chunk of the route, or one for every
+    chunk (``commlib.moe.expand``). The index arrays are in the caller's
     framework, on its device."""
 
     tokens_per_expert: Any
     stats: Optional[DispatchStats]
     route: Union[Hop, TwoHopRoute] = field(repr=False)
+    owned: List[Union[ScatteredRows, GatheredRows]] = field(repr=False)
     arrival_rows: Any = field(repr=False)     # received row of each expert row (padding: R)
     arrival_slots: Any = field(repr=False)    # which of the token's k slots it is
     arrival_weights: Any = field(repr=False)  # its routing weight (float32; padding: 0)
     received_rows: int = field(repr=False)
     expert_shape: Tuple[int, ...] = field(default=(), repr=False)  # fixed: (local experts, slots)
-    slot_rows: Any = field(default=None, repr=False)     # fixed: expert row of each (arrival, slot)
-    slot_weights: Any = field(default=None, repr=False)  # fixed: its weight, 0 where none
 
 
 class PendingMoE:
@@ -155,6 +157,7 @@ class _Counts:
 
     send: np.ndarray               # [chunks, P] rows to each rank on hop 1
     forward: Optional[np.ndarray]  # two hops: [chunks, P] rows each owner will get
+    assigned: Optional[np.ndarray]  # two hops: [chunks, P] assignments to each owner
     requested: np.ndarray         # assignments per expert after capacity
     dropped: np.ndarray           # assignments per expert over capacity
     id_range: Tuple[int, int]
@@ -212,25 +215,6 @@ def _slots(keys: Any, first: Any, sources: int, caps: Any, starts: Any,
     rows = xp.full(total + 1, sources, dtype=kind, device=device(keys))
     rows = xpx.at(rows)[target].set(keys % max(sources, 1))[:total]
     return rows, first & ~fits, xp.minimum(per_dest, caps)
-
-
-def _stable_order(values: Any, listing: Any = None) -> Any:
-    """The indices of 1-D ``values`` sorted stably, ties in the order of
-    ``listing`` (a permutation of the indices; None: index order)."""
-    xp = namespace(values)
-    if listing is None:
-        return xp.argsort(values, stable=True)
-    return xp.take(listing, xp.argsort(xp.take(values, listing), stable=True))
-
-
-def _pair_listing(order: Any, k: int) -> Any:
-    """The (arrival, slot) pairs ``arrival * k + slot`` of the arrivals
-    taken in ``order``, slot by slot (None for index order)."""
-    if order is None:
-        return None
-    xp = namespace(order)
-    slots = xp.arange(k, dtype=order.dtype, device=device(order))
-    return xp.reshape(order[:, None] * k + slots, (-1,))
 
 
 def _fixed_blocks(put: Callable[[np.ndarray], Any], rows: np.ndarray) -> tuple:
@@ -311,7 +295,8 @@ class Dispatcher:
 
     def _dispatch_counted(self, plan: _Plan, counts: _Counts, meta: Any,
                           wire: _Wire) -> PendingMoE:
-        """Counts known on the host: each hop's rows are exactly the copies."""
+        """Counts known on the host: each hop's rows are exactly the copies,
+        and each chunk's rows are placed in expert_x as the chunk lands."""
         xp = namespace(meta)
         message = xp.concat([meta, wire.payload], axis=1)
         tokens, k = int(message.shape[0]), plan.ids.shape[1]
@@ -320,7 +305,7 @@ class Dispatcher:
         traffic = np.zeros((self.comm.size, self.comm.size), np.int64)
         if self.hierarchical:
             chunked = pipeline.exchange_counts(self.comm, counts.send, counts.forward,
-                                               self.pipeline_chunks, row_bytes)
+                                               counts.assigned, self.pipeline_chunks, row_bytes)
             traffic[self.comm.rank] = (chunked.sent.sum(axis=0)
                                        + chunked.forwarded.sum(axis=0)) * row_bytes
         else:
@@ -333,9 +318,10 @@ class Dispatcher:
         maps = self._device_maps(meta)
 
         if self.hierarchical:
-            route = TwoHopRoute(Hop(first_rows, chunked.sent.sum(axis=0),
-                                    chunked.received.sum(axis=0), tokens),
-                                chunked.sent, chunked.received)
+            route: Union[Hop, TwoHopRoute] = TwoHopRoute(
+                Hop(first_rows, chunked.sent.sum(axis=0), chunked.received.sum(axis=0), tokens),
+                chunked.sent, chunked.received, token_ranges=True)
+            pairs = chunked.pairs.tolist()
 
             def forward_chunk(chunk: int, arrived: Any) -> Tuple[Any, Hop]:
                 sources = int(arrived.shape[0])
@@ -344,45 +330,24 @@ class Dispatcher:
                                   int(chunked.forwarded[chunk].sum())),
                           chunked.forwarded[chunk], chunked.delivered[chunk], sources)
                 route.second.append(hop)
-                stamped = route.stamp(chunk, arrived, 8 * k, self.comm.rank)
-                return xp.take(stamped, hop.send_rows, axis=0), hop
-            path: Union[Hop, TwoHopRoute] = route
-            arrivals = self._two_hop(route, lambda c: xp.take(message, route.chunk_rows(c),
-                                                              axis=0), forward_chunk, 8 * k)
+                return xp.take(arrived, hop.send_rows, axis=0), hop
+            started = route.start(self.comm, lambda c: xp.take(message, route.chunk_rows(c),
+                                                               axis=0))
         else:
-            pending = self.comm.alltoallv_async(xp.take(message, first_rows, axis=0),
-                                                counts.send[0])
-            path = Hop(first_rows, counts.send[0], pending.recv_counts, tokens)
-
-            def arrivals() -> Tuple[Any, Any, int]:
-                return pending.wait(), None, 8 * k
+            route = Hop(first_rows, counts.send[0], None, tokens)
+            pairs, forward_chunk = [int(per_expert.sum())], None
+            started = route.start(self.comm, lambda c: xp.take(message, first_rows, axis=0))
 
         def finish():
-            arrived, order, payload_at = arrivals()
-            ids = self._served(arrived, k, maps[-1])
-            arrival, slot, pair = self._expand(ids, int(per_expert.sum()), order)
-            expert_x = wire.deliver(tuple(take_rows(a, arrival) for a in
-                                          wire.decode(arrived[:, payload_at:])))
-            gate = from_bytes(arrived[:, 4 * k:8 * k], xp.float32, (k,))
-            handle = DispatchHandle(per_expert, stats, path, arrival, slot,
-                                    xp.take(xp.reshape(gate, (-1,)), pair),
-                                    int(arrived.shape[0]))
-            return expert_x, handle
+            expansion = Expansion(per_expert, first_expert, wire.decode, meta)
+            for chunk, arrived in enumerate(route.arriving(self.comm, started, forward_chunk)):
+                expansion.add(self._served(arrived, k, maps[-1]),
+                              from_bytes(arrived[:, 4 * k:8 * k], xp.float32, (k,)),
+                              arrived[:, 8 * k:], pairs[chunk])
+            handle = DispatchHandle(per_expert, stats, route, expansion.chunks,
+                                    *expansion.by_expert_row(), expansion.arrivals)
+            return wire.deliver(tuple(expansion.parts)), handle
         return PendingMoE(finish)
-
-    def _two_hop(self, route: TwoHopRoute, message: Callable[[int], Any],
-                 forward_chunk: Callable[[int, Any], Tuple[Any, Hop]],
-                 meta_bytes: int) -> Callable[[], Tuple[Any, Any, int]]:
-        """Every chunk's hop 1 started (``message(c)``: chunk c's rows);
-        the returned call forwards each chunk as it lands and gives the
-        owner's arrivals, their order as one exchange would have them, and
-        where each arrival's payload starts."""
-        started = route.start(self.comm, message)
-
-        def arrivals() -> Tuple[Any, Any, int]:
-            arrived = route.forward(self.comm, started, forward_chunk)
-            return arrived, route.order(arrived, meta_bytes), meta_bytes + route.origin_bytes
-        return arrivals
 
     def _dispatch_fixed(self, plan: _Plan, meta: Any, wire: _Wire) -> PendingMoE:
         """Capacity known in advance: every hop's blocks have a fixed number
@@ -413,7 +378,8 @@ class Dispatcher:
                   plan.invalid, sent * row_bytes]
 
         if self.hierarchical:
-            route = TwoHopRoute(first, layout["pieces"], layout["pieces"])
+            route: Union[Hop, TwoHopRoute] = TwoHopRoute(first, layout["pieces"],
+                                                         layout["pieces"], token_ranges=False)
 
             def forward_chunk(chunk: int, arrived: Any) -> Tuple[Any, Hop]:
                 caps, starts, total, host_caps = layout["hops"][1 + chunk]
@@ -424,41 +390,44 @@ class Dispatcher:
                 counts[3] = counts[3] + more * row_bytes
                 hop = Hop(send_rows, host_caps, host_caps, sources)
                 route.second.append(hop)
-                stamped = route.stamp(chunk, arrived, 8 * k, self.comm.rank)
-                return rows_of(stamped[:, :8 * k], stamped[:, 8 * k:], send_rows, sources), hop
-            path: Union[Hop, TwoHopRoute] = route
-            arrivals = self._two_hop(route, lambda c: rows_of(meta, wire.payload,
-                                                              route.chunk_rows(c), tokens),
-                                     forward_chunk, 8 * k)
+                return rows_of(arrived[:, :8 * k], arrived[:, 8 * k:], send_rows, sources), hop
+            started = route.start(self.comm, lambda c: rows_of(meta, wire.payload,
+                                                               route.chunk_rows(c), tokens))
         else:
-            pending = self.comm.alltoallv_async(rows_of(meta, wire.payload, first_rows, tokens),
-                                                host_caps, host_caps)
-            path = first
-
-            def arrivals() -> Tuple[Any, Any, int]:
-                return pending.wait(), None, 8 * k
+            route, forward_chunk = first, None
+            started = route.start(self.comm, lambda c: rows_of(meta, wire.payload, first_rows,
+                                                               tokens))
 
         def finish():
-            arrived, order, payload_at = arrivals()
+            arrived = pipeline.joined(list(route.arriving(self.comm, started, forward_chunk)))
             ids = self._served(arrived, k, maps[-1])
             gate = xp.concat([xp.reshape(from_bytes(arrived[:, 4 * k:8 * k], xp.float32, (k,)),
                                          (-1,)), xp.zeros(1, dtype=xp.float32,
                                                           device=device(ids))])
             arrival, slot, pair, slot_rows, per_expert, spilled = \
-                self._expand_fixed(ids, layout["slots"], order)
+                self._expand_fixed(ids, layout["slots"])
             received = int(arrived.shape[0])
             expert_x = wire.deliver(tuple(
                 xp.reshape(take_sent(a, arrival, received),
                            (self.local_experts, layout["slots"]) + tuple(a.shape[1:]))
-                for a in wire.decode(arrived[:, payload_at:])))
+                for a in wire.decode(arrived[:, 8 * k:])))
             counts[1] = counts[1] + spilled
             counts[0] = counts[0] - spilled
             self._note(xp.concat([xp.astype(c, index_dtype(ids)) for c in counts]))
-            slot_weights = xp.where(slot_rows < self.local_experts * layout["slots"],
-                                    gate[:-1], 0.0)
-            handle = DispatchHandle(per_expert, None, path, arrival, slot, xp.take(gate, pair),
-                                    received, (self.local_experts, layout["slots"]),
-                                    slot_rows, slot_weights)
+            expert_rows = self.local_experts * layout["slots"]
+            weights = xp.take(gate, pair)
+            if received * k <= expert_rows:  # gathering k slots per arrival touches fewer rows
+                slot_weights = xp.where(slot_rows < expert_rows, gate[:-1], 0.0)
+                split_rows, split_weights = (route.split(xp.reshape(a, (received, k)))
+                                             for a in (slot_rows, slot_weights))
+                owned = [GatheredRows(int(split_rows(c).shape[0]),
+                                      xp.reshape(split_rows(c), (-1,)),
+                                      xp.reshape(split_weights(c), (-1,)), k)
+                         for c in range(route.chunks)]
+            else:
+                owned = [ScatteredRows(received, None, arrival, slot, weights)]
+            handle = DispatchHandle(per_expert, None, route, owned, arrival, slot, weights,
+                                    received, (self.local_experts, layout["slots"]))
             return expert_x, handle
         return PendingMoE(finish)
 
@@ -515,10 +484,10 @@ class Dispatcher:
 
     def _host_counts(self, plan: _Plan) -> _Counts:
         """The dispatch's one copy to the host: [rows per (chunk, rank) on
-        hop 1 | (two hops) rows per (chunk, owner) after forwarding |
-        assignments per expert | (capacity) drops per expert | smallest id,
-        largest id]. Chunks: the token ranges of a pipelined two-hop
-        dispatch (``pipeline.token_chunks``), one otherwise."""
+        hop 1 | (two hops) rows and assignments per (chunk, owner) after
+        forwarding | assignments per expert | (capacity) drops per expert |
+        smallest id, largest id]. Chunks: the token ranges of a pipelined
+        two-hop dispatch (``pipeline.token_chunks``), one otherwise."""
         xp = namespace(plan.ids)
         size, count = self.comm.size, self.num_experts
         chunks = self._counted_chunks()
@@ -537,17 +506,21 @@ class Dispatcher:
                 row = xp.arange(owners.shape[0], dtype=owners.dtype, device=device(owners))
                 owners = xp.where(owners >= 0, pipeline.token_chunks(row, tokens, chunks)[:, None]
                                   * size + owners, -1)
-            parts.append(bincount(xp.where(starts, owners, -1), chunks * size))
+            parts += [bincount(xp.where(starts, owners, -1), chunks * size),
+                      bincount(owners, chunks * size)]
         parts.append(bincount(plan.ids, count))
         if plan.dropped is not None:
             parts.append(plan.dropped)
         host = to_host(xp.concat(parts + [plan.extremes])).astype(np.int64)
-        split = np.cumsum([chunks * size] + ([chunks * size] if self.hierarchical else [])
+        per_owner = [chunks * size] * (2 if self.hierarchical else 0)
+        split = np.cumsum([chunks * size] + per_owner
                           + [count] + ([count] if plan.dropped is not None else []))
         pieces = np.split(host, split)
-        forward = pieces.pop(1).reshape(chunks, size) if self.hierarchical else None
+        forward = assigned = None
+        if self.hierarchical:
+            forward, assigned = (pieces.pop(1).reshape(chunks, size) for _ in range(2))
         dropped = pieces[2] if plan.dropped is not None else np.zeros(count, np.int64)
-        return _Counts(pieces[0].reshape(chunks, size), forward, pieces[1], dropped,
+        return _Counts(pieces[0].reshape(chunks, size), forward, assigned, pieces[1], dropped,
                        (int(pieces[-1][0]), int(pieces[-1][1])))
 
     def _counted_chunks(self) -> int:
@@ -669,22 +642,10 @@ class Dispatcher:
                         destination.dtype)
         return xp.where(_lookup(destination, ids) == self.comm.rank, ids, -1)
 
-    def _expand(self, ids: Any, total: int, order: Any = None) -> Tuple[Any, Any, Any]:
-        """One row per (arrival, local expert), grouped by local expert,
-        arrivals within an expert in ``order`` (default: as they came);
-        ``total`` such rows (known from the stats). Returns (arrival rows,
-        slots, (arrival, slot) pairs)."""
-        xp = namespace(ids)
-        k = ids.shape[1]
-        flat = xp.reshape(ids, (-1,))
-        # -1 (not served here) sorts first, then this rank's experts in order
-        pairs = _stable_order(flat, _pair_listing(order, k))[flat.shape[0] - total:]
-        return pairs // k, pairs % k, pairs
-
-    def _expand_fixed(self, ids: Any, slots: int, order: Any = None) -> Tuple[Any, ...]:
+    def _expand_fixed(self, ids: Any, slots: int) -> Tuple[Any, ...]:
         """Fixed capacity: expert e's rows are the ``slots`` rows from
-        ``e * slots``, its arrivals first in ``order`` (default: as they
-        came), padding after. Returns
+        ``e * slots``, its arrivals first, as they came, padding after.
+        Returns
         (arrival row per expert row, ``received`` for padding; its slot;
         its (arrival, slot) pair, R*k for padding; the inverse: the expert
         row of each pair, L * slots for none; rows per local expert;
@@ -695,7 +656,7 @@ class Dispatcher:
         local, pairs = self.local_experts, ids.shape[0] * ids.shape[1]
         flat = xp.reshape(ids, (-1,))
         expert = xp.where(flat >= 0, flat - self.comm.rank * local, local)  # local: none
-        order = _stable_order(expert, _pair_listing(order, k))
+        order = xp.argsort(expert, stable=True)
         grouped = xp.take(expert, order)
         position = xp.arange(pairs, dtype=kind, device=where) - xp.searchsorted(grouped, grouped)
         served = grouped < local
@@ -770,7 +731,7 @@ class Dispatcher:
                  f"row shape {tuple(expert_y.shape[len(handle.expert_shape) or 1:])}") \
             if problem is None else ()
         self.comm.agree("moe.combine", *facts, problem=problem)
-        return self._to_tokens(expert_y, handle, handle.arrival_weights)
+        return self._to_tokens(expert_y, handle, weighted=True)
 
     # -- gradients (commlib.bindings): the same paths, mirrored ------------------
     def dispatch_backward(self, d_expert_x: Any, handle: DispatchHandle) -> Any:
@@ -792,8 +753,7 @@ class Dispatcher:
         d_expert_y = xp.reshape(xp.astype(arrived * weights, expert_y.dtype), expert_y.shape)
         dots = xp.sum(arrived * float32(rows), axis=tuple(range(1, arrived.ndim)))
         slots = handle.arrival_rows * k + handle.arrival_slots  # padding: the spare R * k
-        per_slot = scatter_add(xp.zeros(handle.received_rows * k + 1, dtype=xp.float32,
-                                        device=device(expert_y)), slots, dots)
+        per_slot = sum_rows(dots, slots, handle.received_rows * k + 1)
         per_slot = xp.reshape(per_slot[:handle.received_rows * k], (handle.received_rows, k))
         return d_expert_y, self.return_rows(per_slot, handle)
 
@@ -807,50 +767,28 @@ class Dispatcher:
         return xp.reshape(expert_rows, (-1,) + tuple(expert_rows.shape[2:]))
 
     def _to_tokens(self, expert_rows: Any, handle: DispatchHandle,
-                   weights: Any = None) -> PendingMoE:
+                   weighted: bool = False) -> PendingMoE:
         """Expert rows (optionally weighted) summed in float32 per arrival,
         then back to their tokens: combine's path, and dispatch's adjoint.
-        Under a fixed capacity, whichever touches fewer rows: a gather of
-        each arrival's k slots, or a scatter of every expert row whose
-        padding lands on a spare row, cut off."""
-        xp = namespace(expert_rows)
+        Each chunk of the route is summed when it can leave
+        (``handle.owned``), so a pipelined route sends the first back while
+        the rest are summed."""
         rows = self._expert_rows(expert_rows, handle)
-        if handle.expert_shape and handle.slot_rows.shape[0] <= rows.shape[0]:
-            summed = self._gather_slots(rows, handle, weighted=weights is not None)
-        else:
-            spare = 1 if handle.expert_shape else 0
-            summed = xp.zeros((handle.received_rows + spare,) + tuple(rows.shape[1:]),
-                              dtype=xp.float32, device=device(rows))
-            summed = scatter_add(summed, handle.arrival_rows, rows,
-                                 scale=weights)[:handle.received_rows]
-        return self._return_async(summed, handle, rows.dtype)
+        if len(handle.owned) < handle.route.chunks:  # one record for every chunk
+            return PendingMoE(handle.route.back(
+                self.comm, handle.route.split(handle.owned[0].sums(rows, weighted)), rows.dtype))
 
-    @staticmethod
-    def _gather_slots(rows: Any, handle: DispatchHandle, weighted: bool) -> Any:
-        """Fixed capacity: each arrival's sum over its k slots, gathered from
-        the expert rows that hold them: work in arrivals * k, not in the
-        padded L * slots rows, which are never read (a masked expert may
-        leave them uninitialized, NaN included)."""
-        xp = namespace(rows)
-        received = handle.received_rows
-        trailing = tuple(rows.shape[1:])
-        valid = handle.slot_rows < rows.shape[0]
-        picked = float32(take_rows(rows, xp.where(valid, handle.slot_rows, 0)))
-        factor = handle.slot_weights if weighted else xp.astype(valid, xp.float32)
-        shape = (-1,) + (1,) * len(trailing)
-        picked = xp.where(xp.reshape(valid, shape), picked * xp.reshape(factor, shape), 0.0)
-        return xp.sum(xp.reshape(picked, (received, -1) + trailing), axis=1)
+        def sums(chunk: int) -> Any:
+            return handle.owned[chunk].sums(rows, weighted)
+        return PendingMoE(handle.route.back(self.comm, sums, rows.dtype))
 
     # -- the two directions of the dispatch path ---------------------------------
     def return_rows(self, rows: Any, handle: DispatchHandle, dtype: Any = None) -> Any:
         """Per-arrival rows [received, ...] back along the dispatch path to
         the tokens [T, ...], summing the copies of a token in float32 (the
         adjoint of ``send_rows``). Travels as ``dtype`` (default: as is)."""
-        return self._return_async(rows, handle, rows.dtype if dtype is None else dtype).wait()
-
-    def _return_async(self, rows: Any, handle: DispatchHandle, wire: Any) -> PendingMoE:
-        """``return_rows`` with its first hop in flight."""
-        return PendingMoE(handle.route.back(self.comm, rows, wire))
+        return handle.route.back(self.comm, handle.route.split(rows),
+                                 rows.dtype if dtype is None else dtype)()
 
     def send_rows(self, tokens: Any, handle: DispatchHandle) -> Any:
         """Per-token rows [T, ...] along the dispatch path to the arrivals

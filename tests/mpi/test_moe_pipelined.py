@@ -1,12 +1,12 @@
 """Pipelined two-hop dispatch (``commlib.moe.pipeline``) against one
-exchange: the same expert rows in the same order, bit for bit, and the same
-combine, gradients and stats, whatever the chunk count (a few, more chunks
-than any rank has tokens), with a rank that routes nothing, in the counted,
-fixed-capacity and FP8 modes, in every array framework (async: the
-micro-batch test of test_moe_modes.py).
+exchange: the same expert rows, in the order the chunks deliver them, and
+the same combine, gradients and stats bit for bit, whatever the chunk count
+(a few, more chunks than any rank has tokens), with a rank that routes
+nothing, in the counted, fixed-capacity and FP8 modes, in every array
+framework (async: the micro-batch test of test_moe_modes.py).
 The independent reference: flat dispatch's rows, put in the order that the
-routing alone says two hops deliver them (by the source's local rank, which
-names the forwarder, then the source, then the token).
+routing alone says two hops deliver them (by chunk, then the source's local
+rank, which names the forwarder, then the source, then the token).
 
 4 ranks run as 2 nodes x 2, 2 ranks as 2 nodes x 1 and 3 ranks as 3 nodes
 x 1: two-hop dispatch needs nodes of one size (2 + 1 is refused, see
@@ -27,7 +27,7 @@ from test_moe import (
 from test_moe_modes import linear_experts
 
 import commlib
-from commlib.moe import pipeline
+from commlib.moe import contract, pipeline
 from commlib.moe.dispatch import Dispatcher
 
 import arrayimpl
@@ -114,24 +114,54 @@ def dispatch_everything(world, impl, mode, batch, chunks, hierarchical=True, lim
     return out
 
 
-def in_two_hop_order(flat_rows, per_expert, world, batch, capacity):
-    """Flat dispatch's rows rearranged, expert by expert, into the order
-    two hops deliver them, which follows from everyone's routing alone."""
+def two_hop_order(per_expert, world, batch, mode, chunks=1):
+    """Which of flat dispatch's rows each two-hop row is, expert by expert,
+    in the order two hops deliver them in ``chunks`` chunks, which follows from
+    everyone's routing alone: by chunk (a counted dispatch's chunk c holds
+    tokens [c T / n, (c+1) T / n) of each source; a fixed capacity's, slots
+    [c h / n, (c+1) h / n) of each block of h slots a source sends a
+    forwarder, filled in token order), then the forwarder (the source's
+    local rank), the source and the token."""
+    fixed, capacity = MODES[mode][0], MODES[mode][1]
     num_experts = 4 * world.size
     local = num_experts // world.size
     everyone = MPI.COMM_WORLD.allgather(
         kept_by_capacity(batch[1], batch[2], num_experts, capacity, "probs"))
     topology = world.topology
+    here = topology.node_of(world.rank)
+    most = most_tokens(world, batch[0].shape[0])
+    per_source = min(most, contract.capacity(most, batch[1].shape[1], num_experts, capacity,
+                                             most) or most)
+    block = min(most, local * len(topology.ranks_of(here)) * per_source)
+
+    def chunk(source, token, kept):
+        if not fixed:
+            return ((token + 1) * chunks - 1) // max(len(kept), 1)
+        slot = [t for t in range(len(kept)) if any(
+            e >= 0 and topology.node_of(e // local) == here for e in kept[t])].index(token)
+        return max(c for c in range(chunks) if block * c // chunks <= slot)
     order, start = [], 0
     for e, count in zip(range(world.rank * local, (world.rank + 1) * local), per_expert):
-        tokens = [(topology.ranks_of(topology.node_of(s)).index(s), s, t)
+        tokens = [(chunk(s, t, kept), topology.ranks_of(topology.node_of(s)).index(s), s, t)
                   for s, kept in enumerate(everyone) for t in range(len(kept)) if e in kept[t]]
         assert len(tokens) == count  # flat's rows of e: these tokens, in (s, t) order
         order.extend(start + i for i in sorted(range(count), key=lambda i: tokens[i]))
         start += count
-    index = np.array(order, np.int64)
-    return tuple(p[index] for p in flat_rows) if isinstance(flat_rows, tuple) \
-        else flat_rows[index]
+    return np.array(order, np.int64)
+
+
+def rows_at(rows, index):
+    """``rows[index]``, part by part for a tuple."""
+    return tuple(p[index] for p in rows) if isinstance(rows, tuple) else rows[index]
+
+
+def by_expert(rows, per_expert):
+    """Each expert's rows as a sorted list of their bytes: the rows an
+    expert got, whatever their order."""
+    parts = rows if isinstance(rows, tuple) else (rows,)
+    bounds = np.cumsum([0] + list(per_expert))
+    return [sorted(b"".join(p[i].tobytes() for p in parts) for i in range(lo, hi))
+            for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
 def impl_cases():
@@ -150,29 +180,34 @@ def impl_cases():
 @pytest.mark.parametrize("case", ["plain", "no_tokens"])
 @pytest.mark.parametrize("impl, mode", list(impl_cases()))
 def test_pipelined_two_hop_is_one_exchange_bit_for_bit(comm, impl, mode, case):
-    """Every chunk count: expert_x, tokens_per_expert, y, dx, d expert_y,
-    d weights and the stats are those of one exchange, byte for byte; one
-    exchange's rows are flat dispatch's in the routing's two-hop order, and
-    its y is flat's up to the order of float32 sums."""
+    """Every chunk count: expert_x holds flat dispatch's rows in the order
+    the chunks deliver them, d expert_y one exchange's rows in that order,
+    and tokens_per_expert, y, dx, d weights and the stats are one
+    exchange's, byte for byte; one exchange's y is flat's up to the order
+    of float32 sums."""
     world = world_for(comm)
     try:
         batch = make_routing(world, case, 4 * world.size, seed=3)
         one = dispatch_everything(world, impl, mode, batch, chunks=1)
         flat = dispatch_everything(world, impl, mode, batch, chunks=None, hierarchical=False)
-        expected = in_two_hop_order(flat["rows"], flat["per_expert"], world, batch,
-                                    MODES[mode][1])
+        in_one = two_hop_order(flat["per_expert"], world, batch, mode)
         ok = one["chunks"] == 1 and one["per_expert"] == flat["per_expert"] \
-            and same(one["rows"], expected)
+            and same(one["rows"], rows_at(flat["rows"], in_one))
         if "y" in one:
             scale = max(float(np.abs(flat["y_values"]).max(initial=0)), 1e-6)
             ok = ok and bool(np.abs(one["y_values"] - flat["y_values"]).max(initial=0)
                              <= TOLERANCE[MODES[mode][4]] * scale)
         for chunks in CHUNKS:
             piped = dispatch_everything(world, impl, mode, batch, chunks)
-            ok = ok and piped["chunks"] == chunks and all(
-                same(piped[key], one[key]) if key in ("rows", "y", "dx", "d_expert_y",
-                                                      "d_weights") else piped[key] == one[key]
-                for key in one if key not in ("chunks", "y_values"))
+            in_chunks = two_hop_order(flat["per_expert"], world, batch, mode, chunks)
+            ok = ok and piped["chunks"] == chunks \
+                and same(piped["rows"], rows_at(flat["rows"], in_chunks))
+            if "d_expert_y" in one:  # one exchange's, row for row
+                ok = ok and same(piped["d_expert_y"], rows_at(
+                    one["d_expert_y"], np.argsort(in_one)[in_chunks]))
+            ok = ok and all(same(piped[key], one[key]) if key in ("y", "dx", "d_weights")
+                            else piped[key] == one[key] for key in one
+                            if key not in ("chunks", "y_values", "rows", "d_expert_y"))
         assert all_ranks(ok)
     finally:
         world.free()
@@ -196,8 +231,10 @@ def test_overflow_beyond_the_fixed_capacity_is_dropped_alike(comm):
         sent = world.allreduce(np.array([(batch[1] >= 0).sum()]))[0]
         received, dropped = sum(one["stats"][0]), sum(one["stats"][1])
         assert all_ranks(dropped > 0 and sent == received + dropped and all(
-            p["stats"] == one["stats"] and same(p["rows"], one["rows"]) and p["y"].tobytes()
-            == one["y"].tobytes() for p in piped))
+            p["stats"] == one["stats"] and p["y"].tobytes() == one["y"].tobytes()
+            and by_expert(p["rows"], p["per_expert"]) == by_expert(one["rows"],
+                                                                    one["per_expert"])
+            for p in piped))
     finally:
         world.free()
 
@@ -205,7 +242,10 @@ def test_overflow_beyond_the_fixed_capacity_is_dropped_alike(comm):
 @pytest.mark.parametrize("mode", ["counted", "fixed-fp8"])
 def test_torch_gradients_are_those_of_one_exchange(comm, mode):
     """Through the torch binding (autograd), pipelined: the gradients of x,
-    the weights and the expert weights equal one exchange's, bit for bit."""
+    the weights and the expert weights are one exchange's up to float32
+    rounding, not bit for bit: an expert's rows come in another order, its
+    weights' gradient sums them in that order, and a matrix product may
+    round a row by where it sits (a BLAS kernel's edge rows)."""
     torch = requires.module("torch")
     from commlib.bindings.torch import Dispatcher as TorchDispatcher
 
@@ -228,10 +268,14 @@ def test_torch_gradients_are_those_of_one_exchange(comm, mode):
             expert_x, handle = d.dispatch(x, torch.from_numpy(experts_np), weights,
                                           quantize=quantize, dequantize=quantize is not None)
             (d.combine(linear_experts(expert_x, handle, mine), handle) ** 2).sum().backward()
-            return [t.grad.numpy().tobytes() for t in (x, weights, mine)]
+            return [t.grad.numpy() for t in (x, weights, mine)]
 
         reference = gradients(1)
-        assert all_ranks(all(gradients(chunks) == reference for chunks in CHUNKS))
+        piped = [gradients(chunks) for chunks in CHUNKS]  # every rank runs every count
+        errors = [max(float(np.abs(g - r).max(initial=0))
+                      / max(float(np.abs(r).max(initial=0)), 1e-6)
+                      for g, r in zip(got, reference)) for got in piped]
+        assert all_ranks(max(errors) <= 1e-6), errors
     finally:
         world.free()
 
