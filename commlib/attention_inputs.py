@@ -23,10 +23,11 @@ ATTENTION_DTYPES = ("float32", "bfloat16", "float16", "float64")
 Placement = Union[Packing, Grouped]
 
 
-def check_qkv(q: Any, k: Any, v: Any, extra: Extra = ()) -> None:
-    """q [b, s, h, d], k and v [b, s, hk, d] with h % hk == 0, one framework,
-    one dtype, one side (host or CUDA), and the ``extra`` (name, array,
-    shape) triples."""
+def check_qkv(q: Any, k: Any, v: Any, extra: Extra = (), same_length: bool = True) -> None:
+    """q [b, s, h, d], k and v [b, s, hk, d] with h % hk == 0 (k and v of
+    any length where not ``same_length``: a cache), one framework, one
+    dtype, one side (host or CUDA), and the ``extra`` (name, array, shape)
+    triples."""
     kinds = {name: framework_of(name, x) for name, x in (("q", q), ("k", k), ("v", v))}
     if len(set(kinds.values())) != 1:
         raise ValueError(f"q, k and v must come from one framework, got "
@@ -41,9 +42,10 @@ def check_qkv(q: Any, k: Any, v: Any, extra: Extra = ()) -> None:
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
                          f"{tuple(v.shape)}")
-    if (kb, ks, kd) != (b, s, d):
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on "
-                         f"batch, local sequence length and head_dim")
+    if (kb, ks if same_length else s, kd) != (b, s, d):
+        what = "batch, local sequence length and head_dim" if same_length \
+            else "batch and head_dim"
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on {what}")
     if hk == 0 or h % hk:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hk}) for GQA/MQA")
     names = [dtype_name(x) for x in (q, k, v)]
@@ -128,14 +130,16 @@ def _documents(packing: Optional[Packing]) -> str:
 
 
 def agree_on_inputs(comm, op: str, q: Any, k: Any, problem: Optional[Exception],
-                    **settings: Any) -> None:
-    """All ranks must call ``op`` with the same shapes (local sequence
-    lengths included), dtype and ``settings``, and none may have a
-    ``problem`` with its own inputs; otherwise every rank raises
-    ``CollectiveMismatchError``."""
+                    shared_axes: Tuple[int, ...] = (0, 1, 2, 3), **settings: Any) -> None:
+    """All ranks must call ``op`` with the same shapes along ``shared_axes``
+    (all of them by default, local sequence lengths included), dtype and
+    ``settings``, and none may have a ``problem`` with its own inputs;
+    otherwise every rank raises ``CollectiveMismatchError``."""
+    def shape(x: Any) -> tuple:
+        dims = tuple(getattr(x, "shape", ()))
+        return tuple(dims[axis] for axis in shared_axes if axis < len(dims))
     described = tuple(f"{name}={value}" for name, value in settings.items())
-    comm.agree(op, tuple(getattr(q, "shape", ())), tuple(getattr(k, "shape", ())),
-               _dtype_or_type(q), *described, problem=problem)
+    comm.agree(op, shape(q), shape(k), _dtype_or_type(q), *described, problem=problem)
 
 
 def _dtype_or_type(x: Any) -> str:

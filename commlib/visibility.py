@@ -244,3 +244,42 @@ def blocks(q_spans: Tuple[Span, ...], k_spans: Tuple[Span, ...], lo: int,
     if group:
         result.append(_gathered(group, lo, hi))
     return tuple(result)
+
+
+def band_blocks(q_positions: np.ndarray, k_positions: np.ndarray, lo: int,
+                hi: int) -> Tuple[Block, ...]:
+    """The blocks in which queries see keys of one sequence whose global
+    positions are each in increasing order (a KV cache's keys, a chunk's
+    queries): the query at position p sees the key at r when
+    ``lo <= p - r <= hi``. Query i's keys are then one index range
+    [first_i, last_i), both growing with i, so each tile of ``TILE`` query
+    rows is the columns all its rows see (one full block: a decoded token's
+    whole cache) and the ragged edges on either side (masked blocks, about
+    as wide as the tile, or a window's edge). Computed on the host from the
+    positions alone: the same on every rank that knows them."""
+    q_positions = np.asarray(q_positions, np.int64)
+    k_positions = np.asarray(k_positions, np.int64)
+    first = np.searchsorted(k_positions, np.maximum(q_positions - hi, -UNBOUNDED), "left")
+    last = np.searchsorted(k_positions, np.minimum(q_positions - lo, UNBOUNDED), "right")
+    found: List[Block] = []
+    for row0 in range(0, q_positions.size, TILE):
+        rows = slice(row0, min(row0 + TILE, q_positions.size))
+        begin, end = int(first[rows].min()), int(last[rows].max())
+        if begin >= end:
+            continue
+        inner = (int(first[rows].max()), int(last[rows].min()))
+        cuts = [(begin, inner[0]), inner, (inner[1], end)] if inner[0] < inner[1] \
+            else [(begin, end)]
+        for col0, col1 in cuts:
+            if col0 >= col1:
+                continue
+            if (col0, col1) == inner:
+                found.append(Block((rows.start, rows.stop), inner, "full", None,
+                                   (rows.stop - rows.start) * (col1 - col0)))
+                continue
+            cols = np.arange(col0, col1)
+            mask = (cols[None, :] >= first[rows, None]) & (cols[None, :] < last[rows, None])
+            if mask.any():
+                found.append(Block((rows.start, rows.stop), (col0, col1), "masked", mask,
+                                   int(mask.sum())))
+    return tuple(found)

@@ -1,0 +1,10 @@
+"""Long-context inference over a context-parallel world: a KV cache sharded
+by position, decode attention over it (each rank attends its shard, the
+partials merged in one small all-gather), and the prefill of a new chunk
+against it (pass-KV or pass-Q, chosen by the bytes each moves)."""
+
+from .attention import PREFILL_METHODS, chunk_attention, decode_attention, prefill_bytes
+from .cache import ShardedKVCache, striped
+
+__all__ = ["ShardedKVCache", "striped", "decode_attention", "chunk_attention",
+           "prefill_bytes", "PREFILL_METHODS"]

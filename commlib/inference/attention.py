@@ -1,0 +1,231 @@
+"""Attention over a KV cache sharded by position (``commlib.inference.cache``):
+decode, and the prefill of a new chunk against the cache.
+
+Decode (``decode_attention``): the t new tokens' queries are on every rank
+(the model runs replicated past the prefill). Each rank attends them to
+its own shard of the cache; the partial (out, lse) travel in one
+all-gather of the small partials, and every rank merges them in rank order,
+so every rank gets the same result, bit for bit, and no K or V moves
+(SGLang's and vLLM's decode context parallelism).
+
+A chunk against the cache (``chunk_attention``, a second turn of a
+conversation): the chunk's tokens are sharded (each rank holds its queries
+and, in its cache, its share of the chunk's keys). Two ways, by Meta's
+context-parallel inference:
+
+- **pass-KV**: every rank's keys and values travel around the ring, as in
+  Ring Attention: each rank moves (P-1)/P of the whole cache.
+- **pass-Q**: the queries travel instead: an all-gather gives every rank
+  every query, each rank attends them all to its own keys, and an
+  all-to-all returns each rank's partials for its queries, which it merges.
+  Each rank moves (P-1)/P of the chunk's queries and partial outputs.
+
+``method="auto"`` picks the one that moves fewer bytes (``prefill_bytes``):
+pass-Q when the chunk is short against the cache, pass-KV when it is not
+(the crossover at a new/cached ratio near kv_heads / heads: GQA favours
+pass-KV less). The attention is the same either way.
+
+Masks are by global position: causal, and a window (left, right); keys and
+queries of a rank come in increasing positions, so each query's keys are one
+range of the shard (``visibility.band_blocks``).
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..attention_inputs import agree_on_inputs, check_qkv, scale_of
+from ..kernels import Kernel, kernel_for
+from ..kernels.blockwise import attend, finish
+from ..kernels.merge import merge
+from ..namespace import detached, device, namespace
+from ..ring.exchange import RingExchange
+from ..visibility import band_blocks, bounds
+
+__all__ = ["decode_attention", "chunk_attention", "prefill_bytes", "PREFILL_METHODS"]
+
+PREFILL_METHODS = ("auto", "pass_q", "pass_kv")
+
+
+def decode_attention(q: Any, k: Any, v: Any, comm, *, q_positions: Sequence[int],
+                     k_positions: Sequence[int], causal: bool = True, window: Any = None,
+                     softmax_scale: Optional[float] = None, kernel: Optional[Kernel] = None,
+                     return_lse: bool = False):
+    """Attention of new tokens, the same on every rank, over a sharded cache.
+
+    q [b, t, h, d]: the new tokens' queries, identical on every rank, at
+    global ``q_positions`` [t]; k, v [b, n, hk, d]: this rank's shard of the
+    cache (the new tokens' own keys included, where this rank keeps them),
+    at global ``k_positions`` [n], increasing. Query at p sees the key at r
+    when r <= p (``causal``) and inside ``window`` = (left, right). Returns
+    out [b, t, h, d] in q's framework, device and dtype, the same on every
+    rank (and lse [b, h, t] float32 with ``return_lse``)."""
+    q, k, v = detached(q, k, v)
+    kernel, scale, (lo, hi) = _prepare(comm, "decode_attention", q, k, v, q_positions,
+                                       k_positions, causal, window, softmax_scale, kernel,
+                                       replicated=True)
+    xp = namespace(q)
+    state = attend(kernel, q, k, v, band_blocks(q_positions, k_positions, lo, hi), scale)
+    out, lse = finish(state, q) if state is None else state
+    b, t, h, d = q.shape
+    packed = xp.concat([xp.reshape(xp.astype(out, xp.float32), (-1,)), xp.reshape(lse, (-1,))])
+    gathered = xp.reshape(comm.allgather(packed), (comm.size, -1))
+    merged = None
+    for part in range(comm.size):  # rank order: the same sums on every rank
+        state = (xp.reshape(gathered[part, :b * t * h * d], (b, t, h, d)),
+                 xp.reshape(gathered[part, b * t * h * d:], (b, h, t)))
+        merged = state if merged is None else merge(*merged, *state)
+    out, lse = xp.astype(merged[0], q.dtype), merged[1]
+    return (out, lse) if return_lse else out
+
+
+def chunk_attention(q: Any, k: Any, v: Any, comm, *, q_positions: Sequence[int],
+                    k_positions: Sequence[int], causal: bool = True, window: Any = None,
+                    softmax_scale: Optional[float] = None, kernel: Optional[Kernel] = None,
+                    method: str = "auto", return_lse: bool = False):
+    """Attention of this rank's queries of a new chunk over the whole
+    sharded cache (the chunk's keys included: every rank stores its share
+    first).
+
+    q [b, m, h, d]: this rank's queries at global ``q_positions`` [m];
+    k, v [b, n, hk, d]: this rank's shard of the cache at ``k_positions``
+    [n]; both increasing; m and n may differ across ranks. ``method``:
+    "pass_kv", "pass_q" or "auto" (fewer bytes, ``prefill_bytes``; the same
+    choice on every rank). Returns out [b, m, h, d] in q's framework,
+    device and dtype (and lse [b, h, m] float32 with ``return_lse``)."""
+    q, k, v = detached(q, k, v)
+    kernel, scale, band = _prepare(comm, "chunk_attention", q, k, v, q_positions, k_positions,
+                                   causal, window, softmax_scale, kernel, replicated=False,
+                                   method=method)
+    queries, keys = _everyone(comm, q_positions), _everyone(comm, k_positions)
+    if method == "auto":
+        costs = prefill_bytes([len(p) for p in queries], [len(p) for p in keys], q.shape[0],
+                              q.shape[2], k.shape[2], q.shape[3], q.dtype.itemsize)
+        method = min(costs, key=lambda name: (costs[name], name != "pass_kv"))
+    run = _pass_q if method == "pass_q" else _pass_kv
+    out, lse = run(comm, kernel, scale, band, q, k, v, queries, keys)
+    return (out, lse) if return_lse else out
+
+
+def prefill_bytes(queries: Sequence[int], keys: Sequence[int], batch: int, heads: int,
+                  kv_heads: int, head_dim: int, itemsize: int) -> Dict[str, int]:
+    """Bytes each rank sends to attend a chunk whose queries sit ``queries[r]``
+    on rank r, over a cache of ``keys[r]`` keys on rank r. pass-KV: every
+    rank's K and V, padded to the largest shard, around the ring (P-1 hops);
+    pass-Q: every rank's queries to everyone (padded alike), and each
+    query's float32 partial (out and lse) back to its rank."""
+    size = len(queries)
+    hops = size - 1
+    return {"pass_kv": hops * 2 * max(keys) * batch * kv_heads * head_dim * itemsize,
+            "pass_q": hops * max(queries) * batch * heads * (head_dim * itemsize
+                                                           + 4 * (head_dim + 1))}
+
+
+def _prepare(comm, op: str, q: Any, k: Any, v: Any, q_positions: Sequence[int],
+             k_positions: Sequence[int], causal: bool, window: Any,
+             softmax_scale: Optional[float], kernel: Optional[Kernel], replicated: bool,
+             **settings: Any) -> Tuple[Kernel, float, Tuple[int, int]]:
+    """Check this rank's inputs and agree with every rank (any problem
+    raises on all): the shapes but the cache's length, the dtype, the
+    settings, and, for ``replicated`` queries, their positions."""
+    problem = band = None
+    try:
+        check_qkv(q, k, v, same_length=False)
+        _check_positions("q_positions", q_positions, q.shape[1])
+        _check_positions("k_positions", k_positions, k.shape[1])
+        band = bounds(causal, window)
+        if settings.get("method", "auto") not in PREFILL_METHODS:
+            raise ValueError(f"method must be one of {', '.join(PREFILL_METHODS)}, got "
+                             f"{settings['method']!r}")
+    except ValueError as error:
+        problem = error
+    shared = dict(causal=causal, window=window,
+                  scale=None if problem else scale_of(q, softmax_scale),
+                  kernel=None if kernel is None else kernel.name, **settings)
+    if replicated:  # the same new tokens everywhere
+        shared["q_length"] = q.shape[1] if problem is None else None
+        shared["q_positions"] = zlib.crc32(np.asarray(q_positions, np.int64).tobytes()) \
+            if problem is None else None
+    # the shards' lengths differ across ranks: batch, heads and head_dim agree
+    agree_on_inputs(comm, op, q, k, problem, shared_axes=(0, 2, 3), **shared)
+    return kernel or kernel_for(q), shared["scale"], band
+
+
+def _check_positions(name: str, positions: Sequence[int], count: int) -> None:
+    """``positions``: ``count`` increasing non-negative integers."""
+    try:
+        values = np.asarray(positions)
+    except Exception:
+        values = None
+    if values is None or values.ndim != 1 or (values.size and not np.issubdtype(
+            values.dtype, np.integer)):
+        raise ValueError(f"{name} must be a 1-D sequence of integer positions, got "
+                         f"{type(positions).__name__}")
+    if values.size != count:
+        raise ValueError(f"{name} has {values.size} positions for {count} tokens")
+    if values.size and (values[0] < 0 or np.any(np.diff(values) <= 0)):
+        raise ValueError(f"{name} must be non-negative and increasing (a shard's tokens in "
+                         f"sequence order), got {values[:8].tolist()}")
+
+
+def _everyone(comm, positions: Sequence[int]) -> List[np.ndarray]:
+    """Every rank's ``positions`` (host int64), rank by rank: two small
+    all-gathers (the counts, then the positions padded to the longest)."""
+    mine = np.asarray(positions, np.int64)
+    counts = np.asarray(comm.allgather(np.array([mine.size], np.int64)))
+    padded = np.zeros(int(counts.max(initial=0)), np.int64)
+    padded[:mine.size] = mine
+    everyone = np.asarray(comm.allgather(padded)).reshape(comm.size, -1)
+    return [everyone[r, :int(n)] for r, n in enumerate(counts)]
+
+
+def _padded(x: Any, length: int) -> Any:
+    """``x`` [b, n, ...] with zero rows appended along axis 1 to ``length``."""
+    xp = namespace(x)
+    if x.shape[1] == length:
+        return x
+    pad = xp.zeros((x.shape[0], length - x.shape[1]) + tuple(x.shape[2:]), dtype=x.dtype,
+                   device=device(x))
+    return xp.concat([x, pad], axis=1)
+
+
+def _pass_kv(comm, kernel, scale, band, q, k, v, queries, keys):
+    """The cache's K and V around the ring, against this rank's queries."""
+    xp = namespace(q)
+    longest = max(len(p) for p in keys)
+    block = xp.stack([_padded(k, longest), _padded(v, longest)])
+    mine = queries[comm.rank]
+    state = None
+    for source, arrived in RingExchange(comm).rotate(block):
+        count = len(keys[source])
+        state = attend(kernel, q, arrived[0][:, :count], arrived[1][:, :count],
+                       band_blocks(mine, keys[source], *band), scale, state)
+    return finish(state, q) if state is None else (xp.astype(state[0], q.dtype), state[1])
+
+
+def _pass_q(comm, kernel, scale, band, q, k, v, queries, keys):
+    """Every query to every rank, its partial over each rank's keys back."""
+    xp = namespace(q)
+    b, _, h, d = q.shape
+    longest = max(len(p) for p in queries)
+    everyone = xp.reshape(comm.allgather(_padded(q, longest)), (comm.size, b, longest, h, d))
+    partials = []
+    for source, positions in enumerate(queries):
+        asked = everyone[source][:, :len(positions)]
+        state = attend(kernel, asked, k, v, band_blocks(positions, keys[comm.rank], *band),
+                       scale)
+        out, lse = finish(state, asked) if state is None else state
+        out = _padded(xp.astype(out, xp.float32), longest)
+        lse = xp.permute_dims(_padded(xp.permute_dims(lse, (0, 2, 1)), longest), (0, 2, 1))
+        partials.append(xp.concat([xp.reshape(out, (-1,)), xp.reshape(lse, (-1,))]))
+    received = comm.alltoall(xp.stack(partials))  # row r: rank r's partial for my queries
+    count = len(queries[comm.rank])
+    merged = None
+    for part in range(comm.size):
+        out = xp.reshape(received[part, :b * longest * h * d], (b, longest, h, d))[:, :count]
+        lse = xp.reshape(received[part, b * longest * h * d:], (b, h, longest))[:, :, :count]
+        merged = (out, lse) if merged is None else merge(*merged, out, lse)
+    return xp.astype(merged[0], q.dtype), merged[1]
