@@ -16,7 +16,8 @@ mask functions), ``transformers_batch.py`` (sharding a batch, packed or
 not: global positions, labels and document offsets),
 ``transformers_experts.py`` (experts over the torch ``Dispatcher``),
 ``transformers_gradients.py`` (summing the gradients of replicated
-parameters).
+parameters), ``transformers_generate.py`` (``generate``: sharded prefill,
+decode over a KV cache sharded by position).
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from typing import Optional
 from .transformers_attention import LAYOUTS, register_attention
 from .transformers_batch import shard_batch
 from .transformers_experts import expert_parallel, register_experts
+from .transformers_generate import GENERATION, generate
 from .transformers_gradients import allreduce_gradients
 
-__all__ = ["register", "shard_batch", "expert_parallel", "allreduce_gradients", "LAYOUTS"]
+__all__ = ["register", "shard_batch", "expert_parallel", "allreduce_gradients", "generate",
+           "GENERATION", "LAYOUTS"]
 
 
 def register(comm, ulysses_size: Optional[int] = None) -> None:

@@ -76,16 +76,23 @@ def register_attention(comm, ulysses_size: Optional[int] = None) -> None:
     the same names in ``AttentionMaskInterface``. ``ulysses_size``: the
     hybrid's Ulysses degree (default: ``commlib.hybrid.plan``'s choice for
     each shape). A later call replaces the communicator."""
+    for name, attend in implementations(comm, ulysses_size).items():
+        AttentionInterface.register(name, _attention_function(name, attend, comm))
+        AttentionMaskInterface.register(name, mask_function(name, comm))
+
+
+def implementations(comm, ulysses_size: Optional[int] = None) -> Dict[str, Attend]:
+    """Each implementation's attention over ``comm`` on [b, s_local, h, d]
+    shards in its layout (``LAYOUTS``): ``attend(q, k, v, causal=,
+    softmax_scale=, cu_seqlens=, window=)``."""
     if ulysses_size is not None:
         check_degree(comm.size, ulysses_size)
-    implementations: Dict[str, Attend] = {
+    attends: Dict[str, Attend] = {
         name: functools.partial(ring_attention, comm=comm, layout=LAYOUTS[name])
         for name in ("commlib_ring", "commlib_ring_docs")}
-    implementations["commlib_ulysses"] = _ulysses(comm)
-    implementations["commlib_hybrid"] = _hybrid(comm, ulysses_size)
-    for name, attend in implementations.items():
-        AttentionInterface.register(name, _attention_function(name, attend, comm))
-        AttentionMaskInterface.register(name, _mask_function(name, comm))
+    attends["commlib_ulysses"] = _ulysses(comm)
+    attends["commlib_hybrid"] = _hybrid(comm, ulysses_size)
+    return attends
 
 
 def _ulysses(comm) -> Attend:
@@ -157,14 +164,14 @@ def _attention_function(name: str, attend: Attend, comm) -> Callable:
                   dropout: float = 0.0, scaling: Optional[float] = None,
                   is_causal: Optional[bool] = None, sliding_window: Optional[int] = None,
                   **kwargs: Any) -> Tuple[torch.Tensor, None]:
-        _check_call(name, attention_mask, dropout, kwargs)
+        check_call(name, attention_mask, dropout, kwargs)
         cu_seqlens = _documents(name, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
         global_length = cu_seqlens[-1] if cu_seqlens is not None else query.shape[2] * world_size
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         checked(kwargs.get("position_ids"), cu_seqlens, query.shape[2])
         out = attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                      causal=causal, softmax_scale=scaling, cu_seqlens=cu_seqlens,
-                     window=_window(name, sliding_window, global_length, causal))
+                     window=window_of(name, sliding_window, global_length, causal))
         return out, None
 
     attention.__name__ = attention.__qualname__ = name
@@ -204,7 +211,7 @@ class _PositionCheck:
         self.comm.agree(f"{self.name} positions", problem=problem)
 
 
-def _check_call(name: str, attention_mask: Optional[torch.Tensor], dropout: float,
+def check_call(name: str, attention_mask: Optional[torch.Tensor], dropout: float,
                 kwargs: Dict[str, Any]) -> None:
     """Refuse, by name, what the attention would otherwise get wrong. Every
     check reads the model's config and the shapes, the same on every rank."""
@@ -241,7 +248,7 @@ def _documents(name: str, cu_seq_lens_q: Any, cu_seq_lens_k: Any) -> Optional[Li
     return offsets[0]
 
 
-def _window(name: str, sliding_window: Optional[int], global_length: int,
+def window_of(name: str, sliding_window: Optional[int], global_length: int,
             causal: bool) -> Optional[Tuple[int, int]]:
     """transformers' ``sliding_window=W`` lets query i see keys i-W+1 .. i
     (masking_utils' ``sliding_window_overlay``: kv > q - W; its flash-attention
@@ -259,7 +266,7 @@ def _window(name: str, sliding_window: Optional[int], global_length: int,
     return (sliding_window - 1, 0)
 
 
-def _mask_function(name: str, comm) -> Callable:
+def mask_function(name: str, comm) -> Callable:
     """transformers' mask hook for ``name``: no mask (commlib applies the
     causal mask, the documents and a sliding window), after refusing what it
     does not implement: padding, or a chunked window shorter than the

@@ -15,19 +15,27 @@ out of the data-parallel gradient sum.
 
 from __future__ import annotations
 
-from typing import List, Optional
+import contextlib
+import contextvars
+from typing import Iterator, List, Optional
 
 import torch
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
+from commlib.moe import Dispatcher as CoreDispatcher
+from commlib.moe.replicated import replicated_moe, share_size
+
 from .torch import Dispatcher
 
-__all__ = ["IMPLEMENTATION", "EXPERT_PARALLEL", "register_experts", "expert_parallel"]
+__all__ = ["IMPLEMENTATION", "EXPERT_PARALLEL", "register_experts", "expert_parallel",
+           "replicated_tokens"]
 
 IMPLEMENTATION = "commlib_ep"
 EXPERT_PARALLEL = "_commlib_expert_parallel"  # on Parameters that hold this rank's experts only
 _DISPATCHER = "commlib_dispatcher"            # on experts modules made expert-parallel
+# whether the tokens of this forward are the same on every rank (replicated_tokens())
+_REPLICATED = contextvars.ContextVar("commlib_replicated_tokens", default=False)
 # set on every instance by transformers' ``use_experts_implementation``, with
 # the decorator's defaults: a flag that a transformers version does not set yet
 # (5.17 has no has_post_expert_norm) is a feature it lacks, hence its default
@@ -66,16 +74,48 @@ def _expert_mlp(experts: nn.Module, index: int, rows: torch.Tensor) -> torch.Ten
 def _experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """The ``"commlib_ep"`` experts forward: [T, H] tokens, [T, k] global
-    expert ids and routing weights -> [T, H], over the module's Dispatcher."""
+    expert ids and routing weights -> [T, H], over the module's Dispatcher;
+    for tokens every rank holds (``replicated_tokens()``: decode under
+    context parallelism), each token dispatched once, sync-free."""
     dispatcher = getattr(experts, _DISPATCHER, None)
     if dispatcher is None:
         raise RuntimeError(f"{type(experts).__name__} uses experts implementation "
                            f"{IMPLEMENTATION!r} but holds all its experts: call "
                            f"expert_parallel(model, comm) instead of selecting it by name")
+    if _REPLICATED.get():
+        decode = _decode_dispatcher(experts, dispatcher.core, hidden_states.shape[0])
+        return replicated_moe(decode, hidden_states, top_k_index, top_k_weights,
+                              lambda expert_x, handle: torch.stack([
+                                  _expert_mlp(experts, index, rows)
+                                  for index, rows in enumerate(expert_x)])
+                              ).to(hidden_states.dtype)
     expert_x, handle = dispatcher.dispatch(hidden_states, top_k_index, top_k_weights)
     groups = torch.split(expert_x, handle.tokens_per_expert.tolist())
     expert_y = torch.cat([_expert_mlp(experts, index, rows) for index, rows in enumerate(groups)])
     return dispatcher.combine(expert_y, handle).to(hidden_states.dtype)
+
+
+@contextlib.contextmanager
+def replicated_tokens() -> Iterator[None]:
+    """Inside, every experts module of ``"commlib_ep"`` takes its tokens as
+    the same on every rank (decode under context parallelism): each rank
+    dispatches its share (``commlib.moe.replicated``) with a fixed capacity
+    (DeepEP's low-latency mode) and every rank gets every token's result."""
+    token = _REPLICATED.set(True)
+    try:
+        yield
+    finally:
+        _REPLICATED.reset(token)
+
+
+def _decode_dispatcher(experts: nn.Module, core: CoreDispatcher, tokens: int) -> CoreDispatcher:
+    """The module's fixed-capacity Dispatcher for shares of ``tokens``
+    replicated tokens (made once per share size, on every rank alike)."""
+    made = experts.__dict__.setdefault("_commlib_decode_dispatchers", {})
+    share = share_size(tokens, core.comm.size)
+    if share not in made:
+        made[share] = CoreDispatcher(core.comm, core.num_experts, max_tokens_per_rank=share)
+    return made[share]
 
 
 def register_experts() -> None:

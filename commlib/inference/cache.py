@@ -59,6 +59,7 @@ class ShardedKVCache:
         self.positions = np.zeros(0, np.int64)   # this rank's, increasing
         self.length = 0                          # tokens cached over all ranks
         self.prefill: Optional[Tuple[str, int]] = None  # (layout, tokens) of the first prefill
+        self.history: Optional[int] = None      # a fingerprint of the cached tokens' ids
         self._rows = np.zeros(0, np.int64)       # rows of this step's new K/V to keep
         self._keys: List[Any] = [None] * num_layers
         self._values: List[Any] = [None] * num_layers

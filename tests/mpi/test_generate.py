@@ -1,0 +1,174 @@
+"""``commlib.bindings.transformers.generate`` against one process's
+``model.generate``: the same greedy tokens for Llama, Qwen3, Qwen3-MoE made
+expert-parallel and Mistral with a sliding window shorter than the
+sequence, for prompt lengths the world size does not divide, one row or
+two, prefilled by the ring or Ulysses; a second turn against the cache by
+pass-Q, pass-KV and replicated; sampling alike on every rank; the cache
+holds this rank's ~1/P of the positions; bad input raises on every rank."""
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+
+import commlib
+
+import requires
+from conftest import all_ranks, raises_everywhere
+
+torch = requires.module("torch")
+requires.module("transformers")
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
+
+from commlib.bindings import transformers as cht  # noqa: E402
+from commlib.inference import ShardedKVCache  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*(attention mask|deprecated).*")
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def make_model(name, size):
+    configs = {"llama": lambda: LlamaConfig(**COMMON),
+               "mistral-window": lambda: MistralConfig(**COMMON, sliding_window=8),
+               "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16),
+               "qwen3-moe": lambda: Qwen3MoeConfig(**COMMON, head_dim=16, num_experts=4 * size,
+                                                   num_experts_per_tok=2,
+                                                   moe_intermediate_size=32,
+                                                   decoder_sparse_step=1)}
+    torch.manual_seed(0)  # the same model on every rank
+    return AutoModelForCausalLM.from_config(configs[name]()).eval()
+
+
+def tokens(batch, length, seed):
+    return torch.randint(128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("prefill", ["commlib_ring", "commlib_ulysses"])
+@pytest.mark.parametrize("name", ["llama", "mistral-window", "qwen3", "qwen3-moe"])
+def test_greedy_tokens_are_one_process_generates(comm, name, prefill):
+    """Prompts of 37 tokens (one row) and 23 (two rows): the tokens of
+    model.generate on one process, on every rank."""
+    model = make_model(name, comm.size)
+    sharded = cht.expert_parallel(copy.deepcopy(model), comm) if name == "qwen3-moe" else model
+    same = []
+    for batch, length in ((1, 37), (2, 23)):
+        ids = tokens(batch, length, seed=length)
+        want = model.generate(ids, max_new_tokens=10, do_sample=False)
+        got = cht.generate(sharded, ids, comm, max_new_tokens=10, prefill=prefill)
+        same.append(torch.equal(got, want))
+    assert all_ranks(all(same)), same
+
+
+@pytest.mark.parametrize("method", ["pass_q", "pass_kv", "auto"])
+def test_a_second_turn_continues_from_the_sharded_cache(comm, method):
+    """Turn two prefills only its new tokens against the cache (pass-Q or
+    pass-KV; two new tokens, fewer than 3 or 4 ranks, run replicated): the
+    tokens of model.generate on the whole conversation; the cache holds
+    every position once, ~1/P of them on each rank."""
+    model = make_model("llama", comm.size)
+    first = tokens(1, 29, seed=3)
+    out = cht.generate(model, first, comm, max_new_tokens=5, return_dict_in_generate=True)
+    cache = out.cache if hasattr(out, "cache") else out.past_key_values
+    ok = []
+    for extra in (9, 2):
+        ids = torch.cat([out.sequences, tokens(1, extra, seed=extra)], dim=1)
+        want = model.generate(ids, max_new_tokens=4, do_sample=False)
+        out = cht.generate(model, ids, comm, max_new_tokens=4, past_key_values=cache,
+                           prefill_method=method, return_dict_in_generate=True)
+        ok.append(torch.equal(out.sequences, want))
+    positions = np.concatenate(comm.mpi_comm.allgather(cache.positions))
+    balanced = max(comm.mpi_comm.allgather(cache.tokens)) <= -(-cache.length // comm.size) + 2
+    assert all_ranks(all(ok) and np.array_equal(np.sort(positions), np.arange(cache.length))
+                     and balanced and isinstance(cache, ShardedKVCache)), ok
+
+
+def test_sampling_is_alike_on_every_rank_and_follows_the_seed(comm):
+    model = make_model("qwen3", comm.size)
+    ids = tokens(2, 19, seed=4)
+
+    def sampled(seed):
+        return cht.generate(model, ids, comm, max_new_tokens=8, do_sample=True, top_k=20,
+                            top_p=0.9, temperature=0.7, seed=seed)
+    first, again, other = sampled(5), sampled(5), sampled(6)
+    everyone = comm.mpi_comm.allgather(first.numpy().tobytes())
+    assert all_ranks(len(set(everyone)) == 1 and torch.equal(first, again)
+                     and not torch.equal(first, other))
+
+
+def test_eos_stops_a_row_and_pads_it_as_generate_does(comm):
+    """The first greedy token as eos for one row: model.generate's padding
+    and its stop, exactly."""
+    model = make_model("llama", comm.size)
+    ids = tokens(2, 21, seed=8)
+    eos = int(model.generate(ids[:1], max_new_tokens=2, do_sample=False)[0, -1])
+    want = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=eos,
+                          pad_token_id=0)
+    got = cht.generate(model, ids, comm, max_new_tokens=6, eos_token_id=eos, pad_token_id=0)
+    assert all_ranks(torch.equal(got, want))
+
+
+BAD = {
+    "too-long": "exceed the model's 256 positions",
+    "different-prompts": "different arguments",
+    "different-options": "different arguments",
+    "other-world": "continues only on the world that made it",
+    "other-conversation": "another conversation",
+    "left-padding": "left-padded batches are not supported",
+    "beams": "does not implement num_beams",
+}
+
+
+@pytest.mark.parametrize("bad", BAD)
+def test_bad_input_raises_on_every_rank(comm, bad):
+    if bad.startswith("different") and comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    model = make_model("llama", comm.size)
+    ids = tokens(1, 15, seed=1)
+    options = dict(max_new_tokens=3)
+    last = comm.rank == comm.size - 1
+    if bad == "too-long":
+        options["max_new_tokens"] = 250
+    elif bad == "different-prompts" and last:
+        ids = tokens(1, 15, seed=2)
+    elif bad == "different-options" and last:
+        options["max_new_tokens"] = 4
+    elif bad == "other-world":
+        options["past_key_values"] = ShardedKVCache(2, comm.size + 1, comm.rank)
+    elif bad == "other-conversation":
+        options["past_key_values"] = _cache_of(model, comm)
+    elif bad == "left-padding":
+        options["attention_mask"] = torch.ones_like(ids).index_fill_(1, torch.tensor([0]), 0)
+    elif bad == "beams":
+        options["num_beams"] = 2
+    raises_everywhere(commlib.CollectiveMismatchError,
+                      lambda: cht.generate(model, ids, comm, **options), match=BAD[bad])
+
+
+def _cache_of(model, comm):
+    """The cache of another conversation."""
+    out = cht.generate(model, tokens(1, 12, seed=9), comm, max_new_tokens=2,
+                       return_dict_in_generate=True)
+    return out.cache if hasattr(out, "cache") else out.past_key_values
+
+
+def test_the_model_keeps_its_attention_and_refuses_it_outside_generate(comm):
+    """generate restores the model's attention implementation; the
+    generation attention called outside generate says so."""
+    model = make_model("llama", comm.size)
+    before = model.config._attn_implementation
+    cht.generate(model, tokens(1, 9, seed=1), comm, max_new_tokens=2)
+    model.set_attn_implementation(cht.GENERATION)
+    try:
+        with pytest.raises(RuntimeError, match="only inside"):
+            model(tokens(1, 4, seed=1))
+    finally:
+        model.set_attn_implementation(before)
+    assert all_ranks(model.config._attn_implementation == before)
