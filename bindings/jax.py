@@ -88,32 +88,36 @@ def static_tuple(name: str, value: Any) -> tuple:
 
 def ring_attention(q, k, v, comm, *, layout: str, causal: bool = False,
                    softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
-                   window: Any = None, method: str = "ring", kernel: Optional[Kernel] = None):
+                   window: Any = None, mask: Any = None, method: str = "ring",
+                   kernel: Optional[Kernel] = None):
     """Differentiable, jit-able ``commlib.ring.ring_attention`` for JAX arrays.
     ``cu_seqlens`` must be concrete (a list or NumPy array: static under
-    jit): which blocks are computed is decided at trace time."""
+    jit), and ``mask`` is (a ``commlib.masks.Mask``): which blocks are
+    computed is decided at trace time."""
     return _ring_attention(q, k, v, _settings(comm=comm, layout=layout, causal=causal,
                                               softmax_scale=softmax_scale, kernel=kernel,
-                                              cu_seqlens=cu_seqlens, window=window,
+                                              cu_seqlens=cu_seqlens, window=window, mask=mask,
                                               method=method))
 
 
 def ulysses_attention(q, k, v, comm, *, layout: str, causal: bool = False,
                       softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
-                      window: Any = None, kernel: Optional[Kernel] = None):
+                      window: Any = None, mask: Any = None, kernel: Optional[Kernel] = None):
     """Differentiable, jit-able ``commlib.ulysses.ulysses_attention`` for JAX arrays."""
     return _ulysses_attention(q, k, v, _settings(comm=comm, layout=layout, causal=causal,
                                                  softmax_scale=softmax_scale, kernel=kernel,
-                                                 cu_seqlens=cu_seqlens, window=window))
+                                                 cu_seqlens=cu_seqlens, window=window,
+                                                 mask=mask))
 
 
 def hybrid_attention(q, k, v, comm, ulysses_size: int, *, layout: str, causal: bool = False,
                      softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
-                     window: Any = None, method: str = "ring", kernel: Optional[Kernel] = None):
+                     window: Any = None, mask: Any = None, method: str = "ring",
+                     kernel: Optional[Kernel] = None):
     """Differentiable, jit-able ``commlib.hybrid.hybrid_attention`` for JAX
     arrays (``commlib.hybrid.plan`` picks ``ulysses_size``)."""
     return _hybrid_attention(q, k, v, _settings(comm=comm, ulysses_size=ulysses_size,
                                                 layout=layout, causal=causal,
                                                 softmax_scale=softmax_scale, kernel=kernel,
                                                 cu_seqlens=cu_seqlens, window=window,
-                                                method=method))
+                                                mask=mask, method=method))

@@ -53,37 +53,38 @@ def _attention(q, k, v, forward, backward, **settings):
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *, layout: str,
                    causal: bool = False, softmax_scale: Optional[float] = None,
-                   cu_seqlens: Any = None, window: Any = None, method: str = "ring",
-                   kernel: Optional[Kernel] = None) -> torch.Tensor:
+                   cu_seqlens: Any = None, window: Any = None, mask: Any = None,
+                   method: str = "ring", kernel: Optional[Kernel] = None) -> torch.Tensor:
     """Differentiable ``commlib.ring.ring_attention`` (shards in ``layout``,
-    packed ``cu_seqlens``, sliding ``window``, ``method`` "ring" or
-    "allgather"); ``kernel`` replaces torch's fused SDPA kernels
+    packed ``cu_seqlens``, sliding ``window``, or any ``mask``; ``method``
+    "ring" or "allgather"); ``kernel`` replaces torch's fused SDPA kernels
     (``commlib.kernels.Kernel``)."""
     return _attention(q, k, v, _ring.ring_attention, _ring.ring_attention_backward, comm=comm,
                       layout=layout, causal=causal, softmax_scale=softmax_scale,
-                      cu_seqlens=cu_seqlens, window=window, method=method, kernel=kernel)
+                      cu_seqlens=cu_seqlens, window=window, mask=mask, method=method,
+                      kernel=kernel)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *, layout: str,
                       causal: bool = False, softmax_scale: Optional[float] = None,
-                      cu_seqlens: Any = None, window: Any = None,
+                      cu_seqlens: Any = None, window: Any = None, mask: Any = None,
                       kernel: Optional[Kernel] = None) -> torch.Tensor:
     """Differentiable ``commlib.ulysses.ulysses_attention``."""
     return _attention(q, k, v, _ulysses.ulysses_attention, _ulysses.ulysses_attention_backward,
                       comm=comm, layout=layout, causal=causal, softmax_scale=softmax_scale,
-                      cu_seqlens=cu_seqlens, window=window, kernel=kernel)
+                      cu_seqlens=cu_seqlens, window=window, mask=mask, kernel=kernel)
 
 
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm,
                      ulysses_size: int, *, layout: str, causal: bool = False,
                      softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
-                     window: Any = None, method: str = "ring",
+                     window: Any = None, mask: Any = None, method: str = "ring",
                      kernel: Optional[Kernel] = None) -> torch.Tensor:
     """Differentiable ``commlib.hybrid.hybrid_attention``."""
     return _attention(q, k, v, _hybrid.hybrid_attention, _hybrid.hybrid_attention_backward,
                       comm=comm, ulysses_size=ulysses_size, layout=layout, causal=causal,
                       softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window,
-                      method=method, kernel=kernel)
+                      mask=mask, method=method, kernel=kernel)
 
 
 class _SeqToHead(torch.autograd.Function):

@@ -12,15 +12,17 @@ import zlib
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Tuple, Union
 
-from .documents import Grouped, Packing, Span, packing_for
+from .balanced import Assigned, placement_for
+from .documents import Grouped, Packing, Span
 from .kernels import Kernel, kernel_for
+from .masks import Mask, check_mask
 from .namespace import dtype_name, framework_of, namespace, on_cuda
-from .visibility import blocks, bounds
+from .visibility import blocks, bounds, mask_blocks
 
 Extra = Tuple[Tuple[str, Any, tuple], ...]
 
 ATTENTION_DTYPES = ("float32", "bfloat16", "float16", "float64")
-Placement = Union[Packing, Grouped]
+Placement = Union[Packing, Assigned, Grouped]
 
 
 def check_qkv(q: Any, k: Any, v: Any, extra: Extra = (), same_length: bool = True) -> None:
@@ -87,9 +89,13 @@ class AttentionCall:
     placement: Placement
     lo: int
     hi: int
+    mask: Optional[Mask] = None
 
     def blocks(self, q_spans: Tuple[Span, ...], k_spans: Tuple[Span, ...]):
-        """The visible blocks of queries ``q_spans`` against keys ``k_spans``."""
+        """The visible blocks of queries ``q_spans`` against keys ``k_spans``
+        (under the call's mask, if it has one)."""
+        if self.mask is not None:
+            return mask_blocks(self.mask, q_spans, k_spans)
         return blocks(q_spans, k_spans, self.lo, self.hi)
 
     def over_groups(self, group_size: int) -> "AttentionCall":
@@ -101,7 +107,7 @@ class AttentionCall:
 
 def prepare(comm, op: str, q: Any, k: Any, v: Any, *, layout: str, causal: bool,
             softmax_scale: Optional[float], cu_seqlens: Any, window: Any,
-            kernel: Optional[Kernel], extra: Extra = (),
+            kernel: Optional[Kernel], mask: Optional[Mask] = None, extra: Extra = (),
             check: Callable[[], None] = lambda: None, **settings: Any) -> AttentionCall:
     """Check the inputs on this rank (q, k, v and ``extra``; then ``check()``,
     the algorithm's own checks, raising ValueError), agree on them and on
@@ -112,17 +118,26 @@ def prepare(comm, op: str, q: Any, k: Any, v: Any, *, layout: str, causal: bool,
     try:
         check_qkv(q, k, v, extra)
         check()
-        packing = packing_for(cu_seqlens, layout, comm.size, q.shape[1])
+        if mask is not None:
+            check_mask(mask, None)
+            if causal or cu_seqlens is not None or window is not None:
+                raise ValueError("mask= says which keys every query sees: pass it alone, "
+                                 "without causal, cu_seqlens or window (build those into it: "
+                                 "commlib.masks.from_cu_seqlens)")
+        packing = placement_for(layout, comm.size, q.shape[1], cu_seqlens=cu_seqlens,
+                                mask=mask)
         visible = bounds(causal, window)
     except ValueError as error:
         problem = error
     scale = None if problem else scale_of(q, softmax_scale)
     agree_on_inputs(comm, op, q, k, problem, causal=causal, layout=layout, window=window,
-                    documents=_documents(packing), scale=scale, **settings)
-    return AttentionCall(namespace(q), kernel or kernel_for(q), scale, packing, *visible)
+                    documents=_documents(packing),
+                    mask=None if mask is None or problem else mask.digest(), scale=scale,
+                    **settings)
+    return AttentionCall(namespace(q), kernel or kernel_for(q), scale, packing, *visible, mask)
 
 
-def _documents(packing: Optional[Packing]) -> str:
+def _documents(packing: Optional[Placement]) -> str:
     """A short digest of the documents, for the cross-rank agreement."""
     if packing is None:
         return "unreadable"

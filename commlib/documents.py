@@ -32,6 +32,8 @@ from typing import Any, List, Optional, Tuple
 import numpy as np
 
 LAYOUTS = ("contiguous", "zigzag", "zigzag_docs")
+# layouts made from a mask (commlib.balanced), not from the documents
+MASK_LAYOUTS = ("balanced",)
 PADDING = -1  # the document of a padding token
 
 
@@ -49,8 +51,9 @@ class Span:
 
 
 def check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown layout {layout!r}; use one of {', '.join(LAYOUTS)}")
+    if layout not in LAYOUTS + MASK_LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; use one of "
+                         f"{', '.join(LAYOUTS + MASK_LAYOUTS)}")
 
 
 def as_offsets(cu_seqlens: Any, length: Optional[int] = None) -> Tuple[int, ...]:
@@ -146,6 +149,9 @@ def packing_for(cu_seqlens: Any, layout: str, size: int, local_length: int) -> P
     ``cu_seqlens`` the shards hold one unpadded sequence; with it, padding
     fills what the documents leave (the layouts' rules above)."""
     check_layout(layout)
+    if layout == "balanced":
+        raise ValueError("the balanced layout spreads a mask's work: pass mask= (a "
+                         "commlib.masks.Mask) to the call that shards and to the attention")
     if cu_seqlens is None:  # one unpadded sequence
         if (local_length * size) % chunk_count(size, layout):
             raise ValueError(f"the {layout} layout cuts the sequence into "

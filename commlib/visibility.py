@@ -26,8 +26,9 @@ the same on every rank, so it is static under ``jax.jit``.
 
 from __future__ import annotations
 
+import bisect
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
 import numpy as np
@@ -85,8 +86,10 @@ def bounds(causal: bool, window: Any) -> Tuple[int, int]:
 
 @dataclass(frozen=True)
 class _Rect:
-    """A block before gathering: local rows/cols, kind, and the positions
-    (in their document) of its first query and first key."""
+    """A block before gathering: local rows/cols, kind, the positions (in
+    their document, or global under a mask) of its first query and first
+    key, and the band ``lo <= i - j <= hi`` a masked rect paints (or, for a
+    mask's explicit block, its own ``pattern``)."""
 
     row0: int
     rows: int
@@ -95,15 +98,20 @@ class _Rect:
     kind: str
     q_position: int = 0
     k_position: int = 0
+    lo: int = 0
+    hi: int = 0
+    pattern: Optional[np.ndarray] = field(default=None, compare=False)
 
-    def paint(self, lo: int, hi: int) -> np.ndarray:
+    def paint(self) -> np.ndarray:
         if self.kind == "full":
             return np.ones((self.rows, self.cols), bool)
         if self.kind == "causal":
             return np.tri(self.rows, self.cols, dtype=bool)
+        if self.pattern is not None:
+            return self.pattern
         gap = (self.q_position + np.arange(self.rows))[:, None] \
             - (self.k_position + np.arange(self.cols))[None, :]
-        return (gap >= lo) & (gap <= hi)
+        return (gap >= self.lo) & (gap <= self.hi)
 
 
 def _runs(spans: Tuple[Span, ...]) -> List[Tuple[int, int, int, Tuple[Tuple[int, int, int], ...]]]:
@@ -141,14 +149,14 @@ def _classify(row0: int, q_position: int, rows: int, col0: int, k_position: int,
     rows, cols = last_q - first_q + 1, last_k - first_k + 1
     if first_q - last_k >= lo and last_q - first_k <= hi:
         return [_Rect(row0, rows, col0, cols, "full")]
-    if first_q == first_k and rows == cols and lo == 0 and hi >= rows - 1:
-        return [_Rect(row0, rows, col0, cols, "causal")]
+    if first_q - first_k == lo and rows == cols and hi >= lo + rows - 1:
+        return [_Rect(row0, rows, col0, cols, "causal")]  # the square's own diagonal
     if first_k < first_q <= last_k:  # keys before the queries, then from the diagonal on
         before = first_q - first_k
         return (_classify(row0, first_q, rows, col0, first_k, before, lo, hi)
                 + _classify(row0, first_q, rows, col0 + before, first_q, cols - before, lo, hi))
     if rows <= TILE and cols <= TILE:
-        return [_Rect(row0, rows, col0, cols, "masked", first_q, first_k)]
+        return [_Rect(row0, rows, col0, cols, "masked", first_q, first_k, lo, hi)]
     return [rect for r in range(0, rows, TILE) for c in range(0, cols, TILE)
             for rect in _classify(row0 + r, first_q + r, min(TILE, rows - r),
                                   col0 + c, first_k + c, min(TILE, cols - c), lo, hi)]
@@ -198,28 +206,28 @@ def _rects(q_spans: Tuple[Span, ...], k_spans: Tuple[Span, ...], lo: int,
     return sorted(rects, key=lambda r: (r.row0, r.col0))
 
 
-def _block(rect: _Rect, lo: int, hi: int) -> Block:
+def _block(rect: _Rect) -> Block:
     rows, cols = (rect.row0, rect.row0 + rect.rows), (rect.col0, rect.col0 + rect.cols)
     if rect.kind == "full":
         return Block(rows, cols, "full", None, rect.rows * rect.cols)
     if rect.kind == "causal":
         return Block(rows, cols, "causal", None, rect.rows * (rect.rows + 1) // 2)
-    mask = rect.paint(lo, hi)
+    mask = rect.paint()
     return Block(rows, cols, "masked", mask, int(mask.sum()))
 
 
-def _gathered(group: List[_Rect], lo: int, hi: int) -> Block:
+def _gathered(group: List[_Rect]) -> Block:
     """One masked block painting every rect of ``group`` (and nothing else
     of their bounding box: a pair another block holds is not counted twice)."""
     if len(group) == 1:
-        return _block(group[0], lo, hi)
+        return _block(group[0])
     row0, col0 = min(r.row0 for r in group), min(r.col0 for r in group)
     row1 = max(r.row0 + r.rows for r in group)
     col1 = max(r.col0 + r.cols for r in group)
     mask = np.zeros((row1 - row0, col1 - col0), bool)
     for r in group:
         mask[r.row0 - row0:r.row0 - row0 + r.rows, r.col0 - col0:r.col0 - col0 + r.cols] = \
-            r.paint(lo, hi)
+            r.paint()
     return Block((row0, row1), (col0, col1), "masked", mask, int(mask.sum()))
 
 
@@ -227,10 +235,62 @@ def _gathered(group: List[_Rect], lo: int, hi: int) -> Block:
 def blocks(q_spans: Tuple[Span, ...], k_spans: Tuple[Span, ...], lo: int,
            hi: int) -> Tuple[Block, ...]:
     """The blocks in which queries of ``q_spans`` see keys of ``k_spans``."""
+    return _grouped(_rects(q_spans, k_spans, lo, hi))
+
+
+@functools.lru_cache(maxsize=1024)
+def mask_blocks(mask: Any, q_spans: Tuple[Span, ...],
+                k_spans: Tuple[Span, ...]) -> Tuple[Block, ...]:
+    """The blocks in which queries of ``q_spans`` see keys of ``k_spans``
+    under ``mask`` (``commlib.masks.Mask``: slices of the GLOBAL sequence,
+    read through the spans' ``origin``): each slice met by a query piece
+    and a key piece is a band there, classified as ``blocks`` does; an
+    explicit slice's piece is a masked block of its pattern."""
+    q_pieces, k_pieces = _pieces(q_spans), _pieces(k_spans)
+    starts = [part.q[0] for part in mask.slices]
+    reach = max(part.q[1] - part.q[0] for part in mask.slices)
+    rects: List[_Rect] = []
+    for q_local, q_first, q_count in q_pieces:
+        q_last = q_first + q_count
+        first = bisect.bisect_left(starts, q_first - reach)
+        for part in mask.slices[first:bisect.bisect_left(starts, q_last)]:
+            if part.q[1] <= q_first:
+                continue
+            rows = (max(q_first, part.q[0]), min(q_last, part.q[1]))
+            for k_local, k_first, k_count in k_pieces:
+                cols = (max(k_first, part.k[0]), min(k_first + k_count, part.k[1]))
+                if rows[0] >= rows[1] or cols[0] >= cols[1]:
+                    continue
+                row0, col0 = q_local + rows[0] - q_first, k_local + cols[0] - k_first
+                if part.kind == "explicit":
+                    pattern = part.pattern[rows[0] - part.q[0]:rows[1] - part.q[0],
+                                           cols[0] - part.k[0]:cols[1] - part.k[0]]
+                    if pattern.any():
+                        rects.append(_Rect(row0, rows[1] - rows[0], col0, cols[1] - cols[0],
+                                           "masked", pattern=pattern))
+                    continue
+                rects += _classify(row0, rows[0], rows[1] - rows[0], col0, cols[0],
+                                   cols[1] - cols[0], *part.band)
+    return _grouped(sorted(rects, key=lambda r: (r.row0, r.col0)))
+
+
+def _pieces(spans: Tuple[Span, ...]) -> List[Tuple[int, int, int]]:
+    """(local start, global origin, length) of the spans' real tokens."""
+    out, local = [], 0
+    for span in spans:
+        if span.doc != PADDING:
+            out.append((local, span.origin, span.length))
+        local += span.length
+    return out
+
+
+def _grouped(rects: List[_Rect]) -> Tuple[Block, ...]:
+    """Rects (sorted by rows) as blocks, small neighbours gathered into one
+    masked block of at most ``GROUP`` x ``GROUP``."""
     result: List[Block] = []
     group: List[_Rect] = []
     box = None
-    for rect in _rects(q_spans, k_spans, lo, hi):
+    for rect in rects:
         if box is not None:
             grown = (min(box[0], rect.row0), min(box[1], rect.col0),
                      max(box[2], rect.row0 + rect.rows), max(box[3], rect.col0 + rect.cols))
@@ -238,11 +298,11 @@ def blocks(q_spans: Tuple[Span, ...], k_spans: Tuple[Span, ...], lo: int,
                 group.append(rect)
                 box = grown
                 continue
-            result.append(_gathered(group, lo, hi))
+            result.append(_gathered(group))
         group = [rect]
         box = (rect.row0, rect.col0, rect.row0 + rect.rows, rect.col0 + rect.cols)
     if group:
-        result.append(_gathered(group, lo, hi))
+        result.append(_gathered(group))
     return tuple(result)
 
 

@@ -6,8 +6,8 @@ from ..kernels.merge import merge
 from ..kernels.tiled import attention_backward, attention_forward
 from .attention import METHODS, ring_attention, ring_attention_backward
 from .exchange import RingExchange
-from .layout import LAYOUTS, shard_sequence, unshard_sequence
+from .layout import LAYOUTS, MASK_LAYOUTS, shard_sequence, unshard_sequence
 
 __all__ = ["ring_attention", "ring_attention_backward", "RingExchange", "merge",
            "shard_sequence", "unshard_sequence", "attention_forward", "attention_backward",
-           "LAYOUTS", "METHODS"]
+           "LAYOUTS", "MASK_LAYOUTS", "METHODS"]

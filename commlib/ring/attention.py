@@ -44,8 +44,8 @@ def check_method(method: str) -> None:
 
 def ring_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool = False,
                    softmax_scale: Optional[float] = None, return_lse: bool = False,
-                   cu_seqlens: Any = None, window: Any = None, method: str = "ring",
-                   kernel: Optional[Kernel] = None):
+                   cu_seqlens: Any = None, window: Any = None, mask: Any = None,
+                   method: str = "ring", kernel: Optional[Kernel] = None):
     """Attention of this rank's queries over the whole (sharded) sequence.
 
     q [b, s/P, h, d]; k, v [b, s/P, hk, d] with h % hk == 0; shards as
@@ -53,13 +53,16 @@ def ring_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool = 
     layout has no default: shards and attention must name the same one).
     ``cu_seqlens``: offsets of the documents packed in the GLOBAL sequence
     (attention never crosses a document; padding is masked); ``window``:
-    (left, right) tokens a query sees around itself; ``method``: "ring" or
-    "allgather". Returns out (q's framework, device and dtype) and, with
-    ``return_lse``, lse [b, h, s/P] float32. ``kernel`` replaces the
+    (left, right) tokens a query sees around itself; ``mask``: any mask
+    instead of those three (``commlib.masks.Mask``: slices of the GLOBAL
+    sequence; with ``layout="balanced"``, shards that spread its work
+    evenly); ``method``: "ring" or "allgather". Returns out (q's
+    framework, device and dtype) and, with ``return_lse``, lse [b, h, s/P]
+    float32. ``kernel`` replaces the
     built-in block kernel (``commlib.kernels``)."""
     q, k, v = detached(q, k, v)
     call = prepare(comm, "ring_attention", q, k, v, layout=layout, causal=causal,
-                   softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window,
+                   softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, mask=mask,
                    kernel=kernel, check=lambda: check_method(method), method=method)
     out, lse = ring_forward(call, q, k, v, comm, method)
     return (out, lse) if return_lse else out
@@ -68,14 +71,14 @@ def ring_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool = 
 def ring_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, comm, *,
                             layout: str, causal: bool = False,
                             softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
-                            window: Any = None, method: str = "ring",
+                            window: Any = None, mask: Any = None, method: str = "ring",
                             kernel: Optional[Kernel] = None):
     """(dq, dk, dv) of ``ring_attention`` for this rank's shards, given the
     forward's ``out`` and ``lse`` and the output gradient ``dout``; in q's
     framework, device and dtype."""
     dout, q, k, v, out, lse = detached(dout, q, k, v, out, lse)
     call = prepare(comm, "ring_attention_backward", q, k, v, layout=layout, causal=causal,
-                   softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window,
+                   softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, mask=mask,
                    kernel=kernel, extra=backward_extras(q, dout, out, lse),
                    check=lambda: check_method(method), method=method)
     return ring_backward(call, dout, q, k, v, out, lse, comm, method)

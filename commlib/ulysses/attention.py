@@ -25,19 +25,19 @@ from .relayout import check_heads, head_to_seq, lse_to_heads, lse_to_seq, seq_to
 
 def ulysses_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool = False,
                       softmax_scale: Optional[float] = None, return_lse: bool = False,
-                      cu_seqlens: Any = None, window: Any = None,
+                      cu_seqlens: Any = None, window: Any = None, mask: Any = None,
                       kernel: Optional[Kernel] = None):
     """Attention over the whole sequence for sequence shards
     q [b, s/P, h, d], k/v [b, s/P, hk, d] in ``layout`` (any of
     ``commlib.ring.LAYOUTS``, as ``shard_sequence`` makes them; no default:
     shards and attention must name the same one) with h >= P (heads split
-    unevenly where P does not divide them: ``relayout``); ``cu_seqlens`` and
-    ``window`` as ``ring_attention``'s. Returns out [b, s/P, h, d] (q's
+    unevenly where P does not divide them: ``relayout``); ``cu_seqlens``,
+    ``window`` and ``mask`` as ``ring_attention``'s. Returns out [b, s/P, h, d] (q's
     framework, device and dtype) and, with ``return_lse``, lse [b, h, s/P]
     float32."""
     q, k, v = detached(q, k, v)
     call = prepare(comm, "ulysses_attention", q, k, v, layout=layout, causal=causal,
-                   softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window,
+                   softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, mask=mask,
                    kernel=kernel, check=lambda: check_heads(q.shape[2], comm.size))
     heads = q.shape[2]
     out, lse = ulysses_forward(call, *seq_to_head_many([q, k, v], comm))
@@ -48,12 +48,13 @@ def ulysses_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool
 def ulysses_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, comm, *,
                                layout: str, causal: bool = False,
                                softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
-                               window: Any = None, kernel: Optional[Kernel] = None):
+                               window: Any = None, mask: Any = None,
+                               kernel: Optional[Kernel] = None):
     """(dq, dk, dv) of ``ulysses_attention`` for this rank's shards, in q's
     framework, device and dtype."""
     dout, q, k, v, out, lse = detached(dout, q, k, v, out, lse)
     call = prepare(comm, "ulysses_attention_backward", q, k, v, layout=layout, causal=causal,
-                   softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window,
+                   softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, mask=mask,
                    kernel=kernel, extra=backward_extras(q, dout, out, lse),
                    check=lambda: check_heads(q.shape[2], comm.size))
     qh, kh, vh, dh, oh = seq_to_head_many([q, k, v, dout, out], comm)

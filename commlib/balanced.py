@@ -1,0 +1,152 @@
+"""The ``balanced`` layout: a mask's work spread evenly over the ranks.
+
+The global sequence is cut into chunks of ``chunk`` tokens (the last one
+shorter) and padded to a whole number of chunks per rank, so every shard
+has one length; a solver assigns the chunks to ranks (MagiAttention's
+dispatch solver, PyTorch CP's load balancer over a block mask):
+
+- a chunk's work is the visible (query, key) pairs of its queries
+  (``Mask.pairs_in``, counted in closed form per slice);
+- chunks go heaviest first, each to a rank that still has room and the
+  least work so far (LPT scheduling, which keeps the busiest rank within
+  one chunk's work of the mean);
+- among the ranks within ``SLACK`` of that least work, the one that already
+  holds a neighbouring chunk: neighbours' queries tend to see the same keys
+  (a document, a causal prefix), so a rank of neighbours receives fewer
+  K/V bytes.
+
+Deterministic (ties to the lower rank): every rank computes the same
+assignment from the mask alone, without communication. A rank's chunks
+sit in its shard in sequence order.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+import numpy as np
+
+from .documents import PADDING, Span, _in_order, _joined, needed_length, packing_for
+
+__all__ = ["Assigned", "solve", "chunk_size", "loads", "placement_for", "SLACK"]
+
+# how close to the least-loaded rank another rank may be to win a chunk
+# for holding its neighbour: a fraction of the mean work of a chunk
+SLACK = 0.25
+# the largest default chunk; a short sequence gets smaller ones, at least
+# CHUNKS_PER_RANK a rank
+MOST_CHUNK = 512
+CHUNKS_PER_RANK = 8
+
+
+@dataclass(frozen=True)
+class Assigned:
+    """A sequence of ``length`` tokens in chunks of ``chunk``, rank r
+    holding ``chunks[r]`` (in sequence order), each shard padded to
+    ``local_length``: a placement (``spans``, ``in_order``) as
+    ``commlib.documents.Packing`` is, for the attention's schedules."""
+
+    length: int
+    chunk: int
+    chunks: Tuple[Tuple[int, ...], ...]
+    local_length: int
+    layout: str = "balanced"
+
+    @property
+    def size(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def offsets(self) -> Tuple[int, int]:
+        return (0, self.length)
+
+    def spans(self, rank: int) -> Tuple[Span, ...]:
+        return _spans(self, rank)
+
+    def all_spans(self) -> Tuple[Span, ...]:
+        return tuple(s for rank in range(self.size) for s in self.spans(rank))
+
+    def in_order(self) -> Tuple[np.ndarray, Tuple[Span, ...]]:
+        return _in_order(self)
+
+
+@functools.lru_cache(maxsize=256)
+def _spans(placement: Assigned, rank: int) -> Tuple[Span, ...]:
+    spans: List[Span] = []
+    for c in placement.chunks[rank]:
+        start = c * placement.chunk
+        stop = min(start + placement.chunk, placement.length)
+        if stop > start:
+            spans.append(Span(0, start, stop - start, start))
+    held = sum(s.length for s in spans)
+    if placement.local_length > held:
+        spans.append(Span(PADDING, 0, placement.local_length - held, -1))
+    return _joined(spans)
+
+
+def chunk_size(length: int, size: int) -> int:
+    """The default chunk: ``MOST_CHUNK`` tokens, or fewer so that every rank
+    gets at least ``CHUNKS_PER_RANK`` of them."""
+    return max(1, min(MOST_CHUNK, length // (CHUNKS_PER_RANK * size)))
+
+
+@functools.lru_cache(maxsize=64)
+def solve(mask: Any, size: int, chunk: Optional[int] = None) -> Assigned:
+    """The balanced assignment of ``mask``'s sequence over ``size`` ranks
+    (see the module docstring)."""
+    length = mask.length
+    chunk = chunk or chunk_size(length, size)
+    count = -(-length // chunk)
+    per_rank = -(-count // size)
+    work = np.add.reduceat(mask.row_counts(), np.arange(0, length, chunk)).astype(np.float64)
+    slack = SLACK * (float(work.mean()) if count else 0.0)
+    load = [0.0] * size
+    held: List[List[int]] = [[] for _ in range(size)]
+    owner = [-1] * (count + 1)  # owner[-1] (no chunk) is nobody
+    open_ranks = list(range(size))
+    for c in np.lexsort((np.arange(count), -work)).tolist():
+        least = min(load[r] for r in open_ranks)
+        near = [r for r in open_ranks if load[r] <= least + slack]
+        neighbours = [r for r in near if owner[c - 1] == r or owner[c + 1] == r]
+        rank = min(neighbours or near, key=lambda r: (load[r], r))
+        owner[c] = rank
+        held[rank].append(c)
+        load[rank] += float(work[c])
+        if len(held[rank]) == per_rank:
+            open_ranks.remove(rank)
+    chunks = tuple(tuple(sorted(h)) for h in held)
+    return Assigned(length, chunk, chunks, per_rank * chunk)
+
+
+def loads(mask: Any, placement: Any) -> np.ndarray:
+    """Visible pairs of each rank's queries under ``mask`` in ``placement``
+    (any layout's: its spans' real tokens)."""
+    return np.array([sum(mask.pairs_in((s.origin, s.origin + s.length))
+                         for s in placement.spans(rank) if s.doc != PADDING)
+                     for rank in range(placement.size)], np.float64)
+
+
+
+def placement_for(layout: str, size: int, local_length: Optional[int], cu_seqlens: Any = None,
+                  mask: Any = None) -> Any:
+    """Where every rank's tokens sit: the ``balanced`` solution of ``mask``,
+    or the documents' packing in ``layout`` (a mask alone describes one
+    sequence of its length). ``local_length`` None: the shards'
+    ``shard_sequence`` makes."""
+    if mask is not None and cu_seqlens is not None:
+        raise ValueError("pass mask= or cu_seqlens=, not both: a mask holds the documents "
+                         "(commlib.masks.from_cu_seqlens)")
+    if layout == "balanced" and mask is not None:
+        placement = solve(mask, size)
+        if local_length is not None and local_length != placement.local_length:
+            raise ValueError(f"the balanced layout of this mask gives every rank "
+                             f"{placement.local_length} tokens, but the shard has "
+                             f"{local_length}: make shards with shard_sequence(..., "
+                             f"layout='balanced', mask=mask)")
+        return placement
+    offsets = (0, mask.length) if mask is not None else cu_seqlens
+    if local_length is None:
+        local_length = needed_length(tuple(offsets), layout, size)
+    return packing_for(offsets, layout, size, local_length)
