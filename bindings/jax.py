@@ -88,7 +88,7 @@ def static_tuple(name: str, value: Any) -> tuple:
 
 def ring_attention(q, k, v, comm, *, layout: str, causal: bool = False,
                    softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
-                   window: Any = None, mask: Any = None, method: str = "ring",
+                   window: Any = None, mask: Any = None, method: str = "auto",
                    kernel: Optional[Kernel] = None):
     """Differentiable, jit-able ``commlib.ring.ring_attention`` for JAX arrays.
     ``cu_seqlens`` must be concrete (a list or NumPy array: static under
@@ -112,7 +112,7 @@ def ulysses_attention(q, k, v, comm, *, layout: str, causal: bool = False,
 
 def hybrid_attention(q, k, v, comm, ulysses_size: int, *, layout: str, causal: bool = False,
                      softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
-                     window: Any = None, mask: Any = None, method: str = "ring",
+                     window: Any = None, mask: Any = None, method: str = "auto",
                      kernel: Optional[Kernel] = None):
     """Differentiable, jit-able ``commlib.hybrid.hybrid_attention`` for JAX
     arrays (``commlib.hybrid.plan`` picks ``ulysses_size``)."""

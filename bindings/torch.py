@@ -54,10 +54,10 @@ def _attention(q, k, v, forward, backward, **settings):
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *, layout: str,
                    causal: bool = False, softmax_scale: Optional[float] = None,
                    cu_seqlens: Any = None, window: Any = None, mask: Any = None,
-                   method: str = "ring", kernel: Optional[Kernel] = None) -> torch.Tensor:
+                   method: str = "auto", kernel: Optional[Kernel] = None) -> torch.Tensor:
     """Differentiable ``commlib.ring.ring_attention`` (shards in ``layout``,
     packed ``cu_seqlens``, sliding ``window``, or any ``mask``; ``method``
-    "ring" or "allgather"); ``kernel`` replaces torch's fused SDPA kernels
+    as ``ring_attention``'s); ``kernel`` replaces torch's fused SDPA kernels
     (``commlib.kernels.Kernel``)."""
     return _attention(q, k, v, _ring.ring_attention, _ring.ring_attention_backward, comm=comm,
                       layout=layout, causal=causal, softmax_scale=softmax_scale,
@@ -78,7 +78,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm,
                      ulysses_size: int, *, layout: str, causal: bool = False,
                      softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
-                     window: Any = None, mask: Any = None, method: str = "ring",
+                     window: Any = None, mask: Any = None, method: str = "auto",
                      kernel: Optional[Kernel] = None) -> torch.Tensor:
     """Differentiable ``commlib.hybrid.hybrid_attention``."""
     return _attention(q, k, v, _hybrid.hybrid_attention, _hybrid.hybrid_attention_backward,

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Tuple, Union
 from .balanced import Assigned, placement_for
 from .documents import Grouped, Packing, Span
 from .kernels import Kernel, kernel_for
-from .masks import Mask, check_mask
+from .masks import Mask, check_mask, from_band
 from .namespace import dtype_name, framework_of, namespace, on_cuda
 from .visibility import blocks, bounds, mask_blocks
 
@@ -97,6 +97,13 @@ class AttentionCall:
         if self.mask is not None:
             return mask_blocks(self.mask, q_spans, k_spans)
         return blocks(q_spans, k_spans, self.lo, self.hi)
+
+    def visibility(self) -> Mask:
+        """The call's mask: the one given, or its documents, causality and
+        window as one (``masks.from_band``)."""
+        if self.mask is not None:
+            return self.mask
+        return from_band(tuple(self.placement.offsets), self.lo, self.hi)
 
     def over_groups(self, group_size: int) -> "AttentionCall":
         """The same call as seen by a ring of groups of ``group_size``

@@ -28,6 +28,7 @@ slice holding its boolean pattern.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
@@ -36,7 +37,8 @@ import numpy as np
 
 from .visibility import UNBOUNDED, bounds
 
-__all__ = ["Slice", "Explicit", "Mask", "KINDS", "from_cu_seqlens", "from_mask_mod", "check_mask"]
+__all__ = ["Slice", "Explicit", "Mask", "KINDS", "from_cu_seqlens", "from_band", "from_mask_mod",
+           "check_mask"]
 
 KINDS = ("full", "causal", "inv_causal", "bicausal")
 
@@ -259,7 +261,13 @@ def from_cu_seqlens(cu_seqlens: Sequence[int], causal: bool = True,
     offsets = [int(x) for x in cu_seqlens]
     if len(offsets) < 2 or offsets[0] != 0 or any(b <= a for a, b in zip(offsets, offsets[1:])):
         raise ValueError(f"cu_seqlens must start at 0 and increase strictly, got {offsets}")
-    lo, hi = bounds(causal, window)
+    return from_band(tuple(offsets), *bounds(causal, window))
+
+
+@functools.lru_cache(maxsize=64)
+def from_band(offsets: Tuple[int, ...], lo: int, hi: int) -> Mask:
+    """Packed documents (``offsets``) in which query i sees key j of its
+    own document when ``lo <= i - j <= hi`` (``visibility.bounds``)."""
     slices: List[Slice] = []
     for start, stop in zip(offsets, offsets[1:]):
         slices += _band_slices(start, stop, lo, hi)

@@ -61,12 +61,12 @@ def _check(q, size: int, ulysses_size: int, method: str) -> None:
 def hybrid_attention(q: Any, k: Any, v: Any, comm, ulysses_size: int, *, layout: str,
                      causal: bool = False, softmax_scale: Optional[float] = None,
                      return_lse: bool = False, cu_seqlens: Any = None, window: Any = None,
-                     mask: Any = None, method: str = "ring", kernel: Optional[Kernel] = None):
+                     mask: Any = None, method: str = "auto", kernel: Optional[Kernel] = None):
     """Attention over the whole sequence for shards q [b, s/P, h, d],
     k/v [b, s/P, hk, d] in ``layout`` (any of ``commlib.ring.LAYOUTS``; no
     default: shards and attention must name the same one): Ulysses of
-    degree ``ulysses_size`` inside groups, a ring (``method`` "ring" or
-    "allgather") of P / ulysses_size across them; ``cu_seqlens``,
+    degree ``ulysses_size`` inside groups, a ring (``method`` as
+    ``ring_attention``'s) of P / ulysses_size across them; ``cu_seqlens``,
     ``window`` and ``mask`` as ``ring_attention``'s. In q's framework, device and dtype."""
     q, k, v = detached(q, k, v)
     call = prepare(comm, "hybrid_attention", q, k, v, layout=layout, causal=causal,
@@ -84,7 +84,7 @@ def hybrid_attention(q: Any, k: Any, v: Any, comm, ulysses_size: int, *, layout:
 def hybrid_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, comm,
                               ulysses_size: int, *, layout: str, causal: bool = False,
                               softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
-                              window: Any = None, mask: Any = None, method: str = "ring",
+                              window: Any = None, mask: Any = None, method: str = "auto",
                               kernel: Optional[Kernel] = None):
     """(dq, dk, dv) of ``hybrid_attention`` for this rank's shards."""
     dout, q, k, v, out, lse = detached(dout, q, k, v, out, lse)

@@ -33,8 +33,9 @@ from ..kernels import Kernel
 from ..kernels.blockwise import attend, attend_backward, finish
 from ..namespace import contiguous, detached, device, namespace
 from .exchange import RingExchange
+from .sparse import SPARSE_SHARE, routes, sparse_backward, sparse_forward
 
-METHODS = ("ring", "allgather")
+METHODS = ("auto", "ring", "allgather", "sparse")
 
 
 def check_method(method: str) -> None:
@@ -45,7 +46,7 @@ def check_method(method: str) -> None:
 def ring_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool = False,
                    softmax_scale: Optional[float] = None, return_lse: bool = False,
                    cu_seqlens: Any = None, window: Any = None, mask: Any = None,
-                   method: str = "ring", kernel: Optional[Kernel] = None):
+                   method: str = "auto", kernel: Optional[Kernel] = None):
     """Attention of this rank's queries over the whole (sharded) sequence.
 
     q [b, s/P, h, d]; k, v [b, s/P, hk, d] with h % hk == 0; shards as
@@ -56,7 +57,9 @@ def ring_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool = 
     (left, right) tokens a query sees around itself; ``mask``: any mask
     instead of those three (``commlib.masks.Mask``: slices of the GLOBAL
     sequence; with ``layout="balanced"``, shards that spread its work
-    evenly); ``method``: "ring" or "allgather". Returns out (q's
+    evenly); ``method``: "ring", "allgather", "sparse" (each rank receives only the keys its
+    queries see: ``ring.sparse``) or "auto" (sparse where a mask makes it
+    move clearly less, else the ring). Returns out (q's
     framework, device and dtype) and, with ``return_lse``, lse [b, h, s/P]
     float32. ``kernel`` replaces the
     built-in block kernel (``commlib.kernels``)."""
@@ -71,7 +74,7 @@ def ring_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool = 
 def ring_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, comm, *,
                             layout: str, causal: bool = False,
                             softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
-                            window: Any = None, mask: Any = None, method: str = "ring",
+                            window: Any = None, mask: Any = None, method: str = "auto",
                             kernel: Optional[Kernel] = None):
     """(dq, dk, dv) of ``ring_attention`` for this rank's shards, given the
     forward's ``out`` and ``lse`` and the output gradient ``dout``; in q's
@@ -84,11 +87,26 @@ def ring_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: An
     return ring_backward(call, dout, q, k, v, out, lse, comm, method)
 
 
+def resolved(call: AttentionCall, comm, method: str) -> str:
+    """``method``, with "auto" decided: the sparse exchange where a mask
+    makes it move at most ``SPARSE_SHARE`` of the ring's bytes (the same
+    choice on every rank: the routes come from the mask), else the ring."""
+    if method != "auto":
+        return method
+    if call.mask is None or comm.size == 1:
+        return "ring"
+    share = routes(call.mask, call.placement).busiest_share()
+    return "sparse" if share <= SPARSE_SHARE else "ring"
+
+
 def ring_forward(call: AttentionCall, q: Any, k: Any, v: Any, comm, method: str):
     """(out, lse) of checked and agreed inputs: the ring over ``comm``, whose
     ranks hold ``call.placement``'s shards."""
     xp, placement = call.xp, call.placement
     mine = placement.spans(comm.rank)
+    method = resolved(call, comm, method)
+    if method == "sparse":
+        return finish(sparse_forward(call, q, k, v, comm), q)
     if method == "allgather":
         order, spans = placement.in_order()
         kv = _take(comm.allgather(xp.stack([k, v]), axis=2), order)
@@ -107,7 +125,10 @@ def ring_backward(call: AttentionCall, dout: Any, q: Any, k: Any, v: Any, out: A
     xp, placement, kernel, scale = call.xp, call.placement, call.kernel, call.scale
     mine = placement.spans(comm.rank)
     dq = None
-    if method == "allgather":
+    method = resolved(call, comm, method)
+    if method == "sparse":
+        dq, own = sparse_backward(call, dout, q, k, v, out, lse, comm)
+    elif method == "allgather":
         order, spans = placement.in_order()
         kv = _take(comm.allgather(xp.stack([k, v]), axis=2), order)
         dq, dkv = attend_backward(kernel, dout, q, kv[0], kv[1], out, lse,

@@ -68,8 +68,11 @@ def _hybrid(q, k, v, dout, comm, **options):
                                                  **options)
 
 
-ALGORITHMS = {"ring": _ring, "ring-allgather": lambda *a, **o: _ring(*a, method="allgather", **o),
-              "ulysses": _ulysses, "hybrid": _hybrid}
+ALGORITHMS = {"ring": lambda *a, **o: _ring(*a, method="ring", **o),
+              "ring-allgather": lambda *a, **o: _ring(*a, method="allgather", **o),
+              "ring-sparse": lambda *a, **o: _ring(*a, method="sparse", **o),
+              "ring-auto": _ring, "ulysses": _ulysses,
+              "hybrid-sparse": lambda *a, **o: _hybrid(*a, method="sparse", **o)}
 
 
 def check(comm, impl, dtype, mask, layout, algorithm, seed=0):
@@ -129,7 +132,7 @@ def slice_sets(draw):
 
 
 @given(mask=slice_sets(), layout=st.sampled_from(LAYOUTS),
-       algorithm=st.sampled_from(["ring", "ulysses"]))
+       algorithm=st.sampled_from(["ring", "ring-sparse", "ulysses"]))
 def test_random_slice_sets(comm, mask, layout, algorithm):
     same_on_all_ranks((mask.digest(), layout, algorithm))
     ok, errors = check(comm, arrayimpl.IMPLS["torch"], "float32", mask, layout, algorithm)
