@@ -145,11 +145,7 @@ class Explicit:
         c = np.clip(cols - ks, 0, ke - ks - 1)
         return inside & self.pattern[np.ix_(r, c)]
 
-    def pairs_in(self, rows: Tuple[int, int], cols: Tuple[int, int] = (0, UNBOUNDED)) -> int:
-        first, last = max(rows[0], self.q[0]), min(rows[1], self.q[1])
-        if first >= last:
-            return 0
-        return int(self.row_counts(first, last, cols).sum())
+    pairs_in = Slice.pairs_in  # through this class's row_counts
 
     def row_counts(self, first: int, last: int,
                    cols: Tuple[int, int] = (0, UNBOUNDED)) -> np.ndarray:
