@@ -25,7 +25,6 @@ array.
 from __future__ import annotations
 
 import math
-import zlib
 from typing import Any, List, Optional, Sequence, Tuple
 
 import array_api_extra as xpx
@@ -148,8 +147,7 @@ class ShardedKVCache:
 
     def digest(self) -> str:
         """What every rank's cache must share (the world, the prefill, the
-        length), and a fingerprint of this rank's positions against where
-        the layout puts them, for ``Communicator.agree``."""
+        length), for ``Communicator.agree``."""
         return (f"size={self.size} layers={self.num_layers} prefill={self.prefill} "
                 f"length={self.length}")
 
@@ -161,7 +159,3 @@ class ShardedKVCache:
                               f"{self.size}, not rank {rank}'s of {size}: a sharded cache "
                               f"continues only on the world that made it")
         return None
-
-    def fingerprint(self) -> int:
-        """A CRC of this rank's positions (they differ across ranks)."""
-        return zlib.crc32(self.positions.tobytes())
