@@ -13,7 +13,14 @@ dispatch solver, PyTorch CP's load balancer over a block mask):
 - among the ranks within ``SLACK`` of that least work, the one that already
   holds a neighbouring chunk: neighbours' queries tend to see the same keys
   (a document, a causal prefix), so a rank of neighbours receives fewer
-  K/V bytes.
+  K/V bytes;
+- the plain contiguous cut (rank r the r-th of ``size`` near-equal runs of
+  chunks) competes with
+  that schedule: of the two, those within ``TOLERANCE`` of the mean work,
+  the one whose busiest rank receives the fewest keys its queries see
+  (``Mask.keys_seen``) wins; neither within it, the better balanced. Equal
+  chunks (documents, a block-diagonal mask) would otherwise be dealt out
+  one by one to alternating ranks, every document cut across all of them.
 
 Deterministic (ties to the lower rank): every rank computes the same
 assignment from the mask alone, without communication. A rank's chunks
@@ -29,12 +36,16 @@ from typing import Any, List, Optional, Tuple
 import numpy as np
 
 from .documents import PADDING, Span, _in_order, _joined, needed_length, packing_for
+from .masks import covered
 
-__all__ = ["Assigned", "solve", "chunk_size", "loads", "placement_for", "SLACK"]
+__all__ = ["Assigned", "solve", "chunk_size", "loads", "placement_for", "SLACK", "TOLERANCE"]
 
 # how close to the least-loaded rank another rank may be to win a chunk
 # for holding its neighbour: a fraction of the mean work of a chunk
 SLACK = 0.25
+# a placement whose busiest rank's work is within this of the mean is
+# balanced; among those, the fewer K/V bytes win
+TOLERANCE = 0.05
 # the largest default chunk; a short sequence gets smaller ones, at least
 # CHUNKS_PER_RANK a rank
 MOST_CHUNK = 512
@@ -101,6 +112,21 @@ def solve(mask: Any, size: int, chunk: Optional[int] = None) -> Assigned:
     count = -(-length // chunk)
     per_rank = -(-count // size)
     work = np.add.reduceat(mask.row_counts(), np.arange(0, length, chunk)).astype(np.float64)
+    cuts = [tuple(tuple(range(r * count // size, (r + 1) * count // size))
+                  for r in range(size)),
+            _scheduled(work, size, per_rank)]
+    spread = [_busiest_over_mean(work, chunks) for chunks in cuts]
+    fair = [i for i, ratio in enumerate(spread) if ratio <= 1 + TOLERANCE]
+    if len(fair) > 1:
+        best = min(fair, key=lambda i: (_most_received(mask, chunk, cuts[i]), i))
+    else:
+        best = fair[0] if fair else min(range(len(cuts)), key=lambda i: (spread[i], i))
+    return Assigned(length, chunk, cuts[best], per_rank * chunk)
+
+
+def _scheduled(work: np.ndarray, size: int, per_rank: int) -> Tuple[Tuple[int, ...], ...]:
+    """LPT over the chunks' ``work``, neighbours preferred within ``SLACK``."""
+    count = len(work)
     slack = SLACK * (float(work.mean()) if count else 0.0)
     load = [0.0] * size
     held: List[List[int]] = [[] for _ in range(size)]
@@ -116,8 +142,36 @@ def solve(mask: Any, size: int, chunk: Optional[int] = None) -> Assigned:
         load[rank] += float(work[c])
         if len(held[rank]) == per_rank:
             open_ranks.remove(rank)
-    chunks = tuple(tuple(sorted(h)) for h in held)
-    return Assigned(length, chunk, chunks, per_rank * chunk)
+    return tuple(tuple(sorted(h)) for h in held)
+
+
+def _busiest_over_mean(work: np.ndarray, chunks: Tuple[Tuple[int, ...], ...]) -> float:
+    per_rank = np.array([work[list(held)].sum() for held in chunks])
+    mean = per_rank.mean()
+    return float(per_rank.max() / mean) if mean > 0 else 1.0
+
+
+def _most_received(mask: Any, chunk: int, chunks: Tuple[Tuple[int, ...], ...]) -> int:
+    """The most keys any rank's queries see that it does not hold."""
+    most = 0
+    for held in chunks:
+        runs = np.array(_runs(held, chunk, mask.length), np.int64).reshape(-1, 2)
+        starts, stops = mask.key_ranges(runs.tolist())
+        inside = covered(starts, stops, runs[:, 1]) - covered(starts, stops, runs[:, 0])
+        most = max(most, int((stops - starts).sum() - inside.sum()))
+    return most
+
+
+def _runs(held: Tuple[int, ...], chunk: int, length: int) -> List[Tuple[int, int]]:
+    """Consecutive chunks as (start, stop) token ranges."""
+    runs: List[Tuple[int, int]] = []
+    for c in held:
+        start, stop = c * chunk, min((c + 1) * chunk, length)
+        if runs and runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], stop)
+        else:
+            runs.append((start, stop))
+    return runs
 
 
 def loads(mask: Any, placement: Any) -> np.ndarray:

@@ -212,12 +212,73 @@ class Mask:
                    if part.q[0] < rows[1] and rows[0] < part.q[1]
                    and part.k[0] < cols[1] and cols[0] < part.k[1])
 
+    def keys_seen(self, rows: Iterable[Tuple[int, int]]) -> np.ndarray:
+        """bool [length]: the keys some query of the global ``rows`` ranges
+        sees (``key_ranges`` painted)."""
+        seen = np.zeros(self.length + 1, np.int64)
+        starts, stops = self.key_ranges(rows)
+        seen[starts] += 1
+        seen[stops] -= 1
+        return np.cumsum(seen[:-1]) > 0
+
+    def key_ranges(self, rows: Iterable[Tuple[int, int]]) -> Tuple[np.ndarray, np.ndarray]:
+        """(starts, stops): the keys some query of the global ``rows``
+        ranges sees, as sorted disjoint ranges. A run of rows of a band
+        slice sees one range of keys (its first row's first key to its last
+        row's last), every (run, slice) pair at once; an explicit slice, the
+        columns its pattern marks in those rows."""
+        runs = np.array(list(rows), np.int64).reshape(-1, 2)
+        bands = [p for p in self.slices if isinstance(p, Slice)]
+        starts, stops = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+        if bands and len(runs):
+            q = np.array([p.q for p in bands], np.int64)
+            k = np.array([p.k for p in bands], np.int64)
+            lo, hi = np.array([p.band for p in bands], np.int64).T
+            top = np.maximum(runs[:, :1], q[:, 0])
+            bottom = np.minimum(runs[:, 1:], q[:, 1])
+            start = np.maximum(k[:, 0], top - hi)
+            stop = np.minimum(k[:, 1], bottom - lo)
+            hit = (top < bottom) & (start < stop)
+            starts.append(start[hit])
+            stops.append(stop[hit])
+        for part in self.slices:
+            if isinstance(part, Slice):
+                continue
+            for first, last in runs.tolist():
+                top, bottom = max(first, part.q[0]), min(last, part.q[1])
+                if top < bottom:
+                    hit = part.pattern[top - part.q[0]:bottom - part.q[0]].any(axis=0)
+                    edges = np.flatnonzero(np.diff(np.r_[0, hit.astype(np.int8), 0]))
+                    starts.append(part.k[0] + edges[0::2])
+                    stops.append(part.k[0] + edges[1::2])
+        return _merged(np.concatenate(starts), np.concatenate(stops))
+
     def row_counts(self) -> np.ndarray:
         """int64 [length]: the keys each query sees (its share of the work)."""
         counts = np.zeros(self.length, np.int64)
         for part in self.slices:
             counts[part.q[0]:part.q[1]] += part.row_counts(*part.q)
         return counts
+
+
+def _merged(starts: np.ndarray, stops: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Ranges [starts, stops) as sorted disjoint ranges covering the same."""
+    order = np.argsort(starts, kind="stable")
+    starts, stops = starts[order], stops[order]
+    reach = np.maximum.accumulate(stops) if stops.size else stops
+    new = np.r_[True, starts[1:] > reach[:-1]] if starts.size else np.zeros(0, bool)
+    ends = np.r_[np.flatnonzero(new)[1:] - 1, starts.size - 1] if starts.size else new
+    return starts[new], reach[ends.astype(np.int64)]
+
+
+def covered(starts: np.ndarray, stops: np.ndarray, points: np.ndarray) -> np.ndarray:
+    """How many positions below each of ``points`` the sorted disjoint
+    ranges cover."""
+    before = np.r_[0, np.cumsum(stops - starts)]
+    index = np.searchsorted(starts, points, side="right")
+    last = np.maximum(index - 1, 0)
+    inside = np.clip(points - starts[last], 0, (stops - starts)[last]) if starts.size else 0
+    return before[np.maximum(index - 1, 0)] + np.where(index > 0, inside, 0)
 
 
 def check_mask(mask: Any, length: Optional[int]) -> None:

@@ -68,7 +68,8 @@ def routes(mask: Any, placement: Any) -> Routes:
     """Every pair of ranks' needed rows under ``mask`` for ``placement``."""
     size = placement.size
     index = [local_index(placement, rank) for rank in range(size)]
-    needed = [_keys_seen(mask, placement.spans(rank)) for rank in range(size)]
+    needed = [mask.keys_seen((s.origin, s.origin + s.length) for s in placement.spans(rank)
+                             if s.doc != PADDING) for rank in range(size)]
     rows, spans = [], []
     for src in range(size):
         real = index[src] >= 0
@@ -77,33 +78,6 @@ def routes(mask: Any, placement: Any) -> Routes:
         rows.append(per_dst)
         spans.append(tuple(_spans_of(index[src][r]) for r in per_dst))
     return Routes(tuple(rows), tuple(spans), sum(s.length for s in placement.spans(0)))
-
-
-def _keys_seen(mask: Any, spans: Tuple[Span, ...]) -> np.ndarray:
-    """bool [length]: the global keys some query of ``spans`` sees. A run
-    of rows of a band slice sees one interval of keys; an explicit slice,
-    the columns its pattern marks in those rows."""
-    change = np.zeros(mask.length + 1, np.int64)
-    seen = np.zeros(mask.length, bool)
-    for span in spans:
-        if span.doc == PADDING:
-            continue
-        first, last = span.origin, span.origin + span.length
-        for part in mask.slices:
-            rows = (max(first, part.q[0]), min(last, part.q[1]))
-            if rows[0] >= rows[1]:
-                continue
-            if part.kind == "explicit":
-                hit = part.pattern[rows[0] - part.q[0]:rows[1] - part.q[0]].any(axis=0)
-                seen[part.k[0]:part.k[1]] |= hit
-                continue
-            lo, hi = part.band
-            start = max(part.k[0], rows[0] - hi)
-            stop = min(part.k[1], rows[1] - 1 - lo + 1)
-            if start < stop:
-                change[start] += 1
-                change[stop] -= 1
-    return seen | (np.cumsum(change[:-1]) > 0)
 
 
 def _spans_of(positions: np.ndarray) -> Tuple[Span, ...]:
