@@ -13,8 +13,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from commlib.common_masks import block_diagonal, multimodal, prefix_lm
 from commlib.hybrid import planner
 from commlib.hybrid.planner import Across, Fabric, Link, plan, price
+from commlib.masks import from_cu_seqlens
 from commlib.topology import Topology, emulated
 
 from launch import run
@@ -128,6 +130,96 @@ def test_a_zigzag_ring_is_priced_balanced():
                           ("contiguous", "zigzag"))
     assert contiguous.compute_s == pytest.approx(zigzag.compute_s * 3.5 / 4 / 0.5)
     assert zigzag.compute_s == pytest.approx(price(4, 4, **shape).compute_s)
+
+
+# -- masks -----------------------------------------------------------------------------
+def one_host(size=4):
+    return SimpleNamespace(size=size, topology=Topology(0, (0,) * size))
+
+
+def by_split(picked):
+    return {(c.ulysses_size, c.method): c for c in picked.candidates}
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_documents_that_see_only_themselves_pick_the_sparse_exchange(layout):
+    """Eight documents over 4 ranks: every rank holds whole documents, so the
+    sparse exchange moves next to nothing where the ring moves every other
+    shard; priced by default once a mask is given."""
+    inside = Fabric(25e-6, 3e9, 25e-6, 5e9, 40e9, 7e9)  # two_hosts' host
+    picked = plan(one_host(), 8192, 8, 8, 64, fabric=inside, layout=layout,
+                  mask=block_diagonal(8192, 8))
+    candidates = by_split(picked)
+    assert (picked.ulysses_size, picked.method) == (1, "sparse")
+    assert candidates[1, "sparse"].ring_bytes < 0.1 * candidates[1, "ring"].ring_bytes
+    assert "Picked Ulysses 1 x Ring 4 by sparse exchange" in picked.explain()
+
+
+def test_the_sparse_exchange_moves_the_busiest_ranks_needed_rows():
+    """Three documents of 1600 tokens over 4 contiguous shards of 1200: ranks
+    1 and 2 each hold pieces of two documents and need 1200 + 800 rows of
+    others' keys; a ring of two groups of 2400 needs 800 rows each. Free
+    latency and copies: bytes / rate alone; the backward sends them again
+    and the float32 dK/dV partials back."""
+    rate, kv, dim = 1e9, 2, 64
+    fabric = Fabric(0.0, rate, 0.0, rate, 1e30, math.inf)
+    shape = dict(seq_len=4800, heads=8, kv_heads=kv, head_dim=dim, itemsize=2, causal=False,
+                 fabric=fabric, method="sparse", mask=block_diagonal(4800, 3))
+    ring4, ring2 = price(4, 1, **shape), price(4, 2, **shape)
+    assert ring4.ring_bytes == 2 * 2000 * kv * dim * 2
+    assert ring2.ring_bytes == 2 * 800 * (kv // 2) * dim * 2
+    assert ring4.ring_s == pytest.approx(ring4.ring_bytes / rate)
+    both = price(4, 1, backward=True, **shape)
+    assert both.ring_s == pytest.approx((ring4.ring_bytes * (1 + 1 + 2)) / rate)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "balanced"])
+@pytest.mark.parametrize("degree", [1, 2, 4])
+def test_a_causal_mask_costs_what_causal_costs(layout, degree):
+    """The pairs counted from a mask of plain causality against the causal
+    model (the busiest ring rank of a contiguous ring included)."""
+    fabric = Fabric(0.0, 1e9, 0.0, 1e9, 1e10, math.inf)
+    shape = dict(seq_len=4096, heads=8, kv_heads=8, head_dim=64, itemsize=2, fabric=fabric,
+                 layout=layout)
+    masked = price(4, degree, causal=False, mask=from_cu_seqlens([0, 4096], causal=True),
+                   **shape)
+    assert masked.compute_s == pytest.approx(price(4, degree, causal=True, **shape).compute_s,
+                                             rel=0.01)
+
+
+@pytest.mark.parametrize("mask", [prefix_lm(512, 100), multimodal(512, [(64, 128), (300, 420)])],
+                         ids=["prefix_lm", "multimodal"])
+def test_a_masks_compute_is_its_visible_pairs(mask):
+    """Counted from the dense mask: Ulysses alone does every pair for its
+    heads, a contiguous ring of 4 its busiest rank's rows."""
+    fabric = Fabric(0.0, 1e9, 0.0, 1e9, 1e10, math.inf)
+    dense, heads, dim = mask.dense(), 8, 64
+    shape = dict(seq_len=512, heads=heads, kv_heads=2, head_dim=dim, itemsize=2, causal=False,
+                 fabric=fabric, mask=mask)
+    ulysses = price(4, 4, **shape)
+    assert ulysses.compute_s == pytest.approx(4 * dense.sum() * (heads / 4) * dim / 1e10)
+    busiest = max(dense[r * 128:(r + 1) * 128].sum() for r in range(4))
+    assert price(4, 1, **shape).compute_s == pytest.approx(4 * busiest * heads * dim / 1e10)
+
+
+def test_masks_refuse_what_they_cannot_price():
+    fabric = Fabric(0.0, 1e9, 0.0, 1e9, 1e10, math.inf)
+    mask = prefix_lm(512, 100)
+    shape = dict(seq_len=512, heads=8, kv_heads=8, head_dim=64, itemsize=2, fabric=fabric)
+    with pytest.raises(ValueError, match="not both"):
+        plan(one_host(), 512, 8, 8, 64, causal=True, fabric=fabric, mask=mask)
+    with pytest.raises(ValueError, match="not both"):
+        price(4, 1, causal=True, mask=mask, **shape)
+    with pytest.raises(ValueError, match="sparse.*mask"):
+        plan(one_host(), 512, 8, 8, 64, fabric=fabric, methods=("ring", "sparse"))
+    with pytest.raises(ValueError, match="sparse.*mask"):
+        price(4, 1, causal=False, method="sparse", **shape)
+    with pytest.raises(ValueError, match="covers 512 tokens"):
+        plan(one_host(), 1024, 8, 8, 64, fabric=fabric, mask=mask)
+    with pytest.raises(ValueError, match="covers 512 tokens"):
+        price(4, 1, causal=False, mask=mask, **dict(shape, seq_len=1024))
+    with pytest.raises(ValueError, match="commlib.masks.Mask"):
+        plan(one_host(), 512, 8, 8, 64, fabric=fabric, mask=np.ones((512, 512), bool))
 
 
 # -- the probe on fake timings --------------------------------------------------------

@@ -25,6 +25,15 @@ The ring across groups can also gather K and V once instead
 overlaps, but no merge per hop and one or two kernel calls per query chunk.
 Both are priced; the plan names the cheaper.
 
+With a mask (``commlib.masks.Mask``) the compute is the visible (query,
+key) pairs of the busiest ring rank, its tokens placed as
+``hybrid_attention`` places them (the layout over every rank, a ring rank
+holding its Ulysses group's shards), so a layout that leaves a mask's work
+uneven is priced uneven; Ulysses alone (the whole sequence on every rank)
+does every pair. The ring's sparse exchange (``method="sparse"``,
+``commlib.ring.sparse``) is then priced too: one exposed all-to-all, as the
+all-gather, of only the K and V rows the busiest rank's queries see.
+
 Ring hops overlap with compute only where something moves the data while
 the cores compute: NCCL on a GPU. Over MPI on the host, a transfer advances
 only inside MPI calls and its copies need the same cores as the compute, so
@@ -37,11 +46,15 @@ import math
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..balanced import loads, placement_for
+from ..documents import Grouped
 from ..kernels.tiled import attention_forward
+from ..masks import Mask, check_mask
+from ..ring.sparse import routes
 from ..topology import Topology
 from ..ulysses.relayout import divisors, padded_heads
 from .attention import colors
@@ -188,7 +201,7 @@ class Candidate:
 @dataclass(frozen=True)
 class Plan:
     """The planner's pick: ``ulysses_size`` x ``ring_size`` = world size,
-    the ring run as ``method`` ("ring" or "allgather"); priced per forward,
+    the ring run as ``method`` ("ring", "allgather" or "sparse"); priced per forward,
     or per forward and backward where ``backward``."""
 
     ulysses_size: int
@@ -217,7 +230,8 @@ class Plan:
 
 
 def _by(method: str, ring: int) -> str:
-    return " by all-gather" if method == "allgather" and ring > 1 else ""
+    by = {"allgather": " by all-gather", "sparse": " by sparse exchange"}
+    return by.get(method, "") if ring > 1 else ""
 
 
 # -- the probe ------------------------------------------------------------------------
@@ -388,15 +402,44 @@ def _hop(fabric: Fabric, crossing: int, nbytes: float) -> float:
     return fabric.across.hop.latency + nbytes / fabric.across.hop_bandwidth(crossing)
 
 
+def _check_masked(mask: Optional[Mask], causal: bool, methods: Sequence[str]) -> None:
+    """A mask carries its own causality, and the sparse exchange's routes
+    come from the mask alone."""
+    if mask is None:
+        if "sparse" in methods:
+            raise ValueError('method "sparse" (the ring\'s sparse exchange) is priced from a '
+                             'mask: pass mask= (a commlib.masks.Mask), or price "ring" and '
+                             '"allgather"')
+        return
+    check_mask(mask, None)
+    if causal:
+        raise ValueError("pass causal=True or mask=, not both: a mask carries its own causality "
+                         "(the causal one: commlib.masks.from_cu_seqlens([0, L], causal=True))")
+
+
+def _pairs(mask: Mask, placement: Any, ring: int) -> float:
+    """Visible pairs of the busiest ring rank: all of them on one."""
+    return float(mask.pairs_in((0, mask.length)) if ring == 1 else loads(mask, placement).max())
+
+
 def price(size: int, degree: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,
           itemsize: int, causal: bool, fabric: Fabric, method: str = "ring", *,
           topology: Optional[Topology] = None, backward: bool = False,
-          layout: str = "contiguous") -> Candidate:
+          layout: str = "contiguous", mask: Optional[Mask] = None) -> Candidate:
     """The cost model of Ulysses ``degree`` x Ring ``size // degree``, the
     ring run as ``method`` over shards in ``layout``, its groups placed as
     ``hybrid_attention`` places them on ``topology`` (None: one host); per
-    forward, or per forward and backward where ``backward``."""
+    forward, or per forward and backward where ``backward``. With ``mask``
+    (of ``seq_len`` tokens, or of fewer that ``seq_len`` pads to a multiple
+    of ``size``) the compute is its busiest ring rank's visible pairs."""
+    _check_masked(mask, causal, (method,))
+    if mask is not None and seq_len not in (mask.length, -(-mask.length // size) * size):
+        raise ValueError(f"the mask covers {mask.length} tokens but seq_len is {seq_len}: make "
+                         f"the mask for the global sequence (Mask(slices, length=seq_len))")
     ring = size // degree
+    # the ring's ranks hold their Ulysses groups' shards, as hybrid_attention's ring does
+    placement = None if mask is None or ring == 1 else \
+        Grouped(placement_for(layout, size, None, mask=mask), degree)
     spread = _Spread.of(topology or Topology(0, (0,) * size), degree)
     token = head_dim * itemsize
     # heads of the busiest rank, to which every all-to-all chunk is padded
@@ -411,7 +454,16 @@ def price(size: int, degree: int, seq_len: int, heads: int, kv_heads: int, head_
     hop_bytes = 2 * (seq_len / ring) * local_kv * token
     gradient_bytes = hop_bytes * _GRADIENT_BYTES / itemsize
     ring_bytes = hop_bytes * (ring - 1)
-    work = 4 * seq_len * seq_len * local * head_dim / ring / fabric.flops
+    # an exchange's bytes to each peer: a shard, or the busiest rank's needed rows among them
+    per_peer = hop_bytes
+    if method == "sparse" and ring > 1:
+        received = max(routes(mask, placement).received(r) for r in range(ring))
+        ring_bytes = 2 * received * local_kv * token
+        per_peer = ring_bytes / (ring - 1)
+    if mask is not None:
+        work = 4 * _pairs(mask, placement, ring) * local * head_dim / fabric.flops
+    else:
+        work = 4 * seq_len * seq_len * local * head_dim / ring / fabric.flops
     if causal:  # Ulysses and zigzag rings are balanced; a contiguous ring's last rank
         # does R - 1/2 of R blocks
         work *= 0.5 if ring == 1 or layout != "contiguous" else (ring - 0.5) / ring
@@ -425,10 +477,12 @@ def price(size: int, degree: int, seq_len: int, heads: int, kv_heads: int, head_
         ulysses_s *= 3
     if ring == 1:
         ring_s = 0.0
-    elif method == "allgather":  # one exposed collective (an all-to-all's rate); a merge at most
-        ring_s = _exchange(fabric, ring, spread.ring_remote, hop_bytes, 1) + merge
-        if backward:  # K and V gathered again, dK and dV reduce-scattered (an all-to-all)
-            ring_s += _exchange(fabric, ring, spread.ring_remote, hop_bytes + gradient_bytes, 2)
+    elif method in ("allgather", "sparse"):
+        # one exposed collective (an all-to-all's rate); a merge at most
+        ring_s = _exchange(fabric, ring, spread.ring_remote, per_peer, 1) + merge
+        if backward:  # K and V again, dK and dV back to their owners (an all-to-all)
+            gradient = per_peer * _GRADIENT_BYTES / itemsize
+            ring_s += _exchange(fabric, ring, spread.ring_remote, per_peer + gradient, 2)
     else:
         def exposed(seconds: float, step_work: float) -> float:
             return max(0.0, seconds - step_work) if fabric.overlap else seconds
@@ -446,14 +500,22 @@ def price(size: int, degree: int, seq_len: int, heads: int, kv_heads: int, head_
 
 def plan(comm, seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
          itemsize: int = 2, causal: bool = False, fabric: Optional[Fabric] = None,
-         methods: Sequence[str] = ("ring", "allgather"), backward: bool = False,
-         layout: str = "contiguous") -> Plan:
+         methods: Optional[Sequence[str]] = None, backward: bool = False,
+         layout: str = "contiguous", mask: Optional[Mask] = None) -> Plan:
     """The cheapest allowed Ulysses x Ring split of ``comm`` for this shape,
-    and the cheaper of ``methods`` for its ring, by the cost model over the
+    and the cheapest of ``methods`` for its ring (None: "ring" and
+    "allgather", and "sparse" with a mask), by the cost model over the
     probed (or given) fabric and ``comm.topology``; per forward, or per
     forward and backward (training) where ``backward``; the causal work of
-    a ring balanced unless ``layout`` is "contiguous". A ``seq_len`` the
-    world size does not divide is priced padded (``cu_seqlens`` pads it)."""
+    a ring balanced unless ``layout`` is "contiguous"; with ``mask`` (of
+    ``seq_len`` tokens, instead of ``causal``), its visible pairs. A
+    ``seq_len`` the world size does not divide is priced padded
+    (``cu_seqlens`` pads it)."""
+    if methods is None:
+        methods = ("ring", "allgather") if mask is None else ("ring", "allgather", "sparse")
+    _check_masked(mask, causal, methods)
+    if mask is not None:
+        check_mask(mask, seq_len)
     fabric = fabric or probe(comm)
     padded = -(-seq_len // comm.size) * comm.size
     candidates, rejected = [], []
@@ -465,7 +527,7 @@ def plan(comm, seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
             candidates.append(price(comm.size, degree, padded, num_heads, num_kv_heads,
                                     head_dim, itemsize, causal, fabric, method,
                                     topology=comm.topology, backward=backward,
-                                    layout=layout))
+                                    layout=layout, mask=mask))
     if not candidates:
         raise ValueError("no Ulysses x Ring split fits: " + "; ".join(rejected))
     best = min(candidates, key=lambda c: c.seconds)
