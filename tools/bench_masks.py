@@ -1,0 +1,191 @@
+"""Any mask across ranks: the balanced solver's spread of work, the K/V
+bytes the sparse exchange moves, the solver's speed, and a masked
+forward+backward on P ranks against torch SDPA with the same dense mask in
+one process on the same cores, in one launch.
+
+    mpiexec -n 2 python -m commlib.tools.bench_masks
+
+Computed, not timed (rank 0): for each mask, the busiest rank's visible
+query-key pairs over the mean under ``balanced``, ``zigzag`` and
+``contiguous`` at P = 2, 4, 8; the K/V rows the busiest rank receives from
+the sparse exchange against the ring's (P - 1) shards; the solver's time
+for ``--solver-tokens`` tokens in 512-token chunks (best of 3).
+
+Timed: first rank 0 alone (the others wait without spinning) runs torch
+SDPA with the dense boolean mask and ``--threads`` threads (all the cores);
+then every rank, one thread each, runs the torch binding's
+``ring_attention`` over ``layout="balanced"`` shards with ``mask=`` and
+``method="auto"`` (sparse where it moves less, else the ring), and the ring
+alone; forward+backward, the slowest rank's time, best of ``--repeats``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Callable, Dict, List, Optional
+
+import click
+import torch
+from mpi4py import MPI
+
+import commlib
+from commlib import balanced, ring
+from commlib.bindings import torch as ct
+from commlib.common_masks import block_diagonal, multimodal, prefix_lm, shared_prefix
+from commlib.masks import Mask, from_cu_seqlens
+from commlib.ring.sparse import SPARSE_SHARE, routes
+from commlib.tools.bench_inference import _best, _idle_until
+
+
+def masks(length: int) -> Dict[str, Mask]:
+    """The masks the issue names, at ``length`` tokens."""
+    n = length
+    return {
+        "causal": from_cu_seqlens([0, n]),
+        "prefix-lm (1/4 prefix)": prefix_lm(n, n // 4),
+        "shared prefix + 4 branches": shared_prefix(n, n // 4, 4),
+        "multimodal (2 images)": multimodal(n, [(n // 8, n // 4), (n // 2, n // 2 + n // 6)]),
+        "block-diagonal, 8 docs": block_diagonal(n, 8),
+        "causal docs, window n/16": from_cu_seqlens([0, n // 4, n // 2, n], True, (n // 16, 0)),
+    }
+
+
+def spread(mask: Mask) -> List[dict]:
+    """Busiest/mean visible pairs per layout, and the sparse exchange's
+    busiest received rows against the ring's, at P = 2, 4, 8."""
+    rows = []
+    for size in (2, 4, 8):
+        row: dict = {"ranks": size}
+        for layout in ("balanced", "zigzag", "contiguous"):
+            work = balanced.loads(mask, balanced.placement_for(layout, size, None, mask=mask))
+            row[layout] = float(work.max() / work.mean())
+        plan = routes(mask, balanced.solve(mask, size))
+        row["sparse_share"] = plan.busiest_share()
+        rows.append(row)
+    return rows
+
+
+def solver_seconds(tokens: int) -> float:
+    """The balanced solver from scratch (no cache) for a multimodal mask of
+    ``tokens`` in 512-token chunks over 8 ranks, best of 3."""
+    mask = multimodal(tokens, [(tokens // 8, tokens // 4), (tokens // 2, tokens // 2 + 4096)])
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        balanced.solve.__wrapped__(mask, 8, 512)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _qkv(length: int, heads: int, kv_heads: int, dim: int):
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(1, length, h, dim, generator=generator)
+            for h in (heads, kv_heads, kv_heads)]
+
+
+def _sdpa_step(full, mask: Mask) -> Callable[[], None]:
+    """SDPA forward+backward over the whole sequence with the dense mask."""
+    dense = torch.as_tensor(mask.dense())
+    groups = full[0].shape[2] // full[1].shape[2]
+
+    def run():
+        q, k, v = (x.transpose(1, 2).detach().requires_grad_() for x in full)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=dense)
+        out.sum().backward()
+    return run
+
+
+def _ring_step(comm, full, mask: Mask, method: str) -> Callable[[], None]:
+    """The torch binding's forward+backward over balanced shards."""
+    shards = [ring.shard_sequence(x, comm, layout="balanced", mask=mask) for x in full]
+
+    def run():
+        q, k, v = (x.detach().requires_grad_() for x in shards)
+        out = ct.ring_attention(q, k, v, comm, layout="balanced", mask=mask, method=method)
+        out.sum().backward()
+    return run
+
+
+def timed(comm, named: Dict[str, Mask], args: dict) -> List[dict]:
+    world, rows = comm.mpi_comm, []
+    for name, mask in named.items():
+        full = _qkv(mask.length, args["heads"], args["kv_heads"], args["head_dim"])
+        alone = None
+        if comm.rank == 0:
+            torch.set_num_threads(args["threads"])
+            step = _sdpa_step(full, mask)
+            step()
+            alone = _best(MPI.COMM_SELF, step, args["repeats"])
+            torch.set_num_threads(1)
+            world.Ibarrier().Wait()
+        else:
+            _idle_until(world, world.Ibarrier())
+        alone = world.bcast(alone, root=0)
+        times = {}
+        for method in ("auto", "ring"):
+            step = _ring_step(comm, full, mask, method)
+            step()
+            times[method] = _best(world, step, args["repeats"])
+        share = routes(mask, balanced.solve(mask, comm.size)).busiest_share()
+        rows.append({"mask": name, "ranks": comm.size, "sdpa_s": alone, "auto_s": times["auto"],
+                     "ring_s": times["ring"], "auto_over_sdpa": times["auto"] / alone,
+                     "sparse_share": share,
+                     "auto_method": "sparse" if share <= SPARSE_SHARE else "ring",
+                     "density": float(mask.pairs_in((0, mask.length))) / mask.length ** 2})
+    return rows
+
+
+@click.command()
+@click.option("--seq", default=8192, show_default=True, help="Tokens of the timed masks.")
+@click.option("--heads", default=8, show_default=True)
+@click.option("--kv-heads", default=8, show_default=True)
+@click.option("--head-dim", default=64, show_default=True)
+@click.option("--threads", default=2, show_default=True,
+              help="torch threads of the one-process SDPA (the launch's cores).")
+@click.option("--repeats", default=2, show_default=True)
+@click.option("--solver-tokens", default=2 ** 20, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+def main(seq: int, heads: int, kv_heads: int, head_dim: int, threads: int, repeats: int,
+         solver_tokens: int, json_path: Optional[str]) -> None:
+    """Balance, bytes, solver speed and masked attention against SDPA."""
+    torch.set_num_threads(1)
+    comm = commlib.init()
+    named = masks(seq)
+    args = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "threads": threads,
+            "repeats": repeats}
+    computed = None
+    if comm.rank == 0:
+        computed = {"spread": {name: spread(mask) for name, mask in named.items()},
+                    "solver_s": solver_seconds(solver_tokens)}
+        comm.mpi_comm.Ibarrier().Wait()
+    else:
+        _idle_until(comm.mpi_comm, comm.mpi_comm.Ibarrier())
+    rows = timed(comm, named, args)
+    if comm.rank:
+        return
+    click.echo(f"# balance: busiest rank's visible pairs / mean; sparse: the busiest rank's "
+               f"received K/V rows / the ring's (P-1) shards ({seq} tokens)")
+    for name, table in computed["spread"].items():
+        for row in table:
+            click.echo(f"{name:28s} P={row['ranks']}: balanced {row['balanced']:.3f}, zigzag "
+                       f"{row['zigzag']:.3f}, contiguous {row['contiguous']:.3f}; sparse "
+                       f"{row['sparse_share']:.3f} of the ring's bytes")
+    click.echo(f"# solver: {solver_tokens} tokens, 512-token chunks, 8 ranks: "
+               f"{computed['solver_s'] * 1e3:.1f} ms")
+    click.echo(f"# fwd+bwd, {comm.size} ranks x 1 thread (balanced, method auto and ring) vs "
+               f"torch SDPA + dense mask, 1 process x {threads} threads; {seq} tokens, {heads} "
+               f"heads / {kv_heads} kv, head_dim {head_dim}, float32")
+    for row in rows:
+        click.echo(f"{row['mask']:28s} density {row['density']:.3f}: SDPA {row['sdpa_s']:.2f} s, "
+                   f"commlib {row['auto_method']} {row['auto_s']:.2f} s "
+                   f"({row['auto_over_sdpa']:.2f}x), ring {row['ring_s']:.2f} s "
+                   f"({row['ring_s'] / row['sdpa_s']:.2f}x)")
+    if json_path:
+        with open(json_path, "w") as handle:
+            json.dump({**computed, "timed": rows}, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()
