@@ -12,9 +12,10 @@ the sparse exchange against the ring's (P - 1) shards; the solver's time
 for ``--solver-tokens`` tokens in 512-token chunks (best of 3).
 
 Timed: first rank 0 alone (the others wait without spinning) runs torch
-SDPA with the dense boolean mask and ``--threads`` threads (all the cores);
-then every rank, one thread each, runs the torch binding's
-``ring_attention`` over ``layout="balanced"`` shards with ``mask=`` and
+SDPA with the dense boolean mask and ``--threads`` threads (all the cores)
+(and, for plain causality, SDPA's fused ``is_causal=True`` kernel, the
+real alternative there); then every rank, one thread each, runs the torch
+binding's ``ring_attention`` over ``layout="balanced"`` shards with ``mask=`` and
 ``method="auto"`` (sparse where it moves less, else the ring), and the ring
 alone; forward+backward, the slowest rank's time, best of ``--repeats``.
 """
@@ -84,17 +85,30 @@ def _qkv(length: int, heads: int, kv_heads: int, dim: int):
             for h in (heads, kv_heads, kv_heads)]
 
 
-def _sdpa_step(full, mask: Mask) -> Callable[[], None]:
-    """SDPA forward+backward over the whole sequence with the dense mask."""
-    dense = torch.as_tensor(mask.dense())
+def _sdpa_step(full, mask: Optional[Mask]) -> Callable[[], None]:
+    """SDPA forward+backward over the whole sequence with the dense mask
+    (None: ``is_causal=True``, the fused causal kernel that skips hidden
+    blocks)."""
+    options = {"is_causal": True} if mask is None else \
+        {"attn_mask": torch.as_tensor(mask.dense())}
     groups = full[0].shape[2] // full[1].shape[2]
 
     def run():
         q, k, v = (x.transpose(1, 2).detach().requires_grad_() for x in full)
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=dense)
+            q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), **options)
         out.sum().backward()
     return run
+
+
+def _alone(full, mask: Optional[Mask], args: dict) -> float:
+    """SDPA's best time in this process with every thread."""
+    torch.set_num_threads(args["threads"])
+    step = _sdpa_step(full, mask)
+    step()
+    seconds = _best(MPI.COMM_SELF, step, args["repeats"])
+    torch.set_num_threads(1)
+    return seconds
 
 
 def _ring_step(comm, full, mask: Mask, method: str) -> Callable[[], None]:
@@ -113,12 +127,9 @@ def timed(comm, named: Dict[str, Mask], args: dict) -> List[dict]:
     for name, mask in named.items():
         full = _qkv(mask.length, args["heads"], args["kv_heads"], args["head_dim"])
         alone = None
-        if comm.rank == 0:
-            torch.set_num_threads(args["threads"])
-            step = _sdpa_step(full, mask)
-            step()
-            alone = _best(MPI.COMM_SELF, step, args["repeats"])
-            torch.set_num_threads(1)
+        if comm.rank == 0:  # with the dense mask; plain causal also as the fused causal kernel
+            alone = {"dense": _alone(full, mask, args),
+                     "causal": _alone(full, None, args) if name == "causal" else None}
             world.Ibarrier().Wait()
         else:
             _idle_until(world, world.Ibarrier())
@@ -129,8 +140,9 @@ def timed(comm, named: Dict[str, Mask], args: dict) -> List[dict]:
             step()
             times[method] = _best(world, step, args["repeats"])
         share = routes(mask, balanced.solve(mask, comm.size)).busiest_share()
-        rows.append({"mask": name, "ranks": comm.size, "sdpa_s": alone, "auto_s": times["auto"],
-                     "ring_s": times["ring"], "auto_over_sdpa": times["auto"] / alone,
+        rows.append({"mask": name, "ranks": comm.size, "sdpa_s": alone["dense"],
+                     "sdpa_is_causal_s": alone["causal"], "auto_s": times["auto"],
+                     "ring_s": times["ring"], "auto_over_sdpa": times["auto"] / alone["dense"],
                      "sparse_share": share,
                      "auto_method": "sparse" if share <= SPARSE_SHARE else "ring",
                      "density": float(mask.pairs_in((0, mask.length))) / mask.length ** 2})
@@ -182,6 +194,9 @@ def main(seq: int, heads: int, kv_heads: int, head_dim: int, threads: int, repea
                    f"commlib {row['auto_method']} {row['auto_s']:.2f} s "
                    f"({row['auto_over_sdpa']:.2f}x), ring {row['ring_s']:.2f} s "
                    f"({row['ring_s'] / row['sdpa_s']:.2f}x)")
+        if row["sdpa_is_causal_s"]:
+            click.echo(f"{'':28s} against SDPA is_causal=True {row['sdpa_is_causal_s']:.2f} s: "
+                       f"commlib {row['auto_s'] / row['sdpa_is_causal_s']:.2f}x")
     if json_path:
         with open(json_path, "w") as handle:
             json.dump({**computed, "timed": rows}, handle, indent=2)
