@@ -278,7 +278,7 @@ def covered(starts: np.ndarray, stops: np.ndarray, points: np.ndarray) -> np.nda
     index = np.searchsorted(starts, points, side="right")
     last = np.maximum(index - 1, 0)
     inside = np.clip(points - starts[last], 0, (stops - starts)[last]) if starts.size else 0
-    return before[np.maximum(index - 1, 0)] + np.where(index > 0, inside, 0)
+    return before[last] + np.where(index > 0, inside, 0)
 
 
 def check_mask(mask: Any, length: Optional[int]) -> None:

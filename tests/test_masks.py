@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from commlib import balanced
 from commlib.common_masks import block_diagonal, multimodal, prefix_lm, shared_prefix
 from commlib.documents import PADDING
-from commlib.masks import KINDS, Mask, Slice, from_cu_seqlens, from_mask_mod
+from commlib.masks import KINDS, Mask, Slice, covered, from_cu_seqlens, from_mask_mod
 from commlib.ring.sparse import routes
 
 from attention_reference import document_mask
@@ -51,6 +51,25 @@ def test_every_kind_is_its_definition(drawn):
     assert np.array_equal(mask.dense(), want)
     assert np.array_equal(mask.row_counts(), want.sum(axis=1))
     assert mask.pairs_in((part.q[0], part.q[1])) == want.sum()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 12)), min_size=1, max_size=8),
+       st.lists(st.tuples(st.integers(0, 50), st.integers(1, 12)), min_size=1, max_size=6))
+def test_key_ranges_and_their_coverage_are_the_keys_seen(bands, rows):
+    """Keys seen as merged ranges, and positions they cover below a point,
+    against the same keys painted one by one."""
+    length = 64
+    parts = [Slice((q, q + 1), (k, min(k + n, length))) for q, (k, n) in
+             zip(range(0, length, 2), bands)]
+    mask = Mask(parts, length=length)
+    runs = sorted({(a, min(a + n, length)) for a, n in rows if a < length})
+    painted = mask.dense()[np.concatenate([np.arange(a, b) for a, b in runs])].any(axis=0)
+    starts, stops = mask.key_ranges(runs)
+    assert np.all(starts[1:] >= stops[:-1]) and np.all(stops > starts)
+    assert np.array_equal(mask.keys_seen(runs), painted)
+    points = np.arange(length + 1)
+    assert np.array_equal(covered(starts, stops, points), np.r_[0, np.cumsum(painted)])
 
 
 def test_causal_is_bottom_right_and_inv_causal_top_left():
