@@ -22,6 +22,8 @@ def test_bench_masks_reports_balance_bytes_solver_and_times():
     assert re.search(r"# solver: 8192 tokens, 512-token chunks, 8 ranks: [\d.]+ ms", out), out
     assert len(re.findall(r"density [\d.]+: SDPA [\d.]+ s, commlib (ring|sparse) ", out)) == 6
     assert "against SDPA is_causal=True" in out
+    assert len(re.findall(r"the planner picks (ring|allgather|sparse|ulysses) \([\d.]+x the "
+                          r"fastest\)", out)) == 6, out
     spread = re.findall(r"shared prefix \+ 4 branches +P=\d: balanced ([\d.]+), zigzag ([\d.]+)",
                         out)
     assert len(spread) == 3 and all(float(b) <= 1.10 <= float(z) for b, z in spread), out

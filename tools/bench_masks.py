@@ -16,8 +16,10 @@ SDPA with the dense boolean mask and ``--threads`` threads (all the cores)
 (and, for plain causality, SDPA's fused ``is_causal=True`` kernel, the
 real alternative there); then every rank, one thread each, runs the torch
 binding's ``ring_attention`` over ``layout="balanced"`` shards with ``mask=`` and
-``method="auto"`` (sparse where it moves less, else the ring), and the ring
-alone; forward+backward, the slowest rank's time, best of ``--repeats``.
+``method="auto"`` (sparse where it moves less, else the ring): the ring,
+the all-gather, the sparse exchange and Ulysses each timed, forward and
+backward, the slowest rank's time, best of ``--repeats``; and which of them
+``hybrid.plan(..., mask=mask)`` picks, against the fastest measured.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 from mpi4py import MPI
 
 import commlib
-from commlib import balanced, ring
+from commlib import balanced, hybrid, ring
 from commlib.bindings import torch as ct
 from commlib.common_masks import block_diagonal, multimodal, prefix_lm, shared_prefix
 from commlib.masks import Mask, from_cu_seqlens
@@ -111,15 +113,32 @@ def _alone(full, mask: Optional[Mask], args: dict) -> float:
     return seconds
 
 
-def _ring_step(comm, full, mask: Mask, method: str) -> Callable[[], None]:
-    """The torch binding's forward+backward over balanced shards."""
+def _step(comm, full, mask: Mask, algorithm: str) -> Callable[[], None]:
+    """The torch binding's forward+backward over balanced shards: Ulysses,
+    or the ring run as ``algorithm`` (a ring method)."""
     shards = [ring.shard_sequence(x, comm, layout="balanced", mask=mask) for x in full]
 
     def run():
         q, k, v = (x.detach().requires_grad_() for x in shards)
-        out = ct.ring_attention(q, k, v, comm, layout="balanced", mask=mask, method=method)
+        if algorithm == "ulysses":
+            out = ct.ulysses_attention(q, k, v, comm, layout="balanced", mask=mask)
+        else:
+            out = ct.ring_attention(q, k, v, comm, layout="balanced", mask=mask,
+                                    method=algorithm)
         out.sum().backward()
     return run
+
+
+def _picked(plan, size: int) -> str:
+    """The planner's pick as one of the timed algorithms (a split of the
+    world between them is not timed)."""
+    if plan.ulysses_size == size:
+        return "ulysses"
+    return plan.method if plan.ring_size == size else \
+        f"Ulysses {plan.ulysses_size} x Ring {plan.ring_size}"
+
+
+ALGORITHMS = ("ring", "allgather", "sparse", "ulysses")
 
 
 def timed(comm, named: Dict[str, Mask], args: dict) -> List[dict]:
@@ -135,16 +154,20 @@ def timed(comm, named: Dict[str, Mask], args: dict) -> List[dict]:
             _idle_until(world, world.Ibarrier())
         alone = world.bcast(alone, root=0)
         times = {}
-        for method in ("auto", "ring"):
-            step = _ring_step(comm, full, mask, method)
+        for algorithm in ALGORITHMS:
+            step = _step(comm, full, mask, algorithm)
             step()
-            times[method] = _best(world, step, args["repeats"])
+            times[algorithm] = _best(world, step, args["repeats"])
         share = routes(mask, balanced.solve(mask, comm.size)).busiest_share()
+        auto = "sparse" if share <= SPARSE_SHARE else "ring"   # what method="auto" runs
+        plan = hybrid.plan(comm, mask.length, args["heads"], args["kv_heads"], args["head_dim"],
+                           itemsize=4, backward=True, layout="balanced", mask=mask)
         rows.append({"mask": name, "ranks": comm.size, "sdpa_s": alone["dense"],
-                     "sdpa_is_causal_s": alone["causal"], "auto_s": times["auto"],
-                     "ring_s": times["ring"], "auto_over_sdpa": times["auto"] / alone["dense"],
-                     "sparse_share": share,
-                     "auto_method": "sparse" if share <= SPARSE_SHARE else "ring",
+                     "sdpa_is_causal_s": alone["causal"], "auto_s": times[auto],
+                     **{f"{a}_s": t for a, t in times.items()},
+                     "auto_over_sdpa": times[auto] / alone["dense"], "sparse_share": share,
+                     "auto_method": auto, "planner_pick": _picked(plan, comm.size),
+                     "fastest": min(times, key=times.get),
                      "density": float(mask.pairs_in((0, mask.length))) / mask.length ** 2})
     return rows
 
@@ -186,7 +209,7 @@ def main(seq: int, heads: int, kv_heads: int, head_dim: int, threads: int, repea
                        f"{row['sparse_share']:.3f} of the ring's bytes")
     click.echo(f"# solver: {solver_tokens} tokens, 512-token chunks, 8 ranks: "
                f"{computed['solver_s'] * 1e3:.1f} ms")
-    click.echo(f"# fwd+bwd, {comm.size} ranks x 1 thread (balanced, method auto and ring) vs "
+    click.echo(f"# fwd+bwd, {comm.size} ranks x 1 thread (balanced layout) vs "
                f"torch SDPA + dense mask, 1 process x {threads} threads; {seq} tokens, {heads} "
                f"heads / {kv_heads} kv, head_dim {head_dim}, float32")
     for row in rows:
@@ -194,6 +217,11 @@ def main(seq: int, heads: int, kv_heads: int, head_dim: int, threads: int, repea
                    f"commlib {row['auto_method']} {row['auto_s']:.2f} s "
                    f"({row['auto_over_sdpa']:.2f}x), ring {row['ring_s']:.2f} s "
                    f"({row['ring_s'] / row['sdpa_s']:.2f}x)")
+        pick = row["planner_pick"]
+        measured = f"{row[pick + '_s'] / row[row['fastest'] + '_s']:.2f}x the fastest" \
+            if pick in ALGORITHMS else "not timed"
+        click.echo(f"{'':28s} " + ", ".join(f"{a} {row[a + '_s']:.2f} s" for a in ALGORITHMS)
+                   + f"; the planner picks {pick} ({measured})")
         if row["sdpa_is_causal_s"]:
             click.echo(f"{'':28s} against SDPA is_causal=True {row['sdpa_is_causal_s']:.2f} s: "
                        f"commlib {row['auto_s'] / row['sdpa_is_causal_s']:.2f}x")
