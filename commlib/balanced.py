@@ -15,8 +15,7 @@ dispatch solver, PyTorch CP's load balancer over a block mask):
   (a document, a causal prefix), so a rank of neighbours receives fewer
   K/V bytes;
 - the plain contiguous cut (rank r the r-th of ``size`` near-equal runs of
-  chunks) competes with
-  that schedule: of the two, those within ``TOLERANCE`` of the mean work,
+  chunks) competes with that schedule: of the two, those within ``TOLERANCE`` of the mean work,
   the one whose busiest rank receives the fewest keys its queries see
   (``Mask.keys_seen``) wins; neither within it, the better balanced. Equal
   chunks (documents, a block-diagonal mask) would otherwise be dealt out
@@ -38,7 +37,8 @@ import numpy as np
 from .documents import PADDING, Span, _in_order, _joined, needed_length, packing_for
 from .masks import covered
 
-__all__ = ["Assigned", "solve", "chunk_size", "loads", "placement_for", "SLACK", "TOLERANCE"]
+__all__ = ["Assigned", "solve", "chunk_size", "loads", "held_ranges", "placement_for", "SLACK",
+           "TOLERANCE"]
 
 # how close to the least-loaded rank another rank may be to win a chunk
 # for holding its neighbour: a fraction of the mean work of a chunk
@@ -112,16 +112,17 @@ def solve(mask: Any, size: int, chunk: Optional[int] = None) -> Assigned:
     count = -(-length // chunk)
     per_rank = -(-count // size)
     work = np.add.reduceat(mask.row_counts(), np.arange(0, length, chunk)).astype(np.float64)
-    cuts = [tuple(tuple(range(r * count // size, (r + 1) * count // size))
-                  for r in range(size)),
-            _scheduled(work, size, per_rank)]
-    spread = [_busiest_over_mean(work, chunks) for chunks in cuts]
+    contiguous = tuple(tuple(range(r * count // size, (r + 1) * count // size))
+                       for r in range(size))
+    cuts = [Assigned(length, chunk, chunks, per_rank * chunk)
+            for chunks in (contiguous, _scheduled(work, size, per_rank))]
+    spread = [_busiest_over_mean(work, cut.chunks) for cut in cuts]
     fair = [i for i, ratio in enumerate(spread) if ratio <= 1 + TOLERANCE]
     if len(fair) > 1:
-        best = min(fair, key=lambda i: (_most_received(mask, chunk, cuts[i]), i))
+        best = min(fair, key=lambda i: (_most_received(mask, cuts[i]), i))
     else:
         best = fair[0] if fair else min(range(len(cuts)), key=lambda i: (spread[i], i))
-    return Assigned(length, chunk, cuts[best], per_rank * chunk)
+    return cuts[best]
 
 
 def _scheduled(work: np.ndarray, size: int, per_rank: int) -> Tuple[Tuple[int, ...], ...]:
@@ -151,36 +152,28 @@ def _busiest_over_mean(work: np.ndarray, chunks: Tuple[Tuple[int, ...], ...]) ->
     return float(per_rank.max() / mean) if mean > 0 else 1.0
 
 
-def _most_received(mask: Any, chunk: int, chunks: Tuple[Tuple[int, ...], ...]) -> int:
+def _most_received(mask: Any, placement: Assigned) -> int:
     """The most keys any rank's queries see that it does not hold."""
     most = 0
-    for held in chunks:
-        runs = np.array(_runs(held, chunk, mask.length), np.int64).reshape(-1, 2)
-        starts, stops = mask.key_ranges(runs.tolist())
-        inside = covered(starts, stops, runs[:, 1]) - covered(starts, stops, runs[:, 0])
+    for rank in range(placement.size):
+        held = np.array(held_ranges(placement, rank), np.int64).reshape(-1, 2)
+        starts, stops = mask.key_ranges(held.tolist())
+        inside = covered(starts, stops, held[:, 1]) - covered(starts, stops, held[:, 0])
         most = max(most, int((stops - starts).sum() - inside.sum()))
     return most
 
 
-def _runs(held: Tuple[int, ...], chunk: int, length: int) -> List[Tuple[int, int]]:
-    """Consecutive chunks as (start, stop) token ranges."""
-    runs: List[Tuple[int, int]] = []
-    for c in held:
-        start, stop = c * chunk, min((c + 1) * chunk, length)
-        if runs and runs[-1][1] == start:
-            runs[-1] = (runs[-1][0], stop)
-        else:
-            runs.append((start, stop))
-    return runs
+def held_ranges(placement: Any, rank: int) -> List[Tuple[int, int]]:
+    """The global (start, stop) ranges of ``rank``'s real tokens in
+    ``placement`` (any layout's), padding left out."""
+    return [(s.origin, s.origin + s.length) for s in placement.spans(rank) if s.doc != PADDING]
 
 
 def loads(mask: Any, placement: Any) -> np.ndarray:
     """Visible pairs of each rank's queries under ``mask`` in ``placement``
     (any layout's: its spans' real tokens)."""
-    return np.array([sum(mask.pairs_in((s.origin, s.origin + s.length))
-                         for s in placement.spans(rank) if s.doc != PADDING)
+    return np.array([sum(mask.pairs_in(held) for held in held_ranges(placement, rank))
                      for rank in range(placement.size)], np.float64)
-
 
 
 def placement_for(layout: str, size: int, local_length: Optional[int], cu_seqlens: Any = None,

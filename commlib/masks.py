@@ -263,12 +263,14 @@ class Mask:
 
 def _merged(starts: np.ndarray, stops: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """Ranges [starts, stops) as sorted disjoint ranges covering the same."""
+    if starts.size == 0:
+        return starts, stops
     order = np.argsort(starts, kind="stable")
     starts, stops = starts[order], stops[order]
-    reach = np.maximum.accumulate(stops) if stops.size else stops
-    new = np.r_[True, starts[1:] > reach[:-1]] if starts.size else np.zeros(0, bool)
-    ends = np.r_[np.flatnonzero(new)[1:] - 1, starts.size - 1] if starts.size else new
-    return starts[new], reach[ends.astype(np.int64)]
+    reach = np.maximum.accumulate(stops)        # the furthest stop so far
+    first = np.r_[True, starts[1:] > reach[:-1]]  # a range that begins a merged one
+    last = np.r_[first[1:], True]                 # ... and one that ends it
+    return starts[first], reach[last]
 
 
 def covered(starts: np.ndarray, stops: np.ndarray, points: np.ndarray) -> np.ndarray:

@@ -19,7 +19,6 @@ from ..documents import (
     check_layout,
     chunk_count,
     chunks_of,
-    needed_length,
 )
 from ..masks import check_mask
 from ..namespace import contiguous, device, namespace
@@ -101,6 +100,4 @@ def _placement(comm, layout: str, length: Optional[int], cu_seqlens: Any, mask: 
         offsets = (0, local * comm.size if length is None else length)
     else:
         offsets = as_offsets(cu_seqlens, length)
-    if local is None:
-        local = needed_length(offsets, layout, comm.size) if layout != "balanced" else 0
     return placement_for(layout, comm.size, local, cu_seqlens=offsets)

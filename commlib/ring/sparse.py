@@ -28,7 +28,8 @@ from typing import Any, List, Tuple
 
 import numpy as np
 
-from ..documents import PADDING, Span, local_index
+from ..balanced import held_ranges
+from ..documents import Span, local_index
 from ..kernels.blockwise import attend, attend_backward
 from ..namespace import contiguous, device, namespace, sum_rows
 from ..visibility import mask_blocks
@@ -68,8 +69,7 @@ def routes(mask: Any, placement: Any) -> Routes:
     """Every pair of ranks' needed rows under ``mask`` for ``placement``."""
     size = placement.size
     index = [local_index(placement, rank) for rank in range(size)]
-    needed = [mask.keys_seen((s.origin, s.origin + s.length) for s in placement.spans(rank)
-                             if s.doc != PADDING) for rank in range(size)]
+    needed = [mask.keys_seen(held_ranges(placement, rank)) for rank in range(size)]
     rows, spans = [], []
     for src in range(size):
         real = index[src] >= 0
