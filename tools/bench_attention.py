@@ -30,7 +30,7 @@ from commlib.bindings import torch as ct
 TARGETS = {1: 1.05, 2: 1.10}
 
 
-def _idle_until_all_arrive(world: MPI.Comm) -> None:
+def idle_barrier(world: MPI.Comm) -> None:
     """A barrier that sleeps instead of spinning, so that a rank waiting for
     rank 0 leaves its core to rank 0's threads."""
     request = world.Ibarrier()
@@ -38,10 +38,17 @@ def _idle_until_all_arrive(world: MPI.Comm) -> None:
         time.sleep(0.002)
 
 
+def first_rank_alone(world: MPI.Comm, call: Callable[[], object]) -> object:
+    """``call()`` on rank 0 while the other ranks sleep in ``idle_barrier``
+    (a one-process baseline gets every core); its result on every rank."""
+    result = call() if world.Get_rank() == 0 else None
+    idle_barrier(world)
+    return world.bcast(result, root=0)
+
+
 def _sdpa_on_rank0(world: MPI.Comm, full: List[torch.Tensor], threads: int) -> float:
     """Seconds of SDPA forward + backward on rank 0 with ``threads`` threads."""
-    elapsed = 0.0
-    if world.Get_rank() == 0:
+    def timed() -> float:
         torch.set_num_threads(threads)
         q, k, v, dout = (t.transpose(1, 2) for t in full)
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -50,14 +57,14 @@ def _sdpa_on_rank0(world: MPI.Comm, full: List[torch.Tensor], threads: int) -> f
             *leaves, is_causal=True, enable_gqa=True).backward(dout)
         elapsed = time.perf_counter() - start
         torch.set_num_threads(1)
-    _idle_until_all_arrive(world)
-    return world.bcast(elapsed, root=0)
+        return elapsed
+    return first_rank_alone(world, timed)
 
 
 def _sharded(world: MPI.Comm, attend: Callable, shards: List[torch.Tensor]) -> float:
     """Seconds of the slowest rank for commlib forward + backward."""
     leaves = [t.detach().clone().requires_grad_() for t in shards[:3]]
-    _idle_until_all_arrive(world)
+    idle_barrier(world)
     start = time.perf_counter()
     attend(*leaves).backward(shards[3])
     return world.allreduce(time.perf_counter() - start, op=MPI.MAX)

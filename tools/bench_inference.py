@@ -20,8 +20,7 @@ cores); then every rank, one thread each, runs
 from __future__ import annotations
 
 import json
-import time
-from typing import Callable, Dict, Optional
+from typing import Dict, Optional
 
 import click
 import torch
@@ -30,6 +29,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import commlib
 from commlib.bindings import transformers as cht
+from commlib.tools.bench_attention import first_rank_alone
+from commlib.tools.bench_ulysses import _slowest
 
 
 def _model(hidden: int, heads: int, kv_heads: int, layers: int, positions: int):
@@ -38,23 +39,6 @@ def _model(hidden: int, heads: int, kv_heads: int, layers: int, positions: int):
                          num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=kv_heads, max_position_embeddings=positions)
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-
-
-def _best(world: MPI.Comm, call: Callable[[], object], repeats: int) -> float:
-    """The slowest rank's seconds for ``call``, best of ``repeats``."""
-    times = []
-    for _ in range(repeats):
-        world.Barrier()
-        start = time.perf_counter()
-        call()
-        times.append(world.allreduce(time.perf_counter() - start, op=MPI.MAX))
-    return min(times)
-
-
-def _idle_until(world: MPI.Comm, done: MPI.Request) -> None:
-    """Wait for ``done`` without spinning a core (the baseline has them)."""
-    while not done.Test():
-        time.sleep(0.005)
 
 
 def _cache_bytes(cache) -> int:
@@ -72,8 +56,8 @@ def _alone(model, ids, new: int, threads: int, repeats: int) -> Dict[str, object
             return model.generate(ids, max_new_tokens=count, do_sample=False,
                                   return_dict_in_generate=True)
     run(2)  # warm-up
-    prefill = _best(single, lambda: run(1), repeats)
-    whole = _best(single, lambda: run(1 + new), repeats)
+    prefill = _slowest(single, lambda: run(1), repeats)
+    whole = _slowest(single, lambda: run(1 + new), repeats)
     out = run(1 + new)
     cache = out.cache if hasattr(out, "cache") else out.past_key_values
     return {"prefill_s": prefill, "decode_s_per_token": (whole - prefill) / new,
@@ -89,8 +73,8 @@ def _sharded(comm, model, ids, new: int, repeats: int) -> Dict[str, object]:
         return cht.generate(model, ids, comm, max_new_tokens=count,
                             return_dict_in_generate=True)
     run(2)
-    prefill = _best(world, lambda: run(1), repeats)
-    whole = _best(world, lambda: run(1 + new), repeats)
+    prefill = _slowest(world, lambda: run(1), repeats)
+    whole = _slowest(world, lambda: run(1 + new), repeats)
     out = run(1 + new)
     cache = out.cache if hasattr(out, "cache") else out.past_key_values
     return {"prefill_s": prefill, "decode_s_per_token": (whole - prefill) / new,
@@ -120,13 +104,7 @@ def main(seq: int, new: int, hidden: int, heads: int, kv_heads: int, layers: int
     world = comm.mpi_comm
     model = _model(hidden, heads, kv_heads, layers, seq + new + 8)
     ids = torch.randint(1024, (1, seq), generator=torch.Generator().manual_seed(1))
-    baseline = None
-    if comm.rank == 0:
-        baseline = _alone(model, ids, new, threads, repeats)
-        world.Ibarrier().Wait()
-    else:
-        _idle_until(world, world.Ibarrier())
-    baseline = world.bcast(baseline, root=0)
+    baseline = first_rank_alone(world, lambda: _alone(model, ids, new, threads, repeats))
     sharded = _sharded(comm, model, ids, new, repeats)
     if comm.rank:
         return

@@ -24,6 +24,7 @@ backward, the slowest rank's time, best of ``--repeats``; and which of them
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from typing import Callable, Dict, List, Optional
@@ -38,7 +39,8 @@ from commlib.bindings import torch as ct
 from commlib.common_masks import block_diagonal, multimodal, prefix_lm, shared_prefix
 from commlib.masks import Mask, from_cu_seqlens
 from commlib.ring.sparse import SPARSE_SHARE, routes
-from commlib.tools.bench_inference import _best, _idle_until
+from commlib.tools.bench_attention import first_rank_alone
+from commlib.tools.bench_ulysses import _slowest
 
 
 def masks(length: int) -> Dict[str, Mask]:
@@ -108,9 +110,16 @@ def _alone(full, mask: Optional[Mask], args: dict) -> float:
     torch.set_num_threads(args["threads"])
     step = _sdpa_step(full, mask)
     step()
-    seconds = _best(MPI.COMM_SELF, step, args["repeats"])
+    seconds = _slowest(MPI.COMM_SELF, step, args["repeats"])
     torch.set_num_threads(1)
     return seconds
+
+
+def _baselines(full, mask: Mask, causal: bool, args: dict) -> dict:
+    """SDPA with the dense mask; for plain causality also its fused causal
+    kernel."""
+    return {"dense": _alone(full, mask, args),
+            "causal": _alone(full, None, args) if causal else None}
 
 
 def _step(comm, full, mask: Mask, algorithm: str) -> Callable[[], None]:
@@ -145,19 +154,13 @@ def timed(comm, named: Dict[str, Mask], args: dict) -> List[dict]:
     world, rows = comm.mpi_comm, []
     for name, mask in named.items():
         full = _qkv(mask.length, args["heads"], args["kv_heads"], args["head_dim"])
-        alone = None
-        if comm.rank == 0:  # with the dense mask; plain causal also as the fused causal kernel
-            alone = {"dense": _alone(full, mask, args),
-                     "causal": _alone(full, None, args) if name == "causal" else None}
-            world.Ibarrier().Wait()
-        else:
-            _idle_until(world, world.Ibarrier())
-        alone = world.bcast(alone, root=0)
+        alone = first_rank_alone(world, functools.partial(
+            _baselines, full, mask, name == "causal", args))
         times = {}
         for algorithm in ALGORITHMS:
             step = _step(comm, full, mask, algorithm)
             step()
-            times[algorithm] = _best(world, step, args["repeats"])
+            times[algorithm] = _slowest(world, step, args["repeats"])
         share = routes(mask, balanced.solve(mask, comm.size)).busiest_share()
         auto = "sparse" if share <= SPARSE_SHARE else "ring"   # what method="auto" runs
         plan = hybrid.plan(comm, mask.length, args["heads"], args["kv_heads"], args["head_dim"],
@@ -190,13 +193,9 @@ def main(seq: int, heads: int, kv_heads: int, head_dim: int, threads: int, repea
     named = masks(seq)
     args = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "threads": threads,
             "repeats": repeats}
-    computed = None
-    if comm.rank == 0:
-        computed = {"spread": {name: spread(mask) for name, mask in named.items()},
-                    "solver_s": solver_seconds(solver_tokens)}
-        comm.mpi_comm.Ibarrier().Wait()
-    else:
-        _idle_until(comm.mpi_comm, comm.mpi_comm.Ibarrier())
+    computed = first_rank_alone(comm.mpi_comm, lambda: {
+        "spread": {name: spread(mask) for name, mask in named.items()},
+        "solver_s": solver_seconds(solver_tokens)})
     rows = timed(comm, named, args)
     if comm.rank:
         return
