@@ -212,7 +212,7 @@ class _PositionCheck:
 
 
 def check_call(name: str, attention_mask: Optional[torch.Tensor], dropout: float,
-                kwargs: Dict[str, Any]) -> None:
+               kwargs: Dict[str, Any]) -> None:
     """Refuse, by name, what the attention would otherwise get wrong. Every
     check reads the model's config and the shapes, the same on every rank."""
     if attention_mask is not None:
@@ -249,7 +249,7 @@ def _documents(name: str, cu_seq_lens_q: Any, cu_seq_lens_k: Any) -> Optional[Li
 
 
 def window_of(name: str, sliding_window: Optional[int], global_length: int,
-            causal: bool) -> Optional[Tuple[int, int]]:
+              causal: bool) -> Optional[Tuple[int, int]]:
     """transformers' ``sliding_window=W`` lets query i see keys i-W+1 .. i
     (masking_utils' ``sliding_window_overlay``: kv > q - W; its flash-attention
     integration's ``window_size=(W-1, W-1)`` under the causal mask):

@@ -312,9 +312,7 @@ def _prefill(model, input_ids: torch.Tensor, cache: ShardedKVCache, comm, name: 
     cache.admit(mine, np.arange(mine.size), length)
     holder = (length - 1) % comm.size
     step = _Step(cache, mine, replicated=False, method=method)
-    logits = _forward(model, step, torch.tensor([mine.size - 1]), input_ids=input_ids[:, mine],
-                      position_ids=torch.as_tensor(mine)[None].expand(input_ids.shape[0], -1))
-    return _from(comm, logits[:, -1], holder)
+    return _from(comm, _last_logits(model, step, input_ids[:, mine], mine), holder)
 
 
 def _first_prefill(model, input_ids: torch.Tensor, cache: ShardedKVCache, comm,
@@ -344,9 +342,17 @@ def _replicated(model, tokens: torch.Tensor, positions: np.ndarray, cache: Shard
     kept = striped(positions, comm.size, comm.rank)
     cache.admit(positions[kept], kept, int(positions[-1]) + 1)
     step = _Step(cache, positions, replicated=True)
+    return _last_logits(model, step, tokens, positions).float()
+
+
+def _last_logits(model, step: _Step, tokens: torch.Tensor,
+                 positions: np.ndarray) -> torch.Tensor:
+    """The model on ``tokens`` [batch, t] at global ``positions``: the last
+    token's logits [batch, vocab]."""
+    position_ids = torch.as_tensor(positions)[None].expand(tokens.shape[0], -1)
     logits = _forward(model, step, torch.tensor([positions.size - 1]), input_ids=tokens,
-                      position_ids=torch.as_tensor(positions)[None].expand(tokens.shape[0], -1))
-    return logits[:, -1].float()
+                      position_ids=position_ids)
+    return logits[:, -1]
 
 
 def _from(comm, logits: torch.Tensor, holder: int) -> torch.Tensor:
@@ -376,7 +382,8 @@ def _decode(model, input_ids: torch.Tensor, cache: ShardedKVCache, comm,
         if pad is not None:
             picked = torch.where(done, torch.full_like(picked, pad), picked)
         sequences = torch.cat([sequences, picked[:, None].to(sequences.dtype)], dim=1)
-        done |= torch.isin(picked, torch.tensor(eos, dtype=picked.dtype)) if eos else done
+        if eos:
+            done |= torch.isin(picked, torch.tensor(eos, dtype=picked.dtype))
         if bool(done.all()):
             break
     return sequences, scores
@@ -386,7 +393,7 @@ class _Sampler:
     """Greedy, or sampling from the processed logits with a generator that
     every rank seeds alike."""
 
-    def __init__(self, options: Dict[str, Any], seed: Optional[int], device: torch.device):
+    def __init__(self, options: Dict[str, Any], seed: int, device: torch.device):
         self.sample = bool(options["do_sample"])
         self.warpers: List[Callable] = []
         if self.sample:
@@ -396,9 +403,7 @@ class _Sampler:
                 self.warpers.append(TopKLogitsWarper(options["top_k"]))
             if options["top_p"] < 1.0:
                 self.warpers.append(TopPLogitsWarper(options["top_p"]))
-        self.generator = torch.Generator(device=device)
-        if seed is not None:
-            self.generator.manual_seed(seed)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def pick(self, sequences: torch.Tensor,
              logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
