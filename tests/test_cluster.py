@@ -3,9 +3,14 @@ sees as nodes, traffic between them counted on the shaped links (and none
 of the traffic inside a host), a clear refusal where it cannot run, and
 nothing left behind."""
 
+import os
+import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
+import threading
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -134,18 +139,168 @@ def test_the_command_line_runs_a_program_across_hosts_and_counts_the_links():
 
 
 def test_what_a_killed_launch_left_is_removed_by_the_next_one():
-    """A cluster whose process died without ``down`` (killed outright) is
-    swept; one whose process lives (this one's) is not."""
+    """A cluster or a probe (``problem()``'s namespace) whose process died
+    without removing it (killed outright) is swept; one whose process lives
+    (this one's) is not."""
     needs_a_cluster()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()
-    stale, live = f"cl{dead}h0", f"cl{emulated.os.getpid()}h9"
-    for name in (stale, live):
+    me = os.getpid()
+    stale = [f"cl{dead}h0", f"cl{dead}c3h0", f"cl{dead}c3br", f"commlib-probe-{dead}"]
+    live = [f"cl{me}c99h9", f"commlib-probe-{me}"]
+    for name in stale + live:
         subprocess.run(["ip", "netns", "add", name], check=True)
     try:
         emulated.sweep_stale()
-        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        assert stale not in listed and live in listed
+        listed = namespaces()
+        assert not set(stale) & listed and set(live) <= listed
     finally:
-        for name in (stale, live):
+        for name in stale + live:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def namespaces():
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in listed.splitlines() if line.strip()}
+
+
+def links():
+    """The machine's own network interfaces, by name."""
+    shown = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    return {line.split(":")[1].strip().split("@")[0] for line in shown.splitlines()}
+
+
+def state_dirs():
+    return {d for d in os.listdir(tempfile.gettempdir())
+            if d.startswith(f"commlib-cluster-{os.getpid()}-")}
+
+
+def test_two_clusters_in_one_process_have_names_of_their_own():
+    """Each Cluster's names are its own: a second one in this process comes
+    up beside the first, and its removal leaves the first as it was."""
+    needs_a_cluster()
+    with emulated.Cluster(1) as first:
+        with emulated.Cluster(1) as second:
+            assert not set(first.names) & set(second.names)
+            assert set(first.names + second.names) <= namespaces()
+        assert set(first.names) <= namespaces() and not set(second.names) & namespaces()
+        first.link_bytes()  # its link is still there
+    assert not set(first.names) & namespaces()
+
+
+def test_a_bring_up_that_fails_at_any_step_removes_what_it_made_and_nothing_else(monkeypatch):
+    """Each of ``up``'s steps failing in turn (an ``ip``/``tc`` command that
+    fails makes nothing): afterwards no namespace, no interface on the
+    machine's own network and no state directory is left, and a live
+    cluster of this process is untouched."""
+    needs_a_cluster()
+    steps = []
+    real = emulated._run
+    monkeypatch.setattr(emulated, "_run", lambda argv: steps.append(argv) or real(argv))
+    with emulated.Cluster(1, rate="50mbit"):
+        pass
+    assert any("veth" in argv for argv in steps) and any("tbf" in argv for argv in steps)
+    monkeypatch.setattr(emulated, "_run", real)
+    with emulated.Cluster(1) as live:
+        before = (namespaces(), links(), state_dirs())
+        for failing in range(len(steps)):
+            done = []
+
+            def fail_at_step(argv, failing=failing, done=done):
+                if len(done) == failing:
+                    raise emulated.ClusterError(f"step {failing} failed: {argv}")
+                done.append(argv)
+                return real(argv)
+            monkeypatch.setattr(emulated, "_run", fail_at_step)
+            try:
+                with pytest.raises(emulated.ClusterError, match=f"step {failing} failed"):
+                    emulated.Cluster(1, rate="50mbit").up()
+                assert (namespaces(), links(), state_dirs()) == before, steps[failing]
+            finally:  # what the old code left, so that the next step starts clean
+                for name in namespaces() - before[0]:
+                    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+                for name in links() - before[1]:
+                    subprocess.run(["ip", "link", "del", name], capture_output=True)
+        monkeypatch.setattr(emulated, "_run", real)
+        assert set(live.names) <= namespaces()
+        live.link_bytes()
+
+
+RANK = textwrap.dedent("""
+    import os, signal, sys, time
+    out, rank = sys.argv[1], os.environ["PMI_RANK"]
+    def stopped(*_):
+        open(f"{out}/stopped{rank}", "w").write(str(os.getpid()))
+        if sys.argv[2] == "leave":
+            sys.exit(0)
+    signal.signal(signal.SIGTERM, stopped)
+    open(f"{out}/ready{rank}", "w").write(str(os.getpid()))
+    while True:
+        time.sleep(0.05)
+""")
+
+
+def wait_for(path, count, seconds=60):
+    """The ranks' pids, once ``count`` of them wrote ``path``/ready<rank>."""
+    end = time.monotonic() + seconds
+    while len(list(path.glob("ready*"))) < count:
+        assert time.monotonic() < end, "the ranks did not start"
+        time.sleep(0.05)
+    time.sleep(0.1)  # the file is written once the handler is set
+    return [int(ready.read_text()) for ready in path.glob("ready*")]
+
+
+def running(pid):
+    """Whether ``pid`` is a process that has not exited (a zombie has)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_launcher_stopped_by_sigterm_lets_the_ranks_on_every_host_stop(tmp_path):
+    """SIGTERM to ``commlib cluster run`` (a test's time limit, a job
+    scheduler) reaches the ranks on every host as SIGTERM, so they stop
+    themselves (rather than being killed outright); then none is left
+    running, nor any of the launcher's namespaces."""
+    needs_a_cluster()
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "commlib.tools.cluster", "run", "--hosts", "2", "-n", "2",
+         "--quiet", sys.executable, "-c", RANK, str(tmp_path), "leave"])
+    try:
+        pids = wait_for(tmp_path, 2)
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        launcher.kill()
+    assert sorted(p.name for p in tmp_path.glob("stopped*")) == ["stopped0", "stopped1"]
+    assert not any(running(pid) for pid in pids)
+    assert not any(name.startswith(f"cl{launcher.pid}c") for name in namespaces())
+
+
+def test_ranks_that_ignore_sigterm_are_killed_after_the_grace(tmp_path):
+    """Ranks that do not stop on SIGTERM get ``grace`` seconds, then are
+    killed, and the exception that interrupted the run goes on."""
+    needs_a_cluster()
+    main_thread = threading.main_thread().ident
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    pids, sent = [], []
+
+    def terminate_once_started():
+        pids.extend(wait_for(tmp_path, 2))
+        sent.append(time.monotonic())
+        signal.pthread_kill(main_thread, signal.SIGTERM)
+    try:
+        with emulated.Cluster(2) as hosts:
+            threading.Thread(target=terminate_once_started, daemon=True).start()
+            with pytest.raises(SystemExit):
+                hosts.run(1, [sys.executable, "-c", RANK, str(tmp_path), "stay"], grace=0.5,
+                          timeout=60)
+            assert 0.5 <= time.monotonic() - sent[0] < 30
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert sorted(p.name for p in tmp_path.glob("stopped*")) == ["stopped0", "stopped1"]
+    end = time.monotonic() + 10  # killed with mpiexec's proxies, which see it gone
+    while any(running(pid) for pid in pids) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert len(pids) == 2 and not any(running(pid) for pid in pids)

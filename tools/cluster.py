@@ -3,12 +3,14 @@ network, host name and links of a chosen rate, to run MPI programs across
 (``commlib cluster run``, or ``Cluster`` from Python).
 
 Each host is a network namespace with one interface, ``eth0``, a veth into
-a bridge that lives in a namespace of its own, and a UTS namespace (kept
-alive by a bind mount) for its host name. A link's rate is a ``tc`` token
+a bridge that lives in a namespace of its own (made inside those
+namespaces, so never on the machine's own network), and a UTS namespace
+(kept alive by a bind mount) for its host name. A link's rate is a ``tc`` token
 bucket on both of its ends: what the host sends and what it receives.
 Names, addresses and links exist only inside those namespaces, so nothing
-reaches the machine's own network, and two clusters (two processes) can
-run at once. ``mpiexec`` (MPICH's Hydra) runs in the first host and starts
+reaches the machine's own network; the names carry the process's pid and
+a count of its clusters, so any number of clusters (in one process or
+several) can run at once. ``mpiexec`` (MPICH's Hydra) runs in the first host and starts
 its proxies on the others with ``-launcher ssh`` pointed at a script that
 enters the host's namespaces instead of logging in; the host names resolve
 through a private ``/etc/hosts`` (a mount namespace around the launch).
@@ -28,6 +30,7 @@ what is missing.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -48,7 +51,13 @@ INTERFACE = "eth0"
 # MPICH between hosts: the OFI netmod over libfabric's TCP provider on the shaped link
 # (the default netmod's shared memory would cross the namespaces, and no link)
 NETWORK_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": INTERFACE}
-_STALE_NAME = re.compile(r"^cl(\d+)(?:h\d+|br)$")  # the namespaces Cluster names
+# the namespaces Cluster and problem() name, with the pid that made them
+# (cl<pid>h<i>, without the count, is what earlier versions named)
+_STALE_NAME = re.compile(r"^(?:cl(\d+)(?:c\d+)?(?:h\d+|br)|commlib-probe-(\d+))$")
+_CLUSTERS = itertools.count()  # this process's clusters, for their names
+# seconds mpiexec has, once told to stop (SIGTERM, which Hydra forwards to
+# every rank on every host), before it is killed (its proxies then kill the ranks)
+GRACE = 5.0
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)bit\s*(?:/s)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
 # Hydra's ssh launcher runs `SCRIPT [ssh options] HOST COMMAND...`, COMMAND as
@@ -126,10 +135,11 @@ class Cluster:
         chosen = [(host_rates or {}).get(i, rate) for i in range(hosts)]
         self.rates: List[Optional[int]] = [parse_rate(r) if r else None for r in chosen]
         self.cpus = split_cores(sorted(os.sched_getaffinity(0)), hosts)
-        tag = f"cl{os.getpid()}"
+        tag = f"cl{os.getpid()}c{next(_CLUSTERS)}"  # another Cluster's names are not ours
         self.names = [f"{tag}h{i}" for i in range(hosts)]  # namespaces and host names
         self._bridge = f"{tag}br"
         self._state: Optional[Path] = None
+        self._made: List[str] = []  # the namespaces up() made: down() removes these only
 
     # -- lifecycle ------------------------------------------------------------------
     def __enter__(self) -> "Cluster":
@@ -152,6 +162,10 @@ class Cluster:
             self.down()
             raise
 
+    def _add_namespace(self, name: str) -> None:
+        _ip("netns", "add", name)
+        self._made.append(name)
+
     def _build(self) -> None:
         state = self._state
         hosts = "".join(f"{SUBNET}.{i + 1} {name}\n" for i, name in enumerate(self.names))
@@ -159,16 +173,16 @@ class Cluster:
         launcher = state / "launch-on-host"
         launcher.write_text(_LAUNCHER.replace("STATE", str(state)))
         launcher.chmod(0o755)
-        _ip("netns", "add", self._bridge)
+        self._add_namespace(self._bridge)
         _ip("-n", self._bridge, "link", "add", "br0", "type", "bridge")
         _ip("-n", self._bridge, "link", "set", "br0", "up")
         for i, name in enumerate(self.names):
-            outer = f"{name}b"  # the link's end in the bridge
-            _ip("netns", "add", name)
-            _ip("link", "add", name, "type", "veth", "peer", "name", outer)
-            _ip("link", "set", name, "netns", name)
-            _ip("link", "set", outer, "netns", self._bridge)
-            _ip("-n", name, "link", "set", name, "name", INTERFACE)
+            outer = f"h{i}"  # the link's end in the bridge
+            self._add_namespace(name)
+            # both ends made where they live, in one step: none is ever on the
+            # machine's own network, where a failed move would leave it
+            _ip("link", "add", INTERFACE, "netns", name, "type", "veth", "peer", "name", outer,
+                "netns", self._bridge)
             _ip("-n", name, "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", INTERFACE)
             _ip("-n", name, "link", "set", INTERFACE, "up")
             _ip("-n", name, "link", "set", "lo", "up")
@@ -182,9 +196,11 @@ class Cluster:
             _run(["unshare", f"--uts={uts}", "hostname", name])
 
     def down(self) -> None:
-        """Remove everything ``up`` made (whatever part of it exists)."""
-        for name in self.names + [self._bridge]:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        """Remove everything ``up`` made (whatever part of it exists), and
+        nothing else: a namespace of that name that ``up`` could not make
+        is someone else's."""
+        while self._made:  # its links and the bridge go with it
+            subprocess.run(["ip", "netns", "del", self._made.pop()], capture_output=True)
         if self._state is not None:
             for uts in self._state.glob("*.uts"):
                 subprocess.run(["umount", str(uts)], capture_output=True)
@@ -214,13 +230,32 @@ class Cluster:
 
     def run(self, ranks_per_host: int, argv: Sequence[str],
             env: Optional[Mapping[str, str]] = None, timeout: Optional[float] = None,
-            **popen) -> subprocess.CompletedProcess:
+            grace: float = GRACE, input=None, capture_output: bool = False,
+            check: bool = False, **popen) -> subprocess.CompletedProcess:
         """``argv`` across the hosts (``command``), with MPICH set to cross
         the links (``NETWORK_ENV``) unless ``env`` or the environment says
-        otherwise; the keyword arguments go to ``subprocess.run``."""
+        otherwise; ``input``, ``capture_output``, ``check`` and the keyword
+        arguments as ``subprocess.run`` takes them.
+
+        Unlike ``subprocess.run``, a timeout or an exception while it runs
+        (a signal handler's ``SystemExit``, Ctrl-C) first sends mpiexec
+        SIGTERM, which Hydra forwards to the ranks on every host, and kills
+        it only after ``grace`` seconds: the ranks get to stop themselves."""
         full_env = {**NETWORK_ENV, **os.environ, **(env or {})}
-        return subprocess.run(self.command(ranks_per_host, argv), env=full_env,
-                              timeout=timeout, **popen)
+        if capture_output:
+            popen["stdout"] = popen["stderr"] = subprocess.PIPE
+        if input is not None:
+            popen["stdin"] = subprocess.PIPE
+        with subprocess.Popen(self.command(ranks_per_host, argv), env=full_env,
+                              **popen) as process:
+            try:
+                out, err = process.communicate(input, timeout=timeout)
+            except BaseException:
+                _stop(process, grace)
+                raise
+        if check and process.returncode:
+            raise subprocess.CalledProcessError(process.returncode, process.args, out, err)
+        return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
     def link_bytes(self) -> List[Tuple[int, int]]:
         """(bytes sent, bytes received) by each host on its link so far."""
@@ -234,7 +269,9 @@ class Cluster:
 
 def sweep_stale() -> None:
     """Remove what clusters of processes that no longer exist left behind
-    (a launch killed outright never reaches ``down``)."""
+    (a launch killed outright never reaches ``down``), and the namespace
+    ``problem()`` makes to see whether it can, should it have been killed
+    between making and removing it."""
     def alive(pid: int) -> bool:
         try:
             os.kill(pid, 0)
@@ -246,7 +283,7 @@ def sweep_stale() -> None:
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     for name in (line.split()[0] for line in listed.splitlines() if line.strip()):
         found = _STALE_NAME.match(name)
-        if found and not alive(int(found.group(1))):
+        if found and not alive(int(found.group(1) or found.group(2))):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
     for state in Path(tempfile.gettempdir()).glob("commlib-cluster-*-*"):
         pid = state.name.split("-")[2]
@@ -254,6 +291,19 @@ def sweep_stale() -> None:
             for uts in state.glob("*.uts"):
                 subprocess.run(["umount", str(uts)], capture_output=True)
             shutil.rmtree(state, ignore_errors=True)
+
+
+def _stop(process: subprocess.Popen, grace: float) -> None:
+    """SIGTERM to mpiexec, SIGKILL after ``grace`` seconds (or at once,
+    should another exception interrupt the wait); the pipes are read
+    meanwhile, so that the ranks' last words do not block them."""
+    try:
+        process.terminate()
+        process.communicate(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        process.kill()
 
 
 def split_cores(cores: Sequence[int], hosts: int) -> List[Optional[str]]:
