@@ -1,0 +1,213 @@
+"""The attention conformance matrix: every option of every attention entry
+point, combined by a covering array (tests/covering.py), each case either
+equal to the float64 reference on the unsharded sequence, forward and
+backward, or refused on every rank with the error this file predicts.
+
+A case is a dict of factor -> value (``FACTORS``). ``expected_refusal``
+is the oracle: the message a refused case must carry, or None where the
+case must compute. ``run_case`` shards the global inputs, calls the entry
+point on every rank, gathers outputs and gradients, and returns them as
+float64 NumPy arrays of the whole sequence.
+
+Tiers: the quick tier (the README's ``pytest``) runs ``QUICK_CASES`` of
+the matrix, sampled with a fixed seed; the full tier
+(``COMMLIB_TEST_TIER=full``, CI) runs all of it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from commlib import common_masks, masks, ring
+from commlib.hybrid import hybrid_attention, hybrid_attention_backward
+from commlib.ulysses import ulysses_attention, ulysses_attention_backward
+
+import covering
+from attention_reference import document_mask
+
+TIER = os.environ.get("COMMLIB_TEST_TIER", "quick")
+QUICK_CASES = int(os.environ.get("COMMLIB_MATRIX_QUICK_CASES", "24"))
+
+HEADS, DIM = 6, 8
+# (query heads, kv heads): kv heads below the Ulysses degree at 2-4 ranks
+HEAD_COUNTS = {"mha": (HEADS, HEADS), "gqa": (HEADS, 2), "kv_below_degree": (HEADS, 1)}
+
+FACTORS: Dict[str, Tuple[str, ...]] = {
+    "api": ("core", "torch", "jax"),
+    "algorithm": ("ring", "ulysses", "hybrid"),
+    "layout": ("contiguous", "zigzag", "zigzag_docs", "balanced"),
+    "method": ("auto", "ring", "allgather", "sparse"),
+    "masking": ("none", "causal", "cu_seqlens", "window", "prefix_lm", "shared_prefix",
+                "multimodal", "block_diagonal", "mask_mod"),
+    "heads": tuple(HEAD_COUNTS),
+    "dtype": ("float64", "float32", "bfloat16"),
+    "length": ("divisible", "uneven"),
+}
+# every entry point (api x algorithm) meets every layout and method
+FULL = (("api", "algorithm", "layout", "method"),)
+
+# (out, gradients) bounds on the error relative to max(1, |reference|):
+# float64 at the rounding of a few sums; float32 and bfloat16 at 2-3x the
+# largest measured (tests/mpi/test_attention_frameworks.py)
+TOLERANCE = {"float64": (1e-10, 1e-10), "float32": (3e-5, 1.2e-4),
+             "bfloat16": (1.5e-2, 3e-2)}
+MASKS = ("prefix_lm", "shared_prefix", "multimodal", "block_diagonal", "mask_mod")
+
+
+def cases(world: int) -> List[Dict[str, Any]]:
+    """This tier's cases at ``world`` ranks (the same on every rank)."""
+    every = covering.covering(FACTORS, full=FULL, seed=world)
+    return every if TIER == "full" else covering.sample(every, QUICK_CASES, seed=world)
+
+
+def case_id(case: Dict[str, Any]) -> str:
+    return "-".join(str(case[name]) for name in FACTORS)
+
+
+def length_of(case: Dict[str, Any], world: int) -> int:
+    """Divisible by 2P (every layout's chunks equal), or not."""
+    return 4 * world * (2 if world < 3 else 1) + (0 if case["length"] == "divisible" else 3)
+
+
+def visibility(case: Dict[str, Any], length: int) -> Tuple[Dict[str, Any], np.ndarray]:
+    """The attention keywords that express ``case["masking"]`` over
+    ``length`` tokens, and its dense boolean mask [s, s] (True = visible),
+    written from the definition for the reference."""
+    kind = case["masking"]
+    if kind in MASKS:
+        mask = _mask(kind, length)
+        return {"mask": mask}, mask.dense()
+    third = length // 3
+    cu_seqlens = [0, third, 2 * third + 1, length] if kind == "cu_seqlens" else None
+    window = (3, 0) if kind == "window" else None
+    causal = kind != "none"
+    options: Dict[str, Any] = {"causal": causal}
+    if window is not None:
+        options["window"] = window
+    if cu_seqlens is None and case["length"] == "uneven":
+        cu_seqlens = [0, length]  # the documented way to shard one uneven sequence
+    if cu_seqlens is not None:
+        options["cu_seqlens"] = cu_seqlens
+    return options, document_mask(length, cu_seqlens, causal, window)
+
+
+def _mask(kind: str, length: int) -> masks.Mask:
+    if kind == "prefix_lm":
+        return common_masks.prefix_lm(length, length // 3)
+    if kind == "shared_prefix":
+        return common_masks.shared_prefix(length, length // 4, 2)
+    if kind == "multimodal":
+        return common_masks.multimodal(length, [(2, 6)])
+    if kind == "block_diagonal":
+        return common_masks.block_diagonal(length, 3, causal=True)
+    return masks.from_mask_mod(lambda b, h, q, k: (k <= q) & (q - k < 5), length, block=4)
+
+
+def expected_refusal(case: Dict[str, Any]) -> Optional[str]:
+    """What a refused case's error must say, or None: the case computes.
+    Each refusal is a documented limit with its way out, not a gap."""
+    if case["layout"] == "balanced" and case["masking"] not in MASKS:
+        return "pass mask="
+    return None
+
+
+def ulysses_degree(world: int) -> int:
+    """The hybrid's Ulysses degree: a ring of 2 groups where the world is
+    even, else Ulysses over all ranks."""
+    return world // 2 if world % 2 == 0 else world
+
+
+def inputs(case: Dict[str, Any], length: int, seed: int) -> List[np.ndarray]:
+    """q, k, v, dout of the whole sequence, float64, rounded to the case's
+    dtype (so the reference sees what the ranks see)."""
+    import ml_dtypes
+    rng = np.random.default_rng(seed)
+    heads, kv_heads = HEAD_COUNTS[case["heads"]]
+    arrays = [rng.standard_normal((1, length, h, DIM)) for h in (heads, kv_heads, kv_heads, heads)]
+    if case["dtype"] == "bfloat16":
+        arrays = [x.astype(ml_dtypes.bfloat16).astype(np.float64) for x in arrays]
+    elif case["dtype"] == "float32":
+        arrays = [x.astype(np.float32).astype(np.float64) for x in arrays]
+    return arrays
+
+
+def run_case(case: Dict[str, Any], comm, full: List[np.ndarray],
+             options: Dict[str, Any]) -> List[np.ndarray]:
+    """(out, dq, dk, dv) of the whole sequence, float64, from ``case``'s
+    entry point on every rank."""
+    layout = case["layout"]
+    shard_keys = {key: options[key] for key in ("cu_seqlens", "mask") if key in options}
+    mine = [ring.shard_sequence(x, comm, layout=layout, **shard_keys) for x in full]
+    call = dict(options, layout=layout)
+    call.setdefault("causal", False)  # a mask says it all: causal=False beside it
+    if case["algorithm"] != "ulysses":
+        call["method"] = case["method"]
+    if case["algorithm"] == "hybrid":
+        call["ulysses_size"] = ulysses_degree(comm.size)
+    run = {"core": _core, "torch": _torch, "jax": _jax}[case["api"]]
+    got = run(case["algorithm"], mine, case["dtype"], comm, call)
+    return [ring.unshard_sequence(np.asarray(x, np.float64), comm, layout=layout, **shard_keys,
+                                  length=full[0].shape[1] if not shard_keys else None)
+            for x in got]
+
+
+def _core(algorithm: str, mine: List[np.ndarray], dtype: str, comm,
+          call: Dict[str, Any]) -> List[np.ndarray]:
+    """The core functions on NumPy arrays (bfloat16 through ml_dtypes)."""
+    import ml_dtypes
+    q, k, v, dout = (x.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+                     for x in mine)
+    call = dict(call)
+    if algorithm == "ring":
+        out, lse = ring.ring_attention(q, k, v, comm, return_lse=True, **call)
+        grads = ring.ring_attention_backward(dout, q, k, v, out, lse, comm, **call)
+    elif algorithm == "ulysses":
+        out, lse = ulysses_attention(q, k, v, comm, return_lse=True, **call)
+        grads = ulysses_attention_backward(dout, q, k, v, out, lse, comm, **call)
+    else:
+        degree = call.pop("ulysses_size")
+        out, lse = hybrid_attention(q, k, v, comm, degree, return_lse=True, **call)
+        grads = hybrid_attention_backward(dout, q, k, v, out, lse, comm, degree, **call)
+    return [np.asarray(x).astype(np.float64) for x in (out, *grads)]
+
+
+def _torch(algorithm: str, mine: List[np.ndarray], dtype: str, comm,
+           call: Dict[str, Any]) -> List[np.ndarray]:
+    """The torch binding, through autograd."""
+    import torch
+
+    from commlib.bindings import torch as ct
+    q, k, v = (torch.tensor(x, dtype=getattr(torch, dtype)).requires_grad_()
+               for x in mine[:3])
+    dout = torch.tensor(mine[3], dtype=getattr(torch, dtype))
+    call = dict(call)
+    args = (call.pop("ulysses_size"),) if algorithm == "hybrid" else ()
+    out = getattr(ct, f"{algorithm}_attention")(q, k, v, comm, *args, **call)
+    out.backward(dout)
+    return [x.detach().to(torch.float64).numpy() for x in (out, q.grad, k.grad, v.grad)]
+
+
+def _jax(algorithm: str, mine: List[np.ndarray], dtype: str, comm,
+         call: Dict[str, Any]) -> List[np.ndarray]:
+    """The JAX binding inside ``jax.jit``, through ``jax.vjp`` (float64
+    with x64 on for this call)."""
+    import jax
+    import jax.numpy as jnp
+
+    from commlib.bindings import jax as cj
+    call = dict(call)
+    args = (call.pop("ulysses_size"),) if algorithm == "hybrid" else ()
+    attention = getattr(cj, f"{algorithm}_attention")
+
+    def step(q, k, v, dout):
+        out, pullback = jax.vjp(lambda *qkv: attention(*qkv, comm, *args, **call), q, k, v)
+        return (out, *pullback(dout))
+
+    with jax.enable_x64(dtype == "float64"):
+        arrays = [jnp.asarray(x, dtype=getattr(jnp, dtype)) for x in mine]
+        got = jax.jit(step)(*arrays)
+        return [np.asarray(x.astype(jnp.float32) if dtype == "bfloat16" else x, np.float64)
+                for x in got]

@@ -1,0 +1,58 @@
+"""The attention conformance matrix (tests/conformance.py) at this launch's
+world size: each case equals torch SDPA in float64 on the unsharded
+sequence with the case's dense mask, output and the three gradients, or is
+refused on every rank with the predicted error. Nothing is skipped."""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import conformance
+import covering
+import requires
+from attention_reference import masked_torch_reference, relative_error
+from conftest import all_ranks
+
+requires.module("torch")
+requires.module("jax")
+
+# odd sizes change every layout's cuts and the hybrid's degree; 4 makes the
+# hybrid a real Ulysses x Ring grid; 1 is the degenerate world
+WORLD_SIZES = (1, 2, 3, 4)
+WORLD = MPI.COMM_WORLD.Get_size()
+CASES = conformance.cases(WORLD)
+
+
+@pytest.mark.parametrize("case", CASES, ids=conformance.case_id)
+def test_case_is_correct_or_refused_everywhere(comm, case):
+    length = conformance.length_of(case, comm.size)
+    options, dense = conformance.visibility(case, length)
+    full = conformance.inputs(case, length, seed=len(conformance.case_id(case)))
+    refusal = conformance.expected_refusal(case)
+    try:
+        got = conformance.run_case(case, comm, full, options)
+    except (ValueError, TypeError) as error:
+        raised = f"{type(error).__name__}: {error}"
+        assert all_ranks(refusal is not None and refusal in raised), (
+            f"refused, but the matrix says {'compute' if refusal is None else repr(refusal)}: "
+            f"{raised}")
+        return
+    assert all_ranks(refusal is None), f"computed, but should have been refused ({refusal!r})"
+    want = masked_torch_reference(*full, dense)
+    bounds = conformance.TOLERANCE[case["dtype"]]
+    errors = [relative_error(g, w) for g, w in zip(got, want)]
+    ok = errors[0] <= bounds[0] and max(errors[1:]) <= bounds[1]
+    assert all_ranks(ok), f"errors (out, dq, dk, dv) {errors} over bounds {bounds}"
+
+
+def test_the_matrix_covers_every_pair_and_entry_layout_method():
+    """The full tier meets every pair of option values and every (entry
+    point, layout, method); the quick tier is a sample of it."""
+    every = covering.covering(conformance.FACTORS, full=conformance.FULL, seed=WORLD)
+    assert not covering.pairs_missed(every, conformance.FACTORS)
+    triples = {(c["api"], c["algorithm"], c["layout"], c["method"]) for c in every}
+    f = conformance.FACTORS
+    assert len(triples) == (len(f["api"]) * len(f["algorithm"]) * len(f["layout"])
+                            * len(f["method"]))
+    assert all(case in every for case in CASES)
+    assert len(np.unique([conformance.case_id(c) for c in CASES])) == len(CASES)
