@@ -304,6 +304,7 @@ def _stop(process: subprocess.Popen, grace: float) -> None:
         pass
     finally:
         process.kill()
+        process.wait()  # Popen's exit does not, after Ctrl-C
 
 
 def split_cores(cores: Sequence[int], hosts: int) -> List[Optional[str]]:
