@@ -219,6 +219,26 @@ class TracedComm:
             results.append(jax.lax.bitcast_convert_type(block, a.dtype).reshape(a.shape))
         return results
 
+    def alltoallv(self, x, send_counts: Any, recv_counts: Any = None):
+        """Variable rows along axis 0, as ``Communicator.alltoallv``, with
+        both counts known when tracing (a jitted program's shapes are): no
+        count exchange, the caller's ``recv_counts`` size the result."""
+        if recv_counts is None:
+            raise ValueError("alltoallv under jax.jit needs recv_counts: the result's shape "
+                             "is fixed when tracing, so pass the rows each rank sends here")
+        send, recv = ([int(n) for n in np.asarray(c).reshape(-1)]
+                      for c in (send_counts, recv_counts))
+        if len(send) != self.size or len(recv) != self.size or sum(send) != x.shape[0]:
+            raise ValueError(f"alltoallv needs {self.size} send and receive counts, the send "
+                             f"counts summing to x's {x.shape[0]} rows; got {send} and {recv}")
+        bits = _bits(x)
+
+        def transfer(outs, data):
+            outs[0][...] = self.runtime.alltoallv(data, send, recv)[0]
+        out, = self._call(transfer, [jax.ShapeDtypeStruct((sum(recv),) + bits.shape[1:],
+                                                          bits.dtype)], bits)
+        return _unbits(out, x.dtype), np.array(recv, np.int64)
+
     def allgather(self, x, axis: int = 0):
         bits = _bits(x)
 

@@ -34,7 +34,15 @@ from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
-from .documents import PADDING, Span, _in_order, _joined, needed_length, packing_for
+from .documents import (
+    PADDING,
+    Span,
+    _in_order,
+    _joined,
+    check_layout,
+    needed_length,
+    packing_for,
+)
 from .masks import covered
 
 __all__ = ["Assigned", "solve", "chunk_size", "loads", "held_ranges", "placement_for", "SLACK",
@@ -185,15 +193,27 @@ def placement_for(layout: str, size: int, local_length: Optional[int], cu_seqlen
     if mask is not None and cu_seqlens is not None:
         raise ValueError("pass mask= or cu_seqlens=, not both: a mask holds the documents "
                          "(commlib.masks.from_cu_seqlens)")
+    check_layout(layout)
+    if mask is not None and local_length is not None:
+        _check_mask_length(mask, layout, size, local_length)
     if layout == "balanced" and mask is not None:
-        placement = solve(mask, size)
-        if local_length is not None and local_length != placement.local_length:
-            raise ValueError(f"the balanced layout of this mask gives every rank "
-                             f"{placement.local_length} tokens, but the shard has "
-                             f"{local_length}: make shards with shard_sequence(..., "
-                             f"layout='balanced', mask=mask)")
-        return placement
+        return solve(mask, size)
     offsets = (0, mask.length) if mask is not None else cu_seqlens
     if local_length is None:
         local_length = needed_length(tuple(offsets), layout, size)
     return packing_for(offsets, layout, size, local_length)
+
+
+def _check_mask_length(mask: Any, layout: str, size: int, local_length: int) -> None:
+    """Shards of ``local_length`` must be what ``shard_sequence`` makes of the
+    mask's sequence: padding cannot say where a shorter mask ends, so a mask
+    of another length would silently hide the rest of the sequence."""
+    want = solve(mask, size).local_length if layout == "balanced" else \
+        needed_length((0, mask.length), layout, size)
+    if local_length != want:
+        raise ValueError(f"the mask covers {mask.length} tokens but the shards hold "
+                         f"{size * local_length} ({size} of {local_length}; the {layout} "
+                         f"layout of a {mask.length}-token sequence gives every rank {want}): "
+                         f"make the mask for the global sequence (Mask(slices, length=...)) "
+                         f"and its shards with shard_sequence(..., layout='{layout}', "
+                         f"mask=mask)")

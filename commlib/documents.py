@@ -135,6 +135,11 @@ class Grouped:
     def size(self) -> int:
         return self.packing.size // self.group_size
 
+    @property
+    def offsets(self) -> Tuple[int, ...]:
+        """The documents: the same sequence, held by groups."""
+        return self.packing.offsets
+
     def spans(self, holder: int) -> Tuple[Span, ...]:
         first = holder * self.group_size
         return _joined([s for rank in range(first, first + self.group_size)

@@ -12,8 +12,9 @@ the host, the same everywhere, cached per mask and placement.
 
 Forward: one variable-size all-to-all of the needed K/V rows (in their own
 dtype), then the kernel over each sender's rows. Backward: the same
-exchange, the kernel's backward, and one all-to-all of the float32 dK/dV
-partials back to their owners, summed there (``namespace.sum_rows``).
+exchange, the kernel's backward, and one all-to-all of the dK/dV partials
+(float32; float64 for float64 inputs) back to their owners, summed there
+(``namespace.sum_rows``).
 
 ``method="auto"`` (the attention functions' default) takes this path where
 it moves at most ``SPARSE_SHARE`` of the ring's bytes on the busiest rank,
@@ -31,7 +32,7 @@ import numpy as np
 from ..balanced import held_ranges
 from ..documents import Span, local_index
 from ..kernels.blockwise import attend, attend_backward
-from ..namespace import contiguous, device, namespace, sum_rows
+from ..namespace import accumulator_dtype, contiguous, device, namespace, sum_rows
 from ..visibility import mask_blocks
 
 __all__ = ["Routes", "routes", "sparse_forward", "sparse_backward", "SPARSE_SHARE"]
@@ -56,6 +57,14 @@ class Routes:
         """Rows rank receives from the others."""
         return sum(int(self.rows[src][rank].size) for src in range(len(self.rows))
                    if src != rank)
+
+    def counts(self, rank: int) -> Tuple[np.ndarray, np.ndarray]:
+        """(rows rank sends to each rank, rows it receives from each): both
+        sides of its K/V exchange known from the routes, so no count exchange
+        (and under jax.jit, the result's static shape)."""
+        size = len(self.rows)
+        return (np.array([self.rows[rank][dst].size for dst in range(size)], np.int64),
+                np.array([self.rows[src][rank].size for src in range(size)], np.int64))
 
     def busiest_share(self) -> float:
         """The most rows any rank receives, against the ring's (P-1) shards."""
@@ -99,15 +108,14 @@ def _exchange(comm, k: Any, v: Any, plan: Routes) -> List[Any]:
     rows_major = contiguous(xp.permute_dims(xp.stack([k, v]), (2, 0, 1, 3, 4)))
     picks = [plan.rows[me][dst] for dst in range(comm.size)]
     index = xp.asarray(np.concatenate(picks), device=device(k))
-    arrived, counts = comm.alltoallv(xp.take(rows_major, index, axis=0),
-                                     np.array([p.size for p in picks]))
+    arrived, counts = comm.alltoallv(xp.take(rows_major, index, axis=0), *plan.counts(me))
     edges = np.r_[0, np.cumsum(counts)].tolist()
     return [xp.permute_dims(arrived[a:b], (1, 2, 0, 3, 4)) for a, b in zip(edges, edges[1:])]
 
 
 def sparse_forward(call: Any, q: Any, k: Any, v: Any, comm) -> Any:
-    """The float32 (out, lse) state of this rank's queries over every key
-    they see."""
+    """The (out, lse) state (accumulator dtype) of this rank's queries over
+    every key they see."""
     mask = call.visibility()
     plan, mine = routes(mask, call.placement), call.placement.spans(comm.rank)
     state = None
@@ -119,7 +127,7 @@ def sparse_forward(call: Any, q: Any, k: Any, v: Any, comm) -> Any:
 
 def sparse_backward(call: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
                     comm) -> Tuple[Any, Any]:
-    """(dq float32, dK and dV [2, b, s, hk, d] float32) of this rank's shard:
+    """(dq, dK and dV [2, b, s, hk, d], accumulator dtype) of this rank's shard:
     its queries' gradient over every key they see, and its keys' partials
     from every rank, summed."""
     xp = namespace(q)
@@ -131,10 +139,9 @@ def sparse_backward(call: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse:
                                   mask_blocks(mask, mine, plan.spans[src][comm.rank]),
                                   call.scale, dq)
         partials.append(xp.permute_dims(dkv, (2, 0, 1, 3, 4)))
-    back, _ = comm.alltoallv(xp.concat(partials, axis=0),
-                             np.array([plan.rows[src][comm.rank].size
-                                       for src in range(comm.size)]))
+    sent, received = plan.counts(comm.rank)
+    back, _ = comm.alltoallv(xp.concat(partials, axis=0), received, sent)  # the way back
     owners = xp.asarray(np.concatenate([plan.rows[comm.rank][dst] for dst in range(comm.size)]),
                         device=device(q))
-    summed = sum_rows(back, owners, k.shape[1], dtype=xp.float32)
+    summed = sum_rows(back, owners, k.shape[1], dtype=accumulator_dtype(q))
     return dq, xp.permute_dims(summed, (1, 2, 0, 3, 4))

@@ -18,8 +18,11 @@ from commlib.masks import KINDS, Mask, Slice, from_cu_seqlens, from_mask_mod
 
 import arrayimpl
 import requires
-from attention_reference import masked_torch_reference, relative_error
+from attention_reference import document_mask, masked_torch_reference, relative_error
 from conftest import all_ranks, raises_everywhere, same_on_all_ranks
+
+# the balanced solver's placements at even, odd and grid sizes
+WORLD_SIZES = (2, 3, 4)
 
 torch = requires.module("torch")
 requires.module("jax")
@@ -37,7 +40,8 @@ MASKS = {
     "prefix-lm": lambda: prefix_lm(LENGTH, 20),
     "shared-prefix-4-branches": lambda: shared_prefix(LENGTH, 17, 4),
     "multimodal": lambda: multimodal(LENGTH, [(9, 21), (40, 47)]),
-    "windows-in-documents": lambda: from_cu_seqlens([0, 13, 40, LENGTH], True, (6, 0)),
+    "windows-in-documents": lambda: from_cu_seqlens([0, 13, 40, LENGTH], causal=True,
+                                                            window=(6, 0)),
     "mask-mod-causal": lambda: from_mask_mod(lambda b, h, q, k: q >= k, LENGTH, block=16),
     "mask-mod-window": lambda: from_mask_mod(lambda b, h, q, k: (q >= k) & (q - k < 9),
                                              LENGTH, block=16),
@@ -78,16 +82,25 @@ ALGORITHMS = {"ring": lambda *a, **o: _ring(*a, method="ring", **o),
 def check(comm, impl, dtype, mask, layout, algorithm, seed=0):
     """The algorithm's out and (dq, dk, dv) on this rank's shards against
     SDPA on the whole sequence with ``mask.dense()``, within tolerance."""
-    q, k, v, dout = _global(seed, mask.length)
-    want = masked_torch_reference(q, k, v, dout, mask.dense())
+    return compare(comm, impl, dtype, mask.dense(), layout, algorithm, dict(mask=mask), seed=seed,
+                   causal=False)
+
+
+def compare(comm, impl, dtype, dense, layout, algorithm, placed, seed=0, **options):
+    """``check`` for shards placed by ``placed`` (``mask=`` or
+    ``cu_seqlens=``) and attended with ``placed`` and ``options``
+    (``causal``, ``window``), against SDPA with ``dense``."""
+    q, k, v, dout = _global(seed, len(dense))
+    want = masked_torch_reference(q, k, v, dout, dense)
 
     def shard(x):
-        return ring.shard_sequence(impl.asarray(x, dtype), comm, layout=layout, mask=mask)
+        return ring.shard_sequence(impl.asarray(x, dtype), comm, layout=layout, **placed)
     out, grads = ALGORITHMS[algorithm](shard(q), shard(k), shard(v), shard(dout), comm,
-                                       layout=layout, mask=mask)
+                                       layout=layout, **placed, **options)
 
     def whole(x):
-        return impl.to_numpy(ring.unshard_sequence(x, comm, layout=layout, mask=mask))
+        return impl.to_numpy(ring.unshard_sequence(x, comm, layout=layout, length=len(dense),
+                                                   **placed))
     errors = [relative_error(whole(got), ref) for got, ref in zip((out, *grads), want)]
     bound = TOLERANCE[dtype]
     return impl.is_native(out) and errors[0] <= bound[0] and max(errors[1:]) <= bound[1], errors
@@ -99,6 +112,28 @@ def check(comm, impl, dtype, mask, layout, algorithm, seed=0):
 def test_every_mask_every_layout_is_sdpa_with_the_dense_mask(comm, name, layout, algorithm):
     ok, errors = check(comm, arrayimpl.IMPLS["torch"], "float32", MASKS[name](), layout,
                        algorithm)
+    assert all_ranks(ok), errors
+
+
+# causal attention without a mask: documents and a window as cu_seqlens and window=
+PACKED = {"causal": (None, None), "documents": ([0, 13, 40, LENGTH], None),
+          "documents-window": ([0, 13, 40, LENGTH], (6, 0))}
+
+
+@pytest.mark.parametrize("algorithm", ["ring-sparse", "hybrid-sparse"])
+@pytest.mark.parametrize("layout", ring.LAYOUTS)
+@pytest.mark.parametrize("name", PACKED)
+def test_sparse_without_a_mask_routes_documents_causality_and_window(comm, name, layout,
+                                                                      algorithm):
+    """method="sparse" with causal, cu_seqlens and window instead of mask=:
+    the routes come from their mask. The hybrid's ring of groups had no
+    documents to read (AttributeError: 'Grouped' object has no attribute
+    'offsets')."""
+    cu_seqlens, window = PACKED[name]
+    length = 48 if cu_seqlens is None else LENGTH  # 48: every layout's chunks at 2-4 ranks
+    dense = document_mask(length, cu_seqlens, causal=True, window=window)
+    ok, errors = compare(comm, arrayimpl.IMPLS["torch"], "float32", dense, layout, algorithm,
+                         dict(cu_seqlens=cu_seqlens), causal=True, window=window)
     assert all_ranks(ok), errors
 
 
@@ -147,7 +182,7 @@ def test_a_different_mask_on_one_rank_raises_on_every_rank(comm):
     shards = [ring.shard_sequence(x, comm, layout="zigzag", mask=prefix_lm(LENGTH, 20))
               for x in (q, k, v)]
     raises_everywhere(commlib.CollectiveMismatchError, lambda: ring.ring_attention(
-        *shards, comm, layout="zigzag", mask=mask), match="different arguments")
+        *shards, comm, layout="zigzag", causal=False, mask=mask), match="different arguments")
 
 
 @pytest.mark.parametrize("bad", ["with-causal", "not-a-mask", "other-length"])
@@ -156,8 +191,8 @@ def test_bad_masks_raise_on_every_rank(comm, bad):
     mask = prefix_lm(LENGTH, 20)
     shards = [ring.shard_sequence(x, comm, layout="contiguous", mask=mask) for x in (q, k, v)]
     options = {"with-causal": dict(mask=mask, causal=True),
-               "not-a-mask": dict(mask=mask.dense()),
-               "other-length": dict(mask=prefix_lm(3 * LENGTH, 20))}[bad]
+               "not-a-mask": dict(mask=mask.dense(), causal=False),
+               "other-length": dict(mask=prefix_lm(3 * LENGTH, 20), causal=False)}[bad]
     raises_everywhere(commlib.CollectiveMismatchError, lambda: ring.ring_attention(
         *shards, comm, layout="contiguous", **options))
 
@@ -168,7 +203,31 @@ def test_balanced_shards_need_the_mask(comm):
     q, k, v, _ = _global(0)
     with pytest.raises(ValueError, match="pass mask="):
         ring.shard_sequence(q, comm, layout="balanced")
-    shards = [ring.shard_sequence(x, comm, layout="balanced", mask=block_diagonal(LENGTH, 3))
-              for x in (q, k, v)]
+    mask = block_diagonal(LENGTH, 3, causal=False)
+    shards = [ring.shard_sequence(x, comm, layout="balanced", mask=mask) for x in (q, k, v)]
     raises_everywhere(commlib.CollectiveMismatchError, lambda: ring.ring_attention(
         *shards, comm, layout="balanced", causal=True), match="pass mask=")
+
+
+def _torch_binding(q, k, v, dout, comm, **options):
+    from commlib.bindings import torch as binding
+
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = binding.ring_attention(q, k, v, comm, **options)
+    out.backward(dout)
+    return out, (q.grad, k.grad, v.grad)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "ring-sparse", "ulysses", "hybrid-sparse",
+                                       "torch-binding"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_mask_shorter_than_the_shards_raises_on_every_rank(comm, layout, algorithm):
+    """Shards of 24 tokens with a 10-token mask: the queries past 10 were
+    padding to it and came back 0, silently."""
+    placed = dict(mask=block_diagonal(24, 2, causal=False)) if layout == "balanced" else {}
+    shards = [ring.shard_sequence(torch.as_tensor(x), comm, layout=layout, **placed)
+              for x in _global(0, 24)]
+    attend = ALGORITHMS.get(algorithm, _torch_binding)
+    raises_everywhere(commlib.CollectiveMismatchError, lambda: attend(
+        *shards, comm, layout=layout, causal=False, mask=from_cu_seqlens([0, 10], causal=True)),
+        match="the mask covers 10 tokens but the shards hold 24")
