@@ -67,6 +67,11 @@ def case_id(case: Dict[str, Any]) -> str:
     return "-".join(str(case[name]) for name in FACTORS)
 
 
+def case_id_of(case: Dict[str, Any]) -> str:
+    """Any case's id: its values in factor order."""
+    return "-".join(str(value) for value in case.values())
+
+
 def length_of(case: Dict[str, Any], world: int) -> int:
     """Divisible by 2P (every layout's chunks equal), or not."""
     return 4 * world * (2 if world < 3 else 1) + (0 if case["length"] == "divisible" else 3)
@@ -211,3 +216,78 @@ def _jax(algorithm: str, mine: List[np.ndarray], dtype: str, comm,
         got = jax.jit(step)(*arrays)
         return [np.asarray(x.astype(jnp.float32) if dtype == "bfloat16" else x, np.float64)
                 for x in got]
+
+
+# The inference core: decode (new tokens every rank holds) and a chunk's
+# prefill (its queries sharded) over a KV cache striped by position, in each
+# framework's eager arrays (JAX inside jit is not served by this core).
+INFERENCE_FACTORS: Dict[str, Tuple[str, ...]] = {
+    "entry": ("decode", "chunk"),
+    "framework": ("numpy", "torch", "jax"),
+    "method": ("auto", "pass_q", "pass_kv"),
+    "masking": ("none", "causal", "window"),
+    "heads": tuple(HEAD_COUNTS),
+    "dtype": ("float64", "float32", "bfloat16"),
+}
+INFERENCE_FULL = (("entry", "framework", "method"),)
+CACHED, NEW = 13, 5  # tokens in the cache, then new (decode) or a chunk's
+
+
+def inference_cases(world: int) -> List[Dict[str, Any]]:
+    every = covering.covering(INFERENCE_FACTORS, full=INFERENCE_FULL, seed=world)
+    return every if TIER == "full" else covering.sample(every, QUICK_CASES // 2, seed=world)
+
+
+def inference_visibility(case: Dict[str, Any]) -> Dict[str, Any]:
+    return {"causal": case["masking"] != "none",
+            "window": (4, 0) if case["masking"] == "window" else None}
+
+
+def run_inference_case(case: Dict[str, Any], comm,
+                       full: List[np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:
+    """(this rank's output as float64, the positions of its queries): the
+    cache holds positions p with p % P == rank; decode asks the last NEW
+    positions on every rank, a chunk gives each rank a contiguous share of
+    them."""
+    from commlib.inference import chunk_attention, decode_attention
+    q, k, v = full[:3]
+    total = q.shape[1]
+    keys = np.arange(comm.rank, total, comm.size)
+    new = np.arange(total - NEW, total)
+    asked = new if case["entry"] == "decode" else np.array_split(new, comm.size)[comm.rank]
+    make = _maker(case["framework"], case["dtype"])
+    options = dict(inference_visibility(case), q_positions=asked, k_positions=keys)
+    if case["entry"] == "chunk":
+        options["method"] = case["method"]
+    attention = decode_attention if case["entry"] == "decode" else chunk_attention
+    with _x64(case):
+        out = attention(make(q[:, asked]), make(k[:, keys]), make(v[:, keys]), comm, **options)
+        return _to_float64(out), asked
+
+
+def _maker(framework: str, dtype: str):
+    """Arrays of ``framework`` in ``dtype`` from float64 NumPy."""
+    if framework == "torch":
+        import torch
+        return lambda x: torch.tensor(x, dtype=getattr(torch, dtype))
+    if framework == "jax":
+        import jax.numpy as jnp
+        return lambda x: jnp.asarray(x, dtype=getattr(jnp, dtype))
+    import ml_dtypes
+    return lambda x: x.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+
+
+def _x64(case: Dict[str, Any]):
+    import contextlib
+    if case["framework"] != "jax":
+        return contextlib.nullcontext()
+    import jax
+    return jax.enable_x64(case["dtype"] == "float64")
+
+
+def _to_float64(x: Any) -> np.ndarray:
+    if hasattr(x, "detach"):
+        import torch
+        return x.detach().to(torch.float64).numpy()
+    return np.asarray(np.asarray(x).astype(np.float32) if "bfloat16" in str(x.dtype) else x,
+                      np.float64)

@@ -11,7 +11,7 @@ import conformance
 import covering
 import requires
 from attention_reference import masked_torch_reference, relative_error
-from conftest import all_ranks
+from conftest import all_ranks, same_on_all_ranks
 
 requires.module("torch")
 requires.module("jax")
@@ -21,6 +21,7 @@ requires.module("jax")
 WORLD_SIZES = (1, 2, 3, 4)
 WORLD = MPI.COMM_WORLD.Get_size()
 CASES = conformance.cases(WORLD)
+INFERENCE_CASES = conformance.inference_cases(WORLD)
 
 
 @pytest.mark.parametrize("case", CASES, ids=conformance.case_id)
@@ -43,6 +44,30 @@ def test_case_is_correct_or_refused_everywhere(comm, case):
     errors = [relative_error(g, w) for g, w in zip(got, want)]
     ok = errors[0] <= bounds[0] and max(errors[1:]) <= bounds[1]
     assert all_ranks(ok), f"errors (out, dq, dk, dv) {errors} over bounds {bounds}"
+
+
+@pytest.mark.parametrize("case", INFERENCE_CASES, ids=conformance.case_id_of)
+def test_inference_case_is_sdpa_over_the_whole_cache(comm, case):
+    """Decode and a chunk's prefill over the striped cache: each rank's
+    queries get SDPA's output on the unsharded sequence (float64, the mask
+    by position), in the case's framework and dtype."""
+    length = conformance.CACHED + conformance.NEW
+    full = conformance.inputs(case, length, seed=len(conformance.case_id_of(case)))
+    got, asked = conformance.run_inference_case(case, comm, full)
+    options = conformance.inference_visibility(case)
+    gap = asked[:, None] - np.arange(length)[None, :]
+    mask = gap >= 0 if options["causal"] else np.ones(gap.shape, bool)
+    if options["window"] is not None:
+        mask &= gap <= options["window"][0]
+    q, k, v, _ = full
+    want = masked_torch_reference(q[:, asked], k, v, np.zeros_like(q[:, asked]), mask)[0]
+    error = relative_error(got, want)
+    assert all_ranks(error <= conformance.TOLERANCE[case["dtype"]][0]), error
+
+
+def test_every_rank_runs_the_same_cases():
+    same_on_all_ranks([conformance.case_id(c) for c in CASES]
+                      + [conformance.case_id_of(c) for c in INFERENCE_CASES])
 
 
 def test_the_matrix_covers_every_pair_and_entry_layout_method():
