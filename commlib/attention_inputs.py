@@ -78,8 +78,10 @@ class AttentionCall:
     """What one attention call is, read from its inputs once on this rank and
     agreed by every rank: the arrays' namespace, the block kernel, the
     softmax scale, where every rank's tokens sit in the documents
-    (``placement``: a ``commlib.documents.Packing``, or ``Grouped`` as the
-    hybrid's ring sees it) and which query-key
+    (``placement``: a ``commlib.documents.Packing``, a
+    ``commlib.balanced.Assigned``, or either ``Grouped`` as the hybrid's
+    ring sees it; each has ``offsets``, ``size``, ``spans``, ``in_order``)
+    and which query-key
     distances are visible (``lo``, ``hi``). It travels with the call from
     the checks to the schedule and the kernel, so nothing re-reads ``q``."""
 

@@ -6,7 +6,7 @@ import pytest
 
 from commlib import CollectiveMismatchError, ring
 from commlib.common_masks import block_diagonal, prefix_lm
-from commlib.masks import from_cu_seqlens
+from commlib.masks import Mask, Slice, from_cu_seqlens
 
 import arrayimpl
 import requires
@@ -86,28 +86,33 @@ def test_jit_and_grad_match_unsharded_attention(comm, impl, kind, layout, kv_hea
 MASKED = [("ring", "block-diagonal", "auto"), ("ring", "block-diagonal", "sparse"),
           ("ring", "prefix-lm", "auto"), ("ring", "prefix-lm", "sparse"),
           ("hybrid", "block-diagonal", "auto"), ("hybrid", "prefix-lm", "sparse"),
-          ("hybrid-ulysses", "block-diagonal", "sparse")]
+          ("hybrid-ulysses", "block-diagonal", "sparse"),
+          ("ring", "first-keys", "sparse")]  # contiguous: ranks without keys 0-5 send none
 
 
 @pytest.mark.parametrize("kind, name, method", MASKED)
 def test_masks_under_jit_and_grad_match_unsharded_attention(comm, kind, name, method):
-    """mask= in the balanced layout. The sparse exchange's all-to-all had no
-    traced form (AttributeError: 'TracedComm' object has no attribute
-    'alltoallv')."""
+    """mask= in the balanced layout (first-keys: contiguous). The sparse
+    exchange's all-to-all had no traced form (AttributeError: 'TracedComm'
+    object has no attribute 'alltoallv')."""
     mask = {"block-diagonal": lambda: block_diagonal(SEQ, 4, causal=False),
-            "prefix-lm": lambda: prefix_lm(SEQ, 8)}[name]()
+            "prefix-lm": lambda: prefix_lm(SEQ, 8),
+            "first-keys": lambda: Mask([Slice((0, SEQ), (0, 6), "full")], length=SEQ)}[name]()
     rng = np.random.default_rng(2)
     full = [rng.standard_normal((1, SEQ, h, DIM)).astype(np.float32)
             for h in (HEADS, 2, 2, HEADS)]
-    q, k, v, probe = (jnp.asarray(ring.shard_sequence(x, comm, layout="balanced", mask=mask))
+    layout = "contiguous" if name == "first-keys" else "balanced"
+    q, k, v, probe = (jnp.asarray(ring.shard_sequence(x, comm, layout=layout, mask=mask))
                       for x in full)
-    options = dict(layout="balanced", causal=False, mask=mask, method=method)
+    options = dict(layout=layout, causal=False, mask=mask, method=method)
     # "hybrid": a ring of single ranks (of groups of 2 at 4 ranks); "hybrid-ulysses":
     # one group of every rank, a ring of one
     degree = comm.size if kind == "hybrid-ulysses" else (2 if comm.size == 4 else 1)
-    attend = {
-        "ring": lambda q, k, v: cj.ring_attention(q, k, v, comm, **options),
-    }.get(kind, lambda q, k, v: cj.hybrid_attention(q, k, v, comm, degree, **options))
+
+    def attend(q, k, v):
+        if kind == "ring":
+            return cj.ring_attention(q, k, v, comm, **options)
+        return cj.hybrid_attention(q, k, v, comm, degree, **options)
     out = jax.jit(attend)(q, k, v)
     grads = jax.jit(jax.grad(lambda q, k, v: (attend(q, k, v) * probe).sum(),
                              argnums=(0, 1, 2)))(q, k, v)
@@ -115,9 +120,9 @@ def test_masks_under_jit_and_grad_match_unsharded_attention(comm, kind, name, me
     want = reference(*full[:3], mask=dense)
     want_grads = jax.grad(lambda q, k, v: (reference(q, k, v, mask=dense) * full[3]).sum(),
                           argnums=(0, 1, 2))(*full[:3])
-    gathered = [ring.unshard_sequence(np.asarray(x), comm, layout="balanced", mask=mask)
+    gathered = [ring.unshard_sequence(np.asarray(x), comm, layout=layout, mask=mask)
                 for x in (out, *grads)]
-    checks = {name: _close(got, np.asarray(expected), "float32") for name, got, expected in
+    checks = {part: _close(got, np.asarray(expected), "float32") for part, got, expected in
               zip(("out", "dq", "dk", "dv"), gathered, (want, *want_grads))}
     assert all_ranks(all(checks.values())), checks
 
