@@ -86,7 +86,7 @@ def static_tuple(name: str, value: Any) -> tuple:
                          f"array decided at trace time), got {type(value).__name__}") from error
 
 
-def ring_attention(q, k, v, comm, *, layout: str, causal: bool = False,
+def ring_attention(q, k, v, comm, *, layout: str, causal: bool,
                    softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
                    window: Any = None, mask: Any = None, method: str = "auto",
                    kernel: Optional[Kernel] = None):
@@ -100,7 +100,7 @@ def ring_attention(q, k, v, comm, *, layout: str, causal: bool = False,
                                               method=method))
 
 
-def ulysses_attention(q, k, v, comm, *, layout: str, causal: bool = False,
+def ulysses_attention(q, k, v, comm, *, layout: str, causal: bool,
                       softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
                       window: Any = None, mask: Any = None, kernel: Optional[Kernel] = None):
     """Differentiable, jit-able ``commlib.ulysses.ulysses_attention`` for JAX arrays."""
@@ -110,7 +110,7 @@ def ulysses_attention(q, k, v, comm, *, layout: str, causal: bool = False,
                                                  mask=mask))
 
 
-def hybrid_attention(q, k, v, comm, ulysses_size: int, *, layout: str, causal: bool = False,
+def hybrid_attention(q, k, v, comm, ulysses_size: int, *, layout: str, causal: bool,
                      softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
                      window: Any = None, mask: Any = None, method: str = "auto",
                      kernel: Optional[Kernel] = None):

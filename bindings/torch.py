@@ -52,7 +52,7 @@ def _attention(q, k, v, forward, backward, **settings):
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *, layout: str,
-                   causal: bool = False, softmax_scale: Optional[float] = None,
+                   causal: bool, softmax_scale: Optional[float] = None,
                    cu_seqlens: Any = None, window: Any = None, mask: Any = None,
                    method: str = "auto", kernel: Optional[Kernel] = None) -> torch.Tensor:
     """Differentiable ``commlib.ring.ring_attention`` (shards in ``layout``,
@@ -66,7 +66,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *, l
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *, layout: str,
-                      causal: bool = False, softmax_scale: Optional[float] = None,
+                      causal: bool, softmax_scale: Optional[float] = None,
                       cu_seqlens: Any = None, window: Any = None, mask: Any = None,
                       kernel: Optional[Kernel] = None) -> torch.Tensor:
     """Differentiable ``commlib.ulysses.ulysses_attention``."""
@@ -76,7 +76,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *
 
 
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm,
-                     ulysses_size: int, *, layout: str, causal: bool = False,
+                     ulysses_size: int, *, layout: str, causal: bool,
                      softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
                      window: Any = None, mask: Any = None, method: str = "auto",
                      kernel: Optional[Kernel] = None) -> torch.Tensor:
@@ -110,12 +110,12 @@ class _HeadToSeq(torch.autograd.Function):
         return _ulysses.seq_to_head(grad.contiguous(), ctx.comm, ctx.query_heads), None, None, None
 
 
-def seq_to_head(x: torch.Tensor, comm, query_heads: Optional[int] = None) -> torch.Tensor:
+def seq_to_head(x: torch.Tensor, comm, num_heads: Optional[int] = None) -> torch.Tensor:
     """Differentiable [b, s/P, h, d] -> [b, s, h_p, d]; its adjoint is head_to_seq."""
-    return _SeqToHead.apply(x, comm, query_heads)
+    return _SeqToHead.apply(x, comm, num_heads)
 
 
 def head_to_seq(x: torch.Tensor, comm, heads: Optional[int] = None,
-                query_heads: Optional[int] = None) -> torch.Tensor:
+                num_heads: Optional[int] = None) -> torch.Tensor:
     """Differentiable [b, s, h_p, d] -> [b, s/P, h, d]; its adjoint is seq_to_head."""
-    return _HeadToSeq.apply(x, comm, heads, query_heads)
+    return _HeadToSeq.apply(x, comm, heads, num_heads)

@@ -71,7 +71,7 @@ Attend = Callable[..., torch.Tensor]
 def register_attention(comm, ulysses_size: Optional[int] = None) -> None:
     """Register ``"commlib_ring"`` (zigzag layout), ``"commlib_ring_docs"``
     (the ring over the per-document ``zigzag_docs`` layout),
-    ``"commlib_ulysses"`` and ``"commlib_hybrid"`` (contiguous layout) over
+    ``"commlib_ulysses"`` (contiguous layout) and ``"commlib_hybrid"`` (zigzag) over
     ``comm`` in transformers' ``AttentionInterface``, with mask functions of
     the same names in ``AttentionMaskInterface``. ``ulysses_size``: the
     hybrid's Ulysses degree (default: ``commlib.hybrid.plan``'s choice for
@@ -116,8 +116,10 @@ def _hybrid(comm, ulysses_size: Optional[int]) -> Attend:
             causal = settings["causal"]
             shape = (s_local, heads, kv_heads, head_dim, q.element_size(), causal)
             if shape not in planned:
+                # priced in the layout it shards in: a contiguous causal ring costs more
                 planned[shape] = hybrid.plan(comm, s_local * comm.size, heads, kv_heads,
-                                             head_dim, q.element_size(), causal)
+                                             head_dim, q.element_size(), causal=causal,
+                                             layout=LAYOUTS["commlib_hybrid"])
             degree, method = planned[shape].ulysses_size, planned[shape].method
         _check_ulysses_heads("commlib_hybrid", heads, kv_heads, degree)
         return hybrid_attention(q, k, v, comm, degree, layout=LAYOUTS["commlib_hybrid"],

@@ -51,7 +51,7 @@ def multimodal(length: int, images: Sequence[Tuple[int, int]]) -> Mask:
     return Mask(parts, length=length)
 
 
-def block_diagonal(length: int, documents: int, causal: bool = False) -> Mask:
+def block_diagonal(length: int, documents: int, *, causal: bool) -> Mask:
     """``documents`` equal documents, each attending only to itself."""
     return Mask([Slice((start, stop), (start, stop), "causal" if causal else "full")
                  for start, stop in _cuts(0, length, documents)], length=length)

@@ -311,7 +311,7 @@ def _refuse_overlaps(parts: Sequence[Part]) -> None:
         active.append(part)
 
 
-def from_cu_seqlens(cu_seqlens: Sequence[int], causal: bool = True,
+def from_cu_seqlens(cu_seqlens: Sequence[int], *, causal: bool,
                     window: Any = None) -> Mask:
     """The mask of packed documents (``cu_seqlens``: flash-attn's offsets),
     causal or not, with a (left, right) sliding window inside each: at most

@@ -62,3 +62,67 @@ def test_a_missing_or_positional_layout_raises_type_error(function):
         function(*arrays, None, "zigzag")
     with pytest.raises(TypeError, match="positional"):  # causal by position, the old form
         function(*arrays, None, True, layout="zigzag")
+
+
+def _missing_causal_calls():
+    """Every public function that takes ``causal``, called without it (and
+    with everything else it requires): binding fails before the body."""
+    from commlib import common_masks, inference, masks
+    from commlib.hybrid import planner
+
+    x = object()
+    calls = {}
+    for param in FUNCTIONS:
+        function = _resolve(param.values[0])
+        if "shard_sequence" not in function.__name__:
+            calls[param.id] = (function, lambda f=function: f(
+                *[x] * (len(_positional(f)) - 1), None, layout="zigzag"))
+    positions = dict(q_positions=[0], k_positions=[0])
+    calls.update({
+        "decode_attention": (inference.decode_attention,
+                             lambda: inference.decode_attention(x, x, x, None, **positions)),
+        "chunk_attention": (inference.chunk_attention,
+                            lambda: inference.chunk_attention(x, x, x, None, **positions)),
+        "from_cu_seqlens": (masks.from_cu_seqlens, lambda: masks.from_cu_seqlens([0, 4])),
+        "block_diagonal": (common_masks.block_diagonal,
+                           lambda: common_masks.block_diagonal(8, 2)),
+        "plan": (hybrid.plan, lambda: hybrid.plan(None, 8, 2, 1, 8, layout="zigzag")),
+        "price": (planner.price, lambda: planner.price(2, 1, 8, 2, 1, 8, 2, None,
+                                                       layout="zigzag")),
+    })
+    return calls
+
+
+MISSING_CAUSAL = _missing_causal_calls()
+
+
+@pytest.mark.parametrize("name", MISSING_CAUSAL)
+def test_causal_is_required_and_keyword_only_everywhere(name):
+    """True in some functions and False in others answered silently wrong
+    for whoever assumed the other: no function has a default now."""
+    function, call = MISSING_CAUSAL[name]
+    causal = inspect.signature(function).parameters["causal"]
+    assert causal.kind is causal.KEYWORD_ONLY and causal.default is causal.empty
+    with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'causal'"):
+        call()
+
+
+def test_the_planner_requires_a_layout():
+    """A contiguous causal ring is priced 1.5x a zigzag one at 2 ranks: the
+    planner must be told which it prices."""
+    from commlib.hybrid import planner
+
+    with pytest.raises(TypeError, match="'layout'"):
+        hybrid.plan(None, 8, 2, 1, 8, causal=True)
+    with pytest.raises(TypeError, match="'layout'"):
+        planner.price(2, 1, 8, 2, 1, 8, 2, None, causal=True)
+
+
+def test_the_tiled_kernel_needs_causal_by_position():
+    """The Kernel contract calls forward(q, k, v, causal, scale)
+    positionally, so the tiled kernel keeps it positional, without default."""
+    for function in (ring.attention_forward, ring.attention_backward):
+        causal = inspect.signature(function).parameters["causal"]
+        assert causal.kind is causal.POSITIONAL_OR_KEYWORD and causal.default is causal.empty
+    with pytest.raises(TypeError, match="'causal'"):
+        ring.attention_forward(object(), object(), object())

@@ -87,7 +87,7 @@ def test_causal_is_bottom_right_and_inv_causal_top_left():
 def test_from_cu_seqlens_is_the_document_mask(offsets, causal, window):
     if causal and window is not None and window[1]:
         window = (window[0], 0)
-    mask = from_cu_seqlens(offsets, causal, window)
+    mask = from_cu_seqlens(offsets, causal=causal, window=window)
     assert np.array_equal(mask.dense(), document_mask(offsets[-1], offsets, causal, window))
     assert len(mask.slices) <= 3 * (len(offsets) - 1)
 
@@ -118,7 +118,7 @@ def test_from_mask_mod_is_exact(name, block):
     (lambda: Slice((0, 4), (0, 4), "diagonal"), "kind must be one of"),
     (lambda: Mask([Slice((0, 8), (0, 8))], length=4), "past the length"),
     (lambda: Mask([]), "at least one slice"),
-    (lambda: from_cu_seqlens([0, 5, 5]), "increase strictly"),
+    (lambda: from_cu_seqlens([0, 5, 5], causal=True), "increase strictly"),
 ])
 def test_bad_masks_say_what_is_wrong(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -180,7 +180,7 @@ def test_sparse_receives_only_the_keys_its_queries_see(layout):
     """Block-diagonal, 8 documents over 4 ranks: each rank receives exactly
     the keys its queries see that it does not hold, never more than the
     ring's (P - 1) shards."""
-    size, mask = 4, block_diagonal(4096, 8)
+    size, mask = 4, block_diagonal(4096, 8, causal=False)
     placement = balanced.placement_for(layout, size, None, mask=mask)
     plan = routes(mask, placement)
     ring = (size - 1) * plan.local_length
@@ -193,7 +193,7 @@ def test_sparse_receives_only_the_keys_its_queries_see(layout):
 
 @pytest.mark.parametrize("name, mask", [("prefix-lm", prefix_lm(3000, 700)),
                                         ("multimodal", multimodal(3000, [(100, 900)])),
-                                        ("causal", from_cu_seqlens([0, 3000]))])
+                                        ("causal", from_cu_seqlens([0, 3000], causal=True))])
 @pytest.mark.parametrize("size", [2, 3])
 def test_sparse_routes_match_the_dense_mask(name, mask, size):
     placement = balanced.placement_for("balanced", size, None, mask=mask)

@@ -78,7 +78,8 @@ def test_a_link_per_rank_makes_the_hybrid_win_gqa():
 
 def test_each_candidate_says_which_fabric_its_groups_span():
     fabric, comm = two_hosts(50e6)
-    picked = plan(comm, 8192, 8, 8, 64, itemsize=4, fabric=fabric, methods=("ring",))
+    picked = plan(comm, 8192, 8, 8, 64, itemsize=4, causal=False, layout="contiguous",
+                  fabric=fabric, methods=("ring",))
     spans = {c.ulysses_size: (c.ulysses_span, c.ring_span) for c in picked.candidates}
     assert spans[2] == ("inside a host", "across hosts")   # USP's placement
     assert spans[4][0] == spans[1][1] == "across hosts"
@@ -88,7 +89,8 @@ def test_each_candidate_says_which_fabric_its_groups_span():
     # ranks placed round-robin over the hosts: consecutive groups now cross,
     # and the ring of the ranks at the same position stays inside a host
     comm.topology = Topology(0, (0, 1, 0, 1))
-    round_robin = plan(comm, 8192, 8, 8, 64, itemsize=4, fabric=fabric, methods=("ring",))
+    round_robin = plan(comm, 8192, 8, 8, 64, itemsize=4, causal=False, layout="contiguous",
+                       fabric=fabric, methods=("ring",))
     assert [(c.ulysses_span, c.ring_span) for c in round_robin.candidates
             if c.ulysses_size == 2] == [("across hosts", "inside a host")]
 
@@ -96,7 +98,7 @@ def test_each_candidate_says_which_fabric_its_groups_span():
 def test_one_host_prices_every_group_inside_it():
     fabric, _ = two_hosts(50e6)
     alone = SimpleNamespace(size=4, topology=Topology(0, (0, 0, 0, 0)))
-    picked = plan(alone, 8192, 8, 1, 64, fabric=fabric)
+    picked = plan(alone, 8192, 8, 1, 64, causal=False, layout="contiguous", fabric=fabric)
     assert {(c.ulysses_span, c.ring_span) for c in picked.candidates} == \
         {("inside a host", "inside a host")}
     assert "(Ulysses" not in picked.explain()
@@ -109,8 +111,8 @@ def test_the_backward_moves_what_ring_backward_moves():
     twice the forward's bytes. Free latency and copies: bytes / rate alone."""
     rate, heads, kv, dim, seq, ranks = 1e9, 8, 2, 64, 4096, 4
     fabric = Fabric(0.0, rate, 0.0, rate, 1e30, math.inf)
-    shape = dict(seq_len=seq, heads=heads, kv_heads=kv, head_dim=dim, itemsize=2,
-                 causal=False, fabric=fabric)
+    shape = dict(seq_len=seq, num_heads=heads, num_kv_heads=kv, head_dim=dim, itemsize=2,
+                 causal=False, layout="contiguous", fabric=fabric)
     ring = price(ranks, 1, **shape)
     ring_both = price(ranks, 1, backward=True, **shape)
     block = 2 * (seq // ranks) * kv * dim * 2   # K and V of one rank, bfloat16
@@ -124,12 +126,43 @@ def test_the_backward_moves_what_ring_backward_moves():
 
 def test_a_zigzag_ring_is_priced_balanced():
     fabric = Fabric(0.0, 1e9, 0.0, 1e9, 1e10, math.inf)
-    shape = dict(seq_len=4096, heads=8, kv_heads=8, head_dim=64, itemsize=2, causal=True,
-                 fabric=fabric)
+    shape = dict(seq_len=4096, num_heads=8, num_kv_heads=8, head_dim=64, itemsize=2,
+                 causal=True, fabric=fabric)
     contiguous, zigzag = (price(4, 1, layout=layout, **shape) for layout in
                           ("contiguous", "zigzag"))
     assert contiguous.compute_s == pytest.approx(zigzag.compute_s * 3.5 / 4 / 0.5)
-    assert zigzag.compute_s == pytest.approx(price(4, 4, **shape).compute_s)
+    assert zigzag.compute_s == pytest.approx(price(4, 4, layout="zigzag", **shape).compute_s)
+
+
+def test_the_transformers_hybrid_prices_the_layout_it_shards_in(monkeypatch):
+    """commlib_hybrid shards zigzag; it once planned a contiguous causal
+    ring, priced 1.5x too high at 2 ranks. The plan it makes (stopped
+    before any attention: the communicator is a stand-in) against plan's
+    for zigzag and for contiguous shards."""
+    import torch
+
+    from commlib import hybrid
+    from commlib.bindings import transformers_attention
+
+    fabric = Fabric(25e-6, 3e9, 25e-6, 5e9, 40e9, 7e9)
+    monkeypatch.setattr(planner, "probe", lambda comm: fabric)
+    made = []
+
+    def planned(*args, **kwargs):
+        made.append(plan(*args, **kwargs))
+        raise StopIteration  # the plan is all this test reads
+
+    monkeypatch.setattr(hybrid, "plan", planned)
+    comm = one_host(2)
+    q = torch.zeros(1, 2048, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(StopIteration):
+        transformers_attention.implementations(comm)["commlib_hybrid"](q, q, q, causal=True)
+    layout = transformers_attention.LAYOUTS["commlib_hybrid"]
+    seconds = {name: [c.seconds for c in plan(comm, 4096, 8, 8, 64, 2, causal=True, layout=name,
+                                              fabric=fabric).candidates]
+               for name in ("zigzag", "contiguous")}
+    assert layout == "zigzag" and seconds["zigzag"] != seconds["contiguous"]
+    assert [c.seconds for c in made[0].candidates] == seconds["zigzag"]
 
 
 # -- masks -----------------------------------------------------------------------------
@@ -147,8 +180,8 @@ def test_documents_that_see_only_themselves_pick_the_sparse_exchange(layout):
     sparse exchange moves next to nothing where the ring moves every other
     shard; priced by default once a mask is given."""
     inside = Fabric(25e-6, 3e9, 25e-6, 5e9, 40e9, 7e9)  # two_hosts' host
-    picked = plan(one_host(), 8192, 8, 8, 64, fabric=inside, layout=layout,
-                  mask=block_diagonal(8192, 8))
+    picked = plan(one_host(), 8192, 8, 8, 64, causal=False, layout=layout, fabric=inside,
+                  mask=block_diagonal(8192, 8, causal=False))
     candidates = by_split(picked)
     assert (picked.ulysses_size, picked.method) == (1, "sparse")
     assert candidates[1, "sparse"].ring_bytes < 0.1 * candidates[1, "ring"].ring_bytes
@@ -163,8 +196,9 @@ def test_the_sparse_exchange_moves_the_busiest_ranks_needed_rows():
     and the float32 dK/dV partials back."""
     rate, kv, dim = 1e9, 2, 64
     fabric = Fabric(0.0, rate, 0.0, rate, 1e30, math.inf)
-    shape = dict(seq_len=4800, heads=8, kv_heads=kv, head_dim=dim, itemsize=2, causal=False,
-                 fabric=fabric, method="sparse", mask=block_diagonal(4800, 3))
+    shape = dict(seq_len=4800, num_heads=8, num_kv_heads=kv, head_dim=dim, itemsize=2,
+                 causal=False, layout="contiguous", fabric=fabric, method="sparse",
+                 mask=block_diagonal(4800, 3, causal=False))
     ring4, ring2 = price(4, 1, **shape), price(4, 2, **shape)
     assert ring4.ring_bytes == 2 * 2000 * kv * dim * 2
     assert ring2.ring_bytes == 2 * 800 * (kv // 2) * dim * 2
@@ -179,8 +213,8 @@ def test_a_causal_mask_costs_what_causal_costs(layout, degree):
     """The pairs counted from a mask of plain causality against the causal
     model (the busiest ring rank of a contiguous ring included)."""
     fabric = Fabric(0.0, 1e9, 0.0, 1e9, 1e10, math.inf)
-    shape = dict(seq_len=4096, heads=8, kv_heads=8, head_dim=64, itemsize=2, fabric=fabric,
-                 layout=layout)
+    shape = dict(seq_len=4096, num_heads=8, num_kv_heads=8, head_dim=64, itemsize=2,
+                 fabric=fabric, layout=layout)
     masked = price(4, degree, causal=False, mask=from_cu_seqlens([0, 4096], causal=True),
                    **shape)
     assert masked.compute_s == pytest.approx(price(4, degree, causal=True, **shape).compute_s,
@@ -194,8 +228,8 @@ def test_a_masks_compute_is_its_visible_pairs(mask):
     heads, a contiguous ring of 4 its busiest rank's rows."""
     fabric = Fabric(0.0, 1e9, 0.0, 1e9, 1e10, math.inf)
     dense, heads, dim = mask.dense(), 8, 64
-    shape = dict(seq_len=512, heads=heads, kv_heads=2, head_dim=dim, itemsize=2, causal=False,
-                 fabric=fabric, mask=mask)
+    shape = dict(seq_len=512, num_heads=heads, num_kv_heads=2, head_dim=dim, itemsize=2,
+                 causal=False, layout="contiguous", fabric=fabric, mask=mask)
     ulysses = price(4, 4, **shape)
     assert ulysses.compute_s == pytest.approx(4 * dense.sum() * (heads / 4) * dim / 1e10)
     busiest = max(dense[r * 128:(r + 1) * 128].sum() for r in range(4))
@@ -205,21 +239,26 @@ def test_a_masks_compute_is_its_visible_pairs(mask):
 def test_masks_refuse_what_they_cannot_price():
     fabric = Fabric(0.0, 1e9, 0.0, 1e9, 1e10, math.inf)
     mask = prefix_lm(512, 100)
-    shape = dict(seq_len=512, heads=8, kv_heads=8, head_dim=64, itemsize=2, fabric=fabric)
+    shape = dict(seq_len=512, num_heads=8, num_kv_heads=8, head_dim=64, itemsize=2,
+                 layout="contiguous", fabric=fabric)
     with pytest.raises(ValueError, match="not both"):
-        plan(one_host(), 512, 8, 8, 64, causal=True, fabric=fabric, mask=mask)
+        plan(one_host(), 512, 8, 8, 64, causal=True, layout="contiguous", fabric=fabric,
+             mask=mask)
     with pytest.raises(ValueError, match="not both"):
         price(4, 1, causal=True, mask=mask, **shape)
     with pytest.raises(ValueError, match="sparse.*mask"):
-        plan(one_host(), 512, 8, 8, 64, fabric=fabric, methods=("ring", "sparse"))
+        plan(one_host(), 512, 8, 8, 64, causal=False, layout="contiguous", fabric=fabric,
+             methods=("ring", "sparse"))
     with pytest.raises(ValueError, match="sparse.*mask"):
         price(4, 1, causal=False, method="sparse", **shape)
     with pytest.raises(ValueError, match="covers 512 tokens"):
-        plan(one_host(), 1024, 8, 8, 64, fabric=fabric, mask=mask)
+        plan(one_host(), 1024, 8, 8, 64, causal=False, layout="contiguous", fabric=fabric,
+             mask=mask)
     with pytest.raises(ValueError, match="covers 512 tokens"):
         price(4, 1, causal=False, mask=mask, **dict(shape, seq_len=1024))
     with pytest.raises(ValueError, match="commlib.masks.Mask"):
-        plan(one_host(), 512, 8, 8, 64, fabric=fabric, mask=np.ones((512, 512), bool))
+        plan(one_host(), 512, 8, 8, 64, causal=False, layout="contiguous", fabric=fabric,
+             mask=np.ones((512, 512), bool))
 
 
 # -- the probe on fake timings --------------------------------------------------------
@@ -400,7 +439,7 @@ class FakeComm:
 
 
 def test_the_probe_says_so_when_no_bandwidth_shows(clock, monkeypatch):
-    monkeypatch.setattr(planner, "attention_forward", lambda q, k, v: None)
+    monkeypatch.setattr(planner, "attention_forward", lambda q, k, v, causal: None)
     fabric = planner.probe(FakeComm(clock, lambda nbytes: 5e-3))
     assert fabric.bounds == ("all-to-all", "ring hop") and fabric.across is None
     text = fabric.describe()
@@ -417,11 +456,12 @@ comm = commlib.init(backend="mpi")
 start = time.perf_counter()
 fabric = probe(comm)
 took = time.perf_counter() - start
-picked = hybrid.plan(comm, 8192, 8, 1, 64, itemsize=4, causal=True, backward=True)
+picked = hybrid.plan(comm, 8192, 8, 1, 64, itemsize=4, causal=True, layout="contiguous",
+                     backward=True)
 mine = json.dumps([repr(fabric), picked.ulysses_size, picked.method])
 every = comm.mpi_comm.allgather(mine)
 q = __import__("numpy").ones((1, 4, 8, 8), "float32")
-hybrid.hybrid_attention(q, q, q, comm, picked.ulysses_size, layout="contiguous")
+hybrid.hybrid_attention(q, q, q, comm, picked.ulysses_size, layout="contiguous", causal=True)
 if comm.rank == 0:
     print("RESULT " + json.dumps({"same": len(set(every)) == 1, "seconds": took,
                                   "across": fabric.across is not None,

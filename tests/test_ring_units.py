@@ -57,8 +57,8 @@ def test_causal_kernel_needs_square_blocks():
 
 def test_merge_of_two_key_blocks_is_attention_over_both():
     q, k, v = inputs(seq=20)
-    first = attention_forward(q, k[:, :8], v[:, :8])
-    second = attention_forward(q, k[:, 8:], v[:, 8:])
+    first = attention_forward(q, k[:, :8], v[:, :8], False)
+    second = attention_forward(q, k[:, 8:], v[:, 8:], False)
     out, lse = merge(*first, *second)
     ref_out, ref_lse = reference_attention(q, k, v, False)
     np.testing.assert_allclose(out, ref_out, atol=2e-6)
@@ -91,7 +91,8 @@ def test_planner_cost_model_follows_the_seed_fact():
 
     fast_a2a = Fabric(1e-5, 50e9, 1e-3, 0.1e9, 1e15, 1e12)
     slow_a2a = Fabric(1e-3, 0.05e9, 1e-5, 50e9, 1e15, 1e12)
-    shape = dict(seq_len=65536, heads=32, kv_heads=8, head_dim=128, itemsize=2, causal=False)
+    shape = dict(seq_len=65536, num_heads=32, num_kv_heads=8, head_dim=128, itemsize=2,
+                 causal=False, layout="contiguous")
     for fabric, winner in ((fast_a2a, 8), (slow_a2a, 1)):
         costs = {u: price(8, u, fabric=fabric, **shape).seconds for u in (1, 2, 4, 8)}
         assert min(costs, key=costs.get) == winner, costs

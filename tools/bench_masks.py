@@ -47,12 +47,13 @@ def masks(length: int) -> Dict[str, Mask]:
     """The masks the issue names, at ``length`` tokens."""
     n = length
     return {
-        "causal": from_cu_seqlens([0, n]),
+        "causal": from_cu_seqlens([0, n], causal=True),
         "prefix-lm (1/4 prefix)": prefix_lm(n, n // 4),
         "shared prefix + 4 branches": shared_prefix(n, n // 4, 4),
         "multimodal (2 images)": multimodal(n, [(n // 8, n // 4), (n // 2, n // 2 + n // 6)]),
-        "block-diagonal, 8 docs": block_diagonal(n, 8),
-        "causal docs, window n/16": from_cu_seqlens([0, n // 4, n // 2, n], True, (n // 16, 0)),
+        "block-diagonal, 8 docs": block_diagonal(n, 8, causal=False),
+        "causal docs, window n/16": from_cu_seqlens([0, n // 4, n // 2, n], causal=True,
+                                                   window=(n // 16, 0)),
     }
 
 
@@ -130,10 +131,11 @@ def _step(comm, full, mask: Mask, algorithm: str) -> Callable[[], None]:
     def run():
         q, k, v = (x.detach().requires_grad_() for x in shards)
         if algorithm == "ulysses":
-            out = ct.ulysses_attention(q, k, v, comm, layout="balanced", mask=mask)
+            out = ct.ulysses_attention(q, k, v, comm, layout="balanced", causal=False,
+                                       mask=mask)
         else:
-            out = ct.ring_attention(q, k, v, comm, layout="balanced", mask=mask,
-                                    method=algorithm)
+            out = ct.ring_attention(q, k, v, comm, layout="balanced", causal=False,
+                                    mask=mask, method=algorithm)
         out.sum().backward()
     return run
 
@@ -164,7 +166,8 @@ def timed(comm, named: Dict[str, Mask], args: dict) -> List[dict]:
         share = routes(mask, balanced.solve(mask, comm.size)).busiest_share()
         auto = "sparse" if share <= SPARSE_SHARE else "ring"   # what method="auto" runs
         plan = hybrid.plan(comm, mask.length, args["heads"], args["kv_heads"], args["head_dim"],
-                           itemsize=4, backward=True, layout="balanced", mask=mask)
+                           itemsize=4, causal=False, layout="balanced", mask=mask,
+                           backward=True)
         rows.append({"mask": name, "ranks": comm.size, "sdpa_s": alone["dense"],
                      "sdpa_is_causal_s": alone["causal"], "auto_s": times[auto],
                      **{f"{a}_s": t for a, t in times.items()},

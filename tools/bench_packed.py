@@ -143,7 +143,8 @@ def allgather(world, comm, offsets, args) -> List[dict]:
         full = _qkv(1, seq, heads, kv_heads, dim)
         times = {method: _slowest(world, _step(comm, full, "zigzag", {"method": method}),
                                   args["repeats"]) for method in ("ring", "allgather")}
-        plan = hybrid.plan(comm, seq, heads, kv_heads, dim, itemsize=4, causal=True)
+        plan = hybrid.plan(comm, seq, heads, kv_heads, dim, itemsize=4, causal=True,
+                           layout="zigzag")
         as_ring = min((c for c in plan.candidates if c.ulysses_size == 1),
                       key=lambda c: c.seconds)  # its choice for a ring of every rank
         rows.append({"test": "allgather", "ranks": comm.size, "seq": seq, "heads": heads,

@@ -99,10 +99,12 @@ def planner(comm, world, repeats: int, seq: int = 4096, head_dim: int = 64) -> L
         q = rng.standard_normal((1, seq // comm.size, heads, head_dim), dtype=np.float32)
         k = rng.standard_normal((1, seq // comm.size, kv_heads, head_dim), dtype=np.float32)
         v = k.copy()
-        pick = hybrid.plan(comm, seq, heads, kv_heads, head_dim, itemsize=4, methods=("ring",))
+        pick = hybrid.plan(comm, seq, heads, kv_heads, head_dim, itemsize=4, causal=False,
+                           layout="contiguous", methods=("ring",))
         allowed = [c.ulysses_size for c in pick.candidates]
         times = dict(zip(allowed, _interleaved(world, [
-            functools.partial(hybrid.hybrid_attention, q, k, v, comm, u, layout="contiguous")
+            functools.partial(hybrid.hybrid_attention, q, k, v, comm, u, layout="contiguous",
+                              causal=False)
             for u in allowed],
             repeats)))
         fastest = min(times, key=times.get)

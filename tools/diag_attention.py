@@ -161,10 +161,11 @@ def gbps(nbytes: float, seconds: float) -> Optional[float]:
     return nbytes / seconds / 1e9 if seconds > 0 and nbytes > 0 else None
 
 
-def planner_pick(comm: commlib.Communicator, shape: Shape) -> Dict[str, Any]:
-    """hybrid.plan for this shape (collective: it probes the fabric once)."""
+def planner_pick(comm: commlib.Communicator, shape: Shape, layout: str) -> Dict[str, Any]:
+    """hybrid.plan for this shape over shards in ``layout`` (collective: it
+    probes the fabric once)."""
     picked = hybrid.plan(comm, shape.seq, shape.heads, shape.kv_heads, shape.head_dim,
-                         shape.element.itemsize, shape.causal)
+                         shape.element.itemsize, causal=shape.causal, layout=layout)
     return {"ulysses_size": picked.ulysses_size, "ring_size": picked.ring_size,
             "method": picked.method, "predicted_seconds": picked.predicted_seconds,
             "explain": picked.explain()}
@@ -288,7 +289,7 @@ def ring(shape: Shape, layout: str, json_path: Optional[str]) -> None:
     with world(lambda size: check_ring(shape, layout, size)) as comm:
         steps = ring_steps(comm, shape, layout)
         totals = ring_totals(comm, shape, layout, steps)
-        pick = planner_pick(comm, shape)
+        pick = planner_pick(comm, shape, layout)
         lines = [header("ring", comm, shape, f", {layout} layout"), *ring_lines(steps, totals),
                  *planner_lines(pick)]
         report(comm, lines, json_path,
@@ -352,7 +353,7 @@ def ulysses(shape: Shape, json_path: Optional[str]) -> None:
         whole = time_call(comm, lambda: ulysses_lib.ulysses_attention(
             q, k, v, comm, layout="contiguous", causal=shape.causal),
                           shape.iters)
-        pick = planner_pick(comm, shape)
+        pick = planner_pick(comm, shape, "contiguous")
         lines = [header("ulysses", comm, shape), *ulysses_lines(numbers, whole),
                  *planner_lines(pick)]
         report(comm, lines, json_path,

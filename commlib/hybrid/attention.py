@@ -59,7 +59,7 @@ def _check(q, size: int, ulysses_size: int, method: str) -> None:
 
 
 def hybrid_attention(q: Any, k: Any, v: Any, comm, ulysses_size: int, *, layout: str,
-                     causal: bool = False, softmax_scale: Optional[float] = None,
+                     causal: bool, softmax_scale: Optional[float] = None,
                      return_lse: bool = False, cu_seqlens: Any = None, window: Any = None,
                      mask: Any = None, method: str = "auto", kernel: Optional[Kernel] = None):
     """Attention over the whole sequence for shards q [b, s/P, h, d],
@@ -82,7 +82,7 @@ def hybrid_attention(q: Any, k: Any, v: Any, comm, ulysses_size: int, *, layout:
 
 
 def hybrid_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, comm,
-                              ulysses_size: int, *, layout: str, causal: bool = False,
+                              ulysses_size: int, *, layout: str, causal: bool,
                               softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
                               window: Any = None, mask: Any = None, method: str = "auto",
                               kernel: Optional[Kernel] = None):

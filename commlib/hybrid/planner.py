@@ -339,7 +339,7 @@ def probe(comm) -> Fabric:
     alltoall, hop = inside
     # long enough (tens of ms) that ranks sharing a core show it
     q = np.random.default_rng(0).standard_normal((1, 1024, 4, 64), dtype=np.float32)
-    t_kernel = np.median(_slowest(comm, [lambda: attention_forward(q, q, q)], 3, False))
+    t_kernel = np.median(_slowest(comm, [lambda: attention_forward(q, q, q, False)], 3, False))
     block = np.zeros(4 * 2**20 // 4, np.float32)
     t_copy = np.median(_slowest(comm, [block.copy], 5))
     bounds = tuple(name for name, link in (("all-to-all", alltoall), ("ring hop", hop))
@@ -422,10 +422,10 @@ def _pairs(mask: Mask, placement: Any, ring: int) -> float:
     return float(mask.pairs_in((0, mask.length)) if ring == 1 else loads(mask, placement).max())
 
 
-def price(size: int, degree: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,
-          itemsize: int, causal: bool, fabric: Fabric, method: str = "ring", *,
-          topology: Optional[Topology] = None, backward: bool = False,
-          layout: str = "contiguous", mask: Optional[Mask] = None) -> Candidate:
+def price(size: int, degree: int, seq_len: int, num_heads: int, num_kv_heads: int,
+          head_dim: int, itemsize: int, fabric: Fabric, method: str = "ring", *,
+          causal: bool, layout: str, mask: Optional[Mask] = None,
+          topology: Optional[Topology] = None, backward: bool = False) -> Candidate:
     """The cost model of Ulysses ``degree`` x Ring ``size // degree``, the
     ring run as ``method`` over shards in ``layout``, its groups placed as
     ``hybrid_attention`` places them on ``topology`` (None: one host); per
@@ -443,7 +443,8 @@ def price(size: int, degree: int, seq_len: int, heads: int, kv_heads: int, head_
     spread = _Spread.of(topology or Topology(0, (0,) * size), degree)
     token = head_dim * itemsize
     # heads of the busiest rank, to which every all-to-all chunk is padded
-    local, local_kv = padded_heads(heads, degree, heads), padded_heads(kv_heads, degree, heads)
+    local = padded_heads(num_heads, degree, num_heads)
+    local_kv = padded_heads(num_kv_heads, degree, num_heads)
     # all-to-all: q, k, v in and out back, each rank keeping 1/degree of it
     # (the backward: q, k, v, dout, out in and dq, dk, dv back, twice the bytes)
     relaid = (2 * local + 2 * local_kv) * degree * (seq_len / size) * token
@@ -499,9 +500,9 @@ def price(size: int, degree: int, seq_len: int, heads: int, kv_heads: int, head_
 
 
 def plan(comm, seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
-         itemsize: int = 2, causal: bool = False, fabric: Optional[Fabric] = None,
+         itemsize: int = 2, *, causal: bool, layout: str, mask: Optional[Mask] = None,
          methods: Optional[Sequence[str]] = None, backward: bool = False,
-         layout: str = "contiguous", mask: Optional[Mask] = None) -> Plan:
+         fabric: Optional[Fabric] = None) -> Plan:
     """The cheapest allowed Ulysses x Ring split of ``comm`` for this shape,
     and the cheapest of ``methods`` for its ring (None: "ring" and
     "allgather", and "sparse" with a mask), by the cost model over the
@@ -525,9 +526,9 @@ def plan(comm, seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
             continue
         for method in (methods if degree < comm.size else methods[:1]):
             candidates.append(price(comm.size, degree, padded, num_heads, num_kv_heads,
-                                    head_dim, itemsize, causal, fabric, method,
-                                    topology=comm.topology, backward=backward,
-                                    layout=layout, mask=mask))
+                                    head_dim, itemsize, fabric, method, causal=causal,
+                                    layout=layout, mask=mask, topology=comm.topology,
+                                    backward=backward))
     if not candidates:
         raise ValueError("no Ulysses x Ring split fits: " + "; ".join(rejected))
     best = min(candidates, key=lambda c: c.seconds)

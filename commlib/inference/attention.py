@@ -51,7 +51,7 @@ PREFILL_METHODS = ("auto", "pass_q", "pass_kv")
 
 
 def decode_attention(q: Any, k: Any, v: Any, comm, *, q_positions: Sequence[int],
-                     k_positions: Sequence[int], causal: bool = True, window: Any = None,
+                     k_positions: Sequence[int], causal: bool, window: Any = None,
                      softmax_scale: Optional[float] = None, kernel: Optional[Kernel] = None,
                      return_lse: bool = False):
     """Attention of new tokens, the same on every rank, over a sharded cache.
@@ -83,7 +83,7 @@ def decode_attention(q: Any, k: Any, v: Any, comm, *, q_positions: Sequence[int]
 
 
 def chunk_attention(q: Any, k: Any, v: Any, comm, *, q_positions: Sequence[int],
-                    k_positions: Sequence[int], causal: bool = True, window: Any = None,
+                    k_positions: Sequence[int], causal: bool, window: Any = None,
                     softmax_scale: Optional[float] = None, kernel: Optional[Kernel] = None,
                     method: str = "auto", return_lse: bool = False):
     """Attention of this rank's queries of a new chunk over the whole
@@ -110,8 +110,8 @@ def chunk_attention(q: Any, k: Any, v: Any, comm, *, q_positions: Sequence[int],
     return (out, lse) if return_lse else out
 
 
-def prefill_bytes(queries: Sequence[int], keys: Sequence[int], batch: int, heads: int,
-                  kv_heads: int, head_dim: int, itemsize: int) -> Dict[str, int]:
+def prefill_bytes(queries: Sequence[int], keys: Sequence[int], batch: int, num_heads: int,
+                  num_kv_heads: int, head_dim: int, itemsize: int) -> Dict[str, int]:
     """Bytes each rank sends to attend a chunk whose queries sit ``queries[r]``
     on rank r, over a cache of ``keys[r]`` keys on rank r. pass-KV: every
     rank's K and V, padded to the largest shard, around the ring (P-1 hops);
@@ -119,8 +119,8 @@ def prefill_bytes(queries: Sequence[int], keys: Sequence[int], batch: int, heads
     query's float32 partial (out and lse) back to its rank."""
     size = len(queries)
     hops = size - 1
-    return {"pass_kv": hops * 2 * max(keys) * batch * kv_heads * head_dim * itemsize,
-            "pass_q": hops * max(queries) * batch * heads * (head_dim * itemsize
+    return {"pass_kv": hops * 2 * max(keys) * batch * num_kv_heads * head_dim * itemsize,
+            "pass_q": hops * max(queries) * batch * num_heads * (head_dim * itemsize
                                                            + 4 * (head_dim + 1))}
 
 

@@ -152,7 +152,7 @@ def _heads_last(x, xp):
     return xp.permute_dims(x, (0, 2, 1, 3))
 
 
-def attention_forward(q: Any, k: Any, v: Any, causal: bool = False,
+def attention_forward(q: Any, k: Any, v: Any, causal: bool,
                       softmax_scale: Optional[float] = None, tile: Optional[int] = None,
                       cuda: Optional[bool] = None, mask: Any = None) -> Tuple[Any, Any]:
     """softmax(scale * q k^T) v for q [b, sq, h, d], k and v [b, sk, hk, d],
@@ -200,7 +200,7 @@ def attention_forward(q: Any, k: Any, v: Any, causal: bool = False,
 
 
 def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
-                       causal: bool = False, softmax_scale: Optional[float] = None,
+                       causal: bool, softmax_scale: Optional[float] = None,
                        tile: Optional[int] = None, cuda: Optional[bool] = None,
                        mask: Any = None) -> Tuple[Any, Any, Any]:
     """Gradients of ``attention_forward`` (dq, dk, dv; float32, shaped like

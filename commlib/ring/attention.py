@@ -43,7 +43,7 @@ def check_method(method: str) -> None:
         raise ValueError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
 
 
-def ring_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool = False,
+def ring_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool,
                    softmax_scale: Optional[float] = None, return_lse: bool = False,
                    cu_seqlens: Any = None, window: Any = None, mask: Any = None,
                    method: str = "auto", kernel: Optional[Kernel] = None):
@@ -72,7 +72,7 @@ def ring_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool = 
 
 
 def ring_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, comm, *,
-                            layout: str, causal: bool = False,
+                            layout: str, causal: bool,
                             softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
                             window: Any = None, mask: Any = None, method: str = "auto",
                             kernel: Optional[Kernel] = None):

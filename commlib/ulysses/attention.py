@@ -23,7 +23,7 @@ from ..namespace import detached, device
 from .relayout import check_heads, head_to_seq, lse_to_heads, lse_to_seq, seq_to_head_many
 
 
-def ulysses_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool = False,
+def ulysses_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool,
                       softmax_scale: Optional[float] = None, return_lse: bool = False,
                       cu_seqlens: Any = None, window: Any = None, mask: Any = None,
                       kernel: Optional[Kernel] = None):
@@ -46,7 +46,7 @@ def ulysses_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool
 
 
 def ulysses_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, comm, *,
-                               layout: str, causal: bool = False,
+                               layout: str, causal: bool,
                                softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
                                window: Any = None, mask: Any = None,
                                kernel: Optional[Kernel] = None):

@@ -122,15 +122,16 @@ FUSE_LIMIT_BYTES = 48 * 1024
 
 
 def seq_to_head_many(tensors: Sequence[Any], comm,
-                     query_heads: Optional[int] = None) -> List[Any]:
+                     num_heads: Optional[int] = None) -> List[Any]:
     """Relayout several [b, s/P, h_i, d_i] tensors (same b and s/P) in one
     all-to-all when the messages are small (latency-bound), one each when
     they are large; returns each as [b, s, its heads here, d_i], in its own
-    framework. ``query_heads`` is h (default: tensors[0]'s heads, or P where
-    those are fewer and divide P: a lone kv tensor, as before uneven
-    splits); a tensor with another head count is kv heads (module docstring)."""
+    framework. ``num_heads`` is h, the query heads (default: tensors[0]'s
+    heads, or P where those are fewer and divide P: a lone kv tensor, as
+    before uneven splits); a tensor with another head count is kv heads
+    (module docstring)."""
     size = comm.size
-    query_heads = _query_heads(tensors[0].shape[2], size, query_heads)
+    query_heads = _query_heads(tensors[0].shape[2], size, num_heads)
     owned = [_owned(t.shape[2], size, query_heads) for t in tensors]
     sends = [_send_layout(t, heads) for t, heads in zip(tensors, owned)]
     per_peer = sum(math.prod(s.shape) * s.dtype.itemsize for s in sends) // size
@@ -149,22 +150,23 @@ def seq_to_head_many(tensors: Sequence[Any], comm,
     return results
 
 
-def seq_to_head(x: Any, comm, query_heads: Optional[int] = None) -> Any:
+def seq_to_head(x: Any, comm, num_heads: Optional[int] = None) -> Any:
     """[b, s/P, h, d] -> [b, s, h_p, d] (see seq_to_head_many)."""
-    return seq_to_head_many([x], comm, query_heads)[0]
+    return seq_to_head_many([x], comm, num_heads)[0]
 
 
 def head_to_seq(x: Any, comm, heads: Optional[int] = None,
-                query_heads: Optional[int] = None) -> Any:
+                num_heads: Optional[int] = None) -> Any:
     """[b, s, h_p, d] -> [b, s/P, h, d], the inverse (and adjoint) of
-    seq_to_head: ``heads`` = h (default h_p * P, right for even splits),
-    ``query_heads`` as seq_to_head's when x holds kv heads. Copies of a kv
-    head on several ranks are summed (the gradient of the replication)."""
+    seq_to_head: ``heads`` = h, x's own heads (default h_p * P, right for
+    even splits), ``num_heads`` the query heads as seq_to_head's when x
+    holds kv heads. Copies of a kv head on several ranks are summed (the
+    gradient of the replication)."""
     xp = namespace(x)
     size = comm.size
     b, s, local, d = x.shape
     heads = local * size if heads is None else heads
-    owned = _owned(heads, size, query_heads)
+    owned = _owned(heads, size, num_heads)
     if local != len(owned[comm.rank]):
         raise ValueError(f"rank {comm.rank} holds {local} heads; seq_to_head of {heads} heads "
                          f"over {size} ranks gives it {len(owned[comm.rank])}")

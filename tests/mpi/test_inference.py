@@ -121,7 +121,7 @@ def test_a_chunk_against_the_cache_is_sdpa(comm, impl, dtype, case, method):
     asked = new[striped(new, comm.size, comm.rank)]
     out = chunk_attention(impl.asarray(q[:, asked], dtype), impl.asarray(k[:, mine], dtype),
                           impl.asarray(v[:, mine], dtype), comm, q_positions=asked,
-                          k_positions=mine, window=window, method=method)
+                          k_positions=mine, causal=True, window=window, method=method)
     error = relative_error(impl.to_numpy(out), reference(q, k, v, asked, True, window))
     assert all_ranks(impl.is_native(out) and error <= TOLERANCE[dtype]), error
 
@@ -147,7 +147,8 @@ def test_different_new_tokens_raise_on_every_rank(comm):
     mine = shard_positions(comm, 18, 20, "zigzag")
     asked = np.array([18, 19]) if comm.rank else np.array([17, 19])
     raises_everywhere(commlib.CollectiveMismatchError, lambda: decode_attention(
-        q[:, asked], k[:, mine], v[:, mine], comm, q_positions=asked, k_positions=mine),
+        q[:, asked], k[:, mine], v[:, mine], comm, q_positions=asked, k_positions=mine,
+        causal=True),
         match="q_positions")
 
 
@@ -167,7 +168,7 @@ def test_bad_positions_and_shapes_raise_on_every_rank(comm, bad):
         else:
             k, v = k[:, :, :, :3], v[:, :, :, :3]
     raises_everywhere(commlib.CollectiveMismatchError, lambda: decode_attention(
-        q, k, v, comm, q_positions=asked, k_positions=mine))
+        q, k, v, comm, q_positions=asked, k_positions=mine, causal=True))
 
 
 @pytest.mark.parametrize("impl", arrayimpl.params(("numpy", "torch", "jax")))

@@ -17,7 +17,7 @@ def test_the_hybrid_groups_are_made_once_and_freed_with_their_communicator():
     parent = commlib.init()
     q = np.random.default_rng(0).standard_normal((1, 4, parent.size, 8)).astype(np.float32)
     for degree in sorted({1, parent.size}):
-        hybrid.hybrid_attention(q, q, q, parent, degree, layout="contiguous")
+        hybrid.hybrid_attention(q, q, q, parent, degree, layout="contiguous", causal=False)
     made = {degree: groups(parent, degree) for degree in sorted({1, parent.size})}
     again = all(groups(parent, degree) == pair for degree, pair in made.items())
     parent.free()
@@ -35,7 +35,8 @@ def test_an_attention_call_on_a_freed_communicator_is_refused():
     parent.free()
     q = np.zeros((1, 4, 2, 8), np.float32)
     raises_everywhere(commlib.CommlibError,
-                      lambda: hybrid.hybrid_attention(q, q, q, parent, 1, layout="contiguous"),
+                      lambda: hybrid.hybrid_attention(q, q, q, parent, 1, layout="contiguous",
+                                                      causal=False),
                       match="freed")
 
 

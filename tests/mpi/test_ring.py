@@ -113,7 +113,8 @@ def test_custom_block_kernel_is_used(comm):
 def test_softmax_scale(comm):
     q, k, v, _ = global_inputs(2, np.float32, seed=4)
     shard = [ring.shard_sequence(x, comm, layout="contiguous") for x in (q, k, v)]
-    out = ring.ring_attention(*shard, comm, softmax_scale=0.05, layout="contiguous")
+    out = ring.ring_attention(*shard, comm, softmax_scale=0.05, layout="contiguous",
+                              causal=False)
     ref, _ = reference_attention(q, k, v, False, scale=0.05)
     assert all_ranks(close(ring.unshard_sequence(out, comm, layout="contiguous"), ref, 2e-5))
 
@@ -154,18 +155,19 @@ def _unknown_layout_calls(comm):
 
     x = global_inputs(HEADS, np.float32)[0][:, : SEQ // comm.size]
     t, j = torch.tensor(x), jnp.asarray(x)
+    spiral = dict(layout="spiral", causal=False)
     return {
         "shard_sequence": lambda: ring.shard_sequence(x, comm, layout="spiral"),
         "unshard_sequence": lambda: ring.unshard_sequence(x, comm, layout="spiral"),
-        "ring": lambda: ring.ring_attention(x, x, x, comm, layout="spiral"),
-        "ulysses": lambda: ulysses.ulysses_attention(x, x, x, comm, layout="spiral"),
-        "hybrid": lambda: hybrid.hybrid_attention(x, x, x, comm, 1, layout="spiral"),
-        "torch-ring": lambda: ct.ring_attention(t, t, t, comm, layout="spiral"),
-        "torch-ulysses": lambda: ct.ulysses_attention(t, t, t, comm, layout="spiral"),
-        "torch-hybrid": lambda: ct.hybrid_attention(t, t, t, comm, 1, layout="spiral"),
-        "jax-ring": lambda: cj.ring_attention(j, j, j, comm, layout="spiral"),
-        "jax-ulysses": lambda: cj.ulysses_attention(j, j, j, comm, layout="spiral"),
-        "jax-hybrid": lambda: cj.hybrid_attention(j, j, j, comm, 1, layout="spiral"),
+        "ring": lambda: ring.ring_attention(x, x, x, comm, **spiral),
+        "ulysses": lambda: ulysses.ulysses_attention(x, x, x, comm, **spiral),
+        "hybrid": lambda: hybrid.hybrid_attention(x, x, x, comm, 1, **spiral),
+        "torch-ring": lambda: ct.ring_attention(t, t, t, comm, **spiral),
+        "torch-ulysses": lambda: ct.ulysses_attention(t, t, t, comm, **spiral),
+        "torch-hybrid": lambda: ct.hybrid_attention(t, t, t, comm, 1, **spiral),
+        "jax-ring": lambda: cj.ring_attention(j, j, j, comm, **spiral),
+        "jax-ulysses": lambda: cj.ulysses_attention(j, j, j, comm, **spiral),
+        "jax-hybrid": lambda: cj.hybrid_attention(j, j, j, comm, 1, **spiral),
     }
 
 
@@ -196,7 +198,7 @@ def _shards(comm, kv_heads=2, seq=None, dim=DIM, dtype=np.float32):
 ])
 def test_bad_input_on_one_rank_raises_everywhere(comm, case, message):
     bad_rank = comm.size - 1
-    kwargs = {"layout": "zigzag"}
+    kwargs = {"layout": "zigzag", "causal": False}
     if comm.rank == bad_rank:
         q, k, v = {
             "kv_heads": lambda: _shards(comm, kv_heads=3),
@@ -220,15 +222,17 @@ def test_local_lengths_that_differ_raise_everywhere(comm):
         pytest.skip("needs two ranks to differ")
     q, k, v = _shards(comm, seq=6 if comm.rank else 8)
     error = raises_everywhere(commlib.CollectiveMismatchError,
-                              lambda: ring.ring_attention(q, k, v, comm, layout="zigzag"),
+                              lambda: ring.ring_attention(q, k, v, comm, layout="zigzag",
+                                                          causal=False),
                               match="different arguments")
     assert "(1, 8, 4, 8)" in str(error) and "(1, 6, 4, 8)" in str(error)
 
 
 def test_backward_checks_its_extra_inputs(comm):
     q, k, v = _shards(comm)
-    out, lse = ring.ring_attention(q, k, v, comm, layout="zigzag", return_lse=True)
+    out, lse = ring.ring_attention(q, k, v, comm, layout="zigzag", causal=False,
+                                   return_lse=True)
     raises_everywhere(commlib.CollectiveMismatchError,
                       lambda: ring.ring_attention_backward(out[:, :2], q, k, v, out, lse, comm,
-                                                           layout="zigzag"),
+                                                           layout="zigzag", causal=False),
                       match="dout must have shape")

@@ -98,7 +98,8 @@ def test_hybrid_attention_at_every_degree(comm, layout, kv_heads, causal):
 
 
 def test_planner_picks_an_allowed_split(comm):
-    plan = hybrid.plan(comm, seq_len=12288, num_heads=HEADS, num_kv_heads=2, head_dim=64)
+    plan = hybrid.plan(comm, seq_len=12288, num_heads=HEADS, num_kv_heads=2, head_dim=64,
+                       causal=False, layout="contiguous")
     assert plan.ulysses_size * plan.ring_size == comm.size
     assert sorted({c.ulysses_size for c in plan.candidates}) == \
         [d for d in range(1, comm.size + 1) if comm.size % d == 0]  # 12 heads: every degree
@@ -110,7 +111,8 @@ def test_planner_picks_an_allowed_split(comm):
     text = plan.explain()
     assert f"Picked Ulysses {plan.ulysses_size} x Ring {plan.ring_size}" in text
     assert "Fabric: all-to-all" in text
-    same = hybrid.plan(comm, seq_len=12288, num_heads=HEADS, num_kv_heads=2, head_dim=64)
+    same = hybrid.plan(comm, seq_len=12288, num_heads=HEADS, num_kv_heads=2, head_dim=64,
+                       causal=False, layout="contiguous")
     assert same.fabric is plan.fabric  # probed once per communicator
 
 
@@ -128,7 +130,8 @@ def test_local_lengths_that_differ(comm):
         pytest.skip("needs two ranks to differ")
     q, k, v = _shards(comm, kv_heads=1, seq=6 if comm.rank else 7)
     raises_everywhere(commlib.CollectiveMismatchError,
-                      lambda: ulysses.ulysses_attention(q, k, v, comm, layout="contiguous"),
+                      lambda: ulysses.ulysses_attention(q, k, v, comm, layout="contiguous",
+                                                        causal=False),
                       match="different arguments")
 
 
@@ -136,5 +139,5 @@ def test_ulysses_size_must_divide_the_world(comm):
     q, k, v = _shards(comm)
     raises_everywhere(commlib.CollectiveMismatchError,
                       lambda: hybrid.hybrid_attention(q, k, v, comm, comm.size + 1,
-                                                       layout="contiguous"),
+                                                       layout="contiguous", causal=False),
                       match=f"must divide the world size {comm.size}")

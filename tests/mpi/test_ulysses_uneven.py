@@ -178,15 +178,16 @@ def test_planner_prices_an_uneven_degree_by_its_busiest_rank(comm):
     """6 heads over 4 ranks cost what 8 do (2 on the busiest rank, to which
     every chunk is padded); any degree up to the head count is allowed."""
     fabric = Fabric(1e-5, 1e9, 1e-5, 1e9, 1e10, 1e10)
-    uneven, padded = (price(4, 4, 4096, heads, 1, 64, 2, True, fabric) for heads in (6, 8))
+    uneven, padded = (price(4, 4, 4096, heads, 1, 64, 2, fabric, causal=True,
+                            layout="contiguous") for heads in (6, 8))
     ok = (uneven.ulysses_bytes, uneven.compute_s) == (padded.ulysses_bytes, padded.compute_s)
     degrees = [d for d in range(1, comm.size + 1) if comm.size % d == 0]
     five = hybrid.plan(comm, seq_len=240, num_heads=5, num_kv_heads=1, head_dim=8,
-                       fabric=fabric)
+                       causal=False, layout="contiguous", fabric=fabric)
     ok = ok and sorted({c.ulysses_size for c in five.candidates}) == degrees
     if comm.size > 1:
         few = hybrid.plan(comm, seq_len=240, num_heads=comm.size - 1, num_kv_heads=1,
-                          head_dim=8, fabric=fabric)
+                          head_dim=8, causal=False, layout="contiguous", fabric=fabric)
         ok = ok and sorted({c.ulysses_size for c in few.candidates}) == degrees[:-1] \
             and few.rejected == [f"Ulysses {comm.size} ({comm.size - 1} heads leave a rank "
                                  f"without one)"]
@@ -202,11 +203,12 @@ def test_fewer_heads_than_ranks_are_refused_on_every_rank(comm):
     rng = np.random.default_rng(1)
     q = rng.standard_normal((1, 6, heads, DIM)).astype(np.float32)
     raises_everywhere(commlib.CollectiveMismatchError,
-                      lambda: ulysses.ulysses_attention(q, q, q, comm, layout="contiguous"),
+                      lambda: ulysses.ulysses_attention(q, q, q, comm, layout="contiguous",
+                                                        causal=False),
                       match=f"heads ({heads}) are fewer than the Ulysses degree ({comm.size})")
     raises_everywhere(commlib.CollectiveMismatchError,
                       lambda: hybrid.hybrid_attention(q, q, q, comm, comm.size,
-                                                       layout="contiguous"),
+                                                       layout="contiguous", causal=False),
                       match="a rank would own no head")
     raises_everywhere(ValueError, lambda: ulysses.seq_to_head(q, comm, heads),
                       match="a rank would own no head")
