@@ -20,11 +20,13 @@ nothing is kept on the host.
 The contract is the core's (``commlib.moe.contract``): the same options
 (``capacity_factor``, ``drop_policy``, ``max_tokens_per_rank``, FP8
 ``quantize``), the same error messages for the same bad input, and
-``combine(expert_y, handle)``. Two differences, both refused rather than
-ignored: ``hierarchical=True`` (the exchange is one padded all-to-all that
-moves the same chunk between every pair of ranks, so a two-hop route has
-no duplicate rows to save), and no ``dispatch_async``/``combine_async``
-(XLA already schedules the transfer against independent work).
+``combine(expert_y, handle)``. Differences, refused rather than ignored:
+``hierarchical=True`` (the exchange is one padded all-to-all that moves the
+same chunk between every pair of ranks, so a two-hop route has no duplicate
+rows to save), ``pipeline_chunks`` above 1 (there is no inter-node hop to
+pipeline; None and 1 are accepted, and the attribute is read-only), and no
+``dispatch_async``/``combine_async`` (XLA already schedules the transfer
+against independent work).
 
 What stays on the host: the trace-time agreement of shapes (``tc.agree``,
 a mismatch or bad input raises ``CollectiveMismatchError`` on every rank
@@ -113,6 +115,15 @@ def _float0(a):
     return np.zeros(a.shape, jax.dtypes.float0)
 
 
+def _take_or_zero(rows, index):
+    """``rows[index]`` along axis 0, zero where ``index`` is past the end
+    (an empty slot), also when there are no rows at all (a rank with no
+    tokens, which ``jnp.take`` refuses)."""
+    if rows.shape[0] == 0:
+        return jnp.zeros(index.shape + rows.shape[1:], rows.dtype)
+    return jnp.take(rows, index, axis=0, mode="fill", fill_value=0)
+
+
 def _rows(a, leading: int):
     """``a`` with its trailing (row) axes flattened to one."""
     return a.reshape(a.shape[:leading] + (math.prod(a.shape[leading:]),))
@@ -156,18 +167,12 @@ class Dispatcher:
 
     def __init__(self, comm, num_experts: int, *, capacity_factor: Optional[float] = None,
                  drop_policy: str = "probs", hierarchical: bool = False,
-                 max_tokens_per_rank: Optional[int] = None):
-        problem = contract.options_problem(comm, num_experts, capacity_factor, drop_policy,
-                                           hierarchical, max_tokens_per_rank)
-        if problem is None and hierarchical:
-            problem = ValueError(
-                "hierarchical=True is not available in the JAX Dispatcher: its exchange is "
-                "one padded all-to-all moving the same chunk between every pair of ranks, so "
-                "a two-hop route has no duplicate rows to save; pass hierarchical=False (the "
-                "core and torch Dispatchers have the deduplicated two-hop path)")
-        comm.agree("moe.Dispatcher", num_experts, capacity_factor, drop_policy, hierarchical,
-                   max_tokens_per_rank, problem=problem)
+                 max_tokens_per_rank: Optional[int] = None,
+                 pipeline_chunks: Optional[int] = None):
+        contract.agree_options(comm, num_experts, capacity_factor, drop_policy, hierarchical,
+                               max_tokens_per_rank, pipeline_chunks, two_hop=False)
         self.comm = comm
+        self._pipeline_chunks = pipeline_chunks
         self.num_experts, self.local_experts = num_experts, num_experts // comm.size
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         self.hierarchical, self.max_tokens_per_rank = hierarchical, max_tokens_per_rank
@@ -177,6 +182,12 @@ class Dispatcher:
         self._dispatchers: Dict[Tuple[str, bool], Callable] = {}  # per (quantize, dequantize)
         self._combine = jax.custom_vjp(self._combine_primal)
         self._combine.defvjp(self._combine_fwd, self._combine_bwd)
+
+    @property
+    def pipeline_chunks(self) -> Optional[int]:
+        """None or 1, as given (read-only): the one padded exchange has no
+        inter-node hop to pipeline."""
+        return self._pipeline_chunks
 
     @property
     def stats(self) -> DispatchStats:
@@ -336,8 +347,7 @@ class Dispatcher:
         capacity = self.capacity(tokens, k)
         rows, read = self._wire(x, quantize)
         key, counts = self._route(experts, weights, capacity)
-        send = jnp.take(rows, self._sources(key, capacity) // k, axis=0, mode="fill",
-                        fill_value=0)  # empty slots: past the end, zero
+        send = _take_or_zero(rows, self._sources(key, capacity) // k)
         record = self._record(rows.dtype.itemsize * rows.shape[1], capacity)
         # the counts go with this dispatch's rows: JAX would otherwise hoist a
         # loop-invariant count exchange out of a scan, and count it once
@@ -380,7 +390,7 @@ class Dispatcher:
         """The rows [T, k, W] of each (token, choice) from a send-buffer
         layout; zero for dropped choices."""
         where = jnp.where(key >= 0, key, self.num_experts * capacity)
-        return jnp.take(rows, where, axis=0, mode="fill", fill_value=0)
+        return _take_or_zero(rows, where)
 
     # -- combine ------------------------------------------------------------------
     def combine(self, expert_y, handle: JaxHandle):
@@ -418,8 +428,7 @@ class Dispatcher:
         grad = _rows(d_y, 1).astype(jnp.float32)
         d_weights = jnp.einsum("tw,tkw->tk", grad, picked.astype(jnp.float32))
         d_rows = (weights.astype(jnp.float32)[:, :, None] * grad[:, None]).astype(picked.dtype)
-        send = jnp.take(d_rows.reshape(-1, d_rows.shape[2]), self._sources(key, capacity),
-                        axis=0, mode="fill", fill_value=0)
+        send = _take_or_zero(d_rows.reshape(-1, d_rows.shape[2]), self._sources(key, capacity))
         with self._traced.ordered():
             d_expert_y = self._to_owners(send, capacity)
         d_expert_y = d_expert_y.reshape(d_expert_y.shape[:2] + d_y.shape[1:])

@@ -83,14 +83,25 @@ class Dispatcher:
     and handles (``commlib.moe.MoEHandle``). With ``quantize="fp8"`` the
     rows are differentiable when ``dequantize=True`` (the quantization is
     passed straight through, the gradient travels back in its own dtype);
-    the (values, scales) pair is not."""
+    the (values, scales) pair is not. ``pipeline_chunks`` is the core's:
+    reading or setting it here reads or sets the core's."""
 
     def __init__(self, comm, num_experts: int, *, capacity_factor: Optional[float] = None,
                  drop_policy: str = "probs", hierarchical: bool = False,
-                 max_tokens_per_rank: Optional[int] = None):
+                 max_tokens_per_rank: Optional[int] = None,
+                 pipeline_chunks: Optional[int] = None):
         self.core = _moe.Dispatcher(comm, num_experts, capacity_factor=capacity_factor,
                                     drop_policy=drop_policy, hierarchical=hierarchical,
-                                    max_tokens_per_rank=max_tokens_per_rank)
+                                    max_tokens_per_rank=max_tokens_per_rank,
+                                    pipeline_chunks=pipeline_chunks)
+
+    @property
+    def pipeline_chunks(self) -> Optional[int]:
+        return self.core.pipeline_chunks
+
+    @pipeline_chunks.setter
+    def pipeline_chunks(self, chunks: Optional[int]) -> None:
+        self.core.pipeline_chunks = chunks  # checked and agreed on by the next dispatch
 
     @property
     def stats(self) -> _moe.DispatchStats:

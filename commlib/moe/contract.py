@@ -38,8 +38,12 @@ class MoEHandle(Protocol):
 
 
 def options_problem(comm, num_experts: Any, capacity_factor: Any, drop_policy: Any,
-                    hierarchical: Any, max_tokens_per_rank: Any) -> Optional[ValueError]:
-    """What is wrong with a Dispatcher's options on this rank (None: nothing)."""
+                    hierarchical: Any, max_tokens_per_rank: Any, pipeline_chunks: Any = None,
+                    two_hop: bool = True) -> Optional[ValueError]:
+    """What is wrong with a Dispatcher's options on this rank (None:
+    nothing). ``two_hop``: whether this Dispatcher has the two-hop path (the
+    JAX one has not, so it refuses ``hierarchical`` and ``pipeline_chunks``
+    above 1 instead of ignoring them)."""
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) \
             or num_experts < 1 or num_experts % comm.size:
         return ValueError(f"num_experts={num_experts!r} must be a positive multiple of "
@@ -54,6 +58,12 @@ def options_problem(comm, num_experts: Any, capacity_factor: Any, drop_policy: A
     if capacity_factor is not None and not capacity_factor > 0:
         return ValueError(f"capacity_factor must be positive (or None for no cap), "
                           f"got {capacity_factor!r}")
+    if hierarchical and not two_hop:
+        return ValueError(
+            "hierarchical=True is not available in the JAX Dispatcher: its exchange is "
+            "one padded all-to-all moving the same chunk between every pair of ranks, so "
+            "a two-hop route has no duplicate rows to save; pass hierarchical=False (the "
+            "core and torch Dispatchers have the deduplicated two-hop path)")
     if hierarchical and not comm.topology.is_uniform:
         return ValueError("two-hop dispatch needs the same number of ranks on every node")
     if max_tokens_per_rank is not None and (
@@ -62,7 +72,41 @@ def options_problem(comm, num_experts: Any, capacity_factor: Any, drop_policy: A
         return ValueError(f"max_tokens_per_rank must be a positive integer (the most "
                           f"tokens any rank dispatches at once) or None, got "
                           f"{max_tokens_per_rank!r}")
+    return chunks_problem(pipeline_chunks, hierarchical, two_hop)
+
+
+def chunks_problem(chunks: Any, hierarchical: Any,
+                   two_hop: bool = True) -> Optional[ValueError]:
+    """What is wrong with a ``pipeline_chunks`` option (None: nothing): a
+    count above 1 pipelines a two-hop dispatch's inter-node hop, so it is
+    refused, not ignored, where there is no such hop."""
+    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int)
+                               or chunks < 1):
+        return ValueError(f"pipeline_chunks must be a positive integer (the chunks a two-hop "
+                          f"dispatch cuts its inter-node hop into; 1: no pipelining) or None "
+                          f"(chosen from the bytes), got {chunks!r}")
+    if chunks is not None and chunks > 1 and not two_hop:
+        return ValueError(f"pipeline_chunks={chunks} is not available in the JAX Dispatcher: "
+                          f"it cuts a two-hop dispatch's inter-node hop into chunks, and the "
+                          f"JAX exchange is one padded all-to-all; pass pipeline_chunks=None "
+                          f"or 1 (XLA schedules the one exchange against other work)")
+    if chunks is not None and chunks > 1 and not hierarchical:
+        return ValueError(f"pipeline_chunks={chunks} cuts a two-hop dispatch's inter-node hop "
+                          f"into chunks, and flat dispatch (hierarchical=False) has one hop: "
+                          f"pass hierarchical=True, or pipeline_chunks=None or 1")
     return None
+
+
+def agree_options(comm, num_experts: Any, capacity_factor: Any, drop_policy: Any,
+                  hierarchical: Any, max_tokens_per_rank: Any, pipeline_chunks: Any,
+                  two_hop: bool = True) -> None:
+    """A Dispatcher's options checked and agreed on by every rank: the same
+    everywhere, or ``CollectiveMismatchError`` on every rank naming the
+    rank and what was wrong."""
+    problem = options_problem(comm, num_experts, capacity_factor, drop_policy, hierarchical,
+                              max_tokens_per_rank, pipeline_chunks, two_hop)
+    comm.agree("moe.Dispatcher", num_experts, capacity_factor, drop_policy, hierarchical,
+               max_tokens_per_rank, pipeline_chunks, problem=problem)
 
 
 def capacity(tokens: int, k: int, num_experts: int, capacity_factor: Optional[float],

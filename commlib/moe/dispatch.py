@@ -229,21 +229,20 @@ class Dispatcher:
     ``num_experts`` lives on rank ``e // (num_experts // comm.size)``.
     ``max_tokens_per_rank`` selects the fixed-capacity mode.
 
-    ``pipeline_chunks`` (an attribute, the same on every rank; checked and
-    agreed on in every dispatch): the chunks a two-hop dispatch cuts its
-    inter-node hop into, 1 for none; None, the default, chooses from the
-    bytes (``commlib.moe.pipeline``). Flat dispatch has one hop."""
-
-    pipeline_chunks: Optional[int] = None
+    ``pipeline_chunks``: the chunks a two-hop dispatch cuts its inter-node
+    hop into, 1 for none; None, the default, chooses from the bytes
+    (``commlib.moe.pipeline``). Flat dispatch has one hop, so it refuses a
+    count above 1. The attribute may be changed between dispatches: each
+    dispatch checks it and agrees on it with every rank."""
 
     def __init__(self, comm, num_experts: int, *, capacity_factor: Optional[float] = None,
                  drop_policy: str = "probs", hierarchical: bool = False,
-                 max_tokens_per_rank: Optional[int] = None):
-        problem = contract.options_problem(comm, num_experts, capacity_factor, drop_policy,
-                                           hierarchical, max_tokens_per_rank)
-        comm.agree("moe.Dispatcher", num_experts, capacity_factor, drop_policy, hierarchical,
-                   max_tokens_per_rank, problem=problem)
+                 max_tokens_per_rank: Optional[int] = None,
+                 pipeline_chunks: Optional[int] = None):
+        contract.agree_options(comm, num_experts, capacity_factor, drop_policy, hierarchical,
+                               max_tokens_per_rank, pipeline_chunks)
         self.comm = comm
+        self.pipeline_chunks = pipeline_chunks
         self.num_experts = num_experts
         self.local_experts = num_experts // comm.size
         self.capacity_factor = capacity_factor
@@ -277,7 +276,7 @@ class Dispatcher:
         micro-batch's experts) overlaps the transfer; over MPI a progress
         thread moves it meanwhile. x must not change until the wait."""
         problem = contract.input_problem(x, experts, weights, quantize) \
-            or pipeline.chunks_problem(self.pipeline_chunks)
+            or contract.chunks_problem(self.pipeline_chunks, self.hierarchical)
         plan = counts = None
         if problem is None:
             plan = self._plan(x, experts, weights)

@@ -30,7 +30,8 @@ are the stats. An expert whose result for a row depends on where the row
 sits (a matrix product's edge rows may round differently) can differ in
 the last bits, as can a sum over an expert's rows (its weights' gradient).
 
-The chunk count: ``Dispatcher(pipeline_chunks=n)``, or by default the
+The chunk count: ``Dispatcher(..., pipeline_chunks=n)`` (the core and torch
+Dispatchers; checked by ``contract.chunks_problem``), or by default the
 largest of 8, 4, 2, 1 that leaves at least ``MIN_CHUNK_BYTES`` per chunk of
 the largest block any rank sends to another node (the same on every rank:
 the counted dispatch learns every rank's largest block in its count
@@ -54,16 +55,6 @@ from .hops import Hop, take_sent
 # about 10 Gbit/s; faster links have little forwarding left to hide
 AUTO_MOST_CHUNKS = 8
 MIN_CHUNK_BYTES = 1 << 20
-
-
-def chunks_problem(chunks: Any) -> Optional[ValueError]:
-    """What is wrong with a ``pipeline_chunks`` option (None: nothing)."""
-    if chunks is None or (isinstance(chunks, int) and not isinstance(chunks, bool)
-                          and chunks >= 1):
-        return None
-    return ValueError(f"pipeline_chunks must be a positive integer (the chunks a two-hop "
-                      f"dispatch cuts its inter-node hop into; 1: no pipelining) or None "
-                      f"(chosen from the bytes), got {chunks!r}")
 
 
 def auto_chunks(block_bytes: int) -> int:
