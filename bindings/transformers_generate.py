@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import copy
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -37,12 +36,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
-from transformers.generation import (
-    GenerateDecoderOnlyOutput,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers.generation import GenerateDecoderOnlyOutput, GenerationConfig, LogitsProcessorList
 
 from commlib.documents import local_index, packing_for
 from commlib.inference import ShardedKVCache, chunk_attention, decode_attention, striped
@@ -61,23 +55,32 @@ __all__ = ["generate", "GENERATION"]
 
 GENERATION = "commlib_generate"  # the attention implementation a generate call runs under
 
-# transformers' defaults for the options generate reads (a GenerationConfig
-# leaves them None until model.generate resolves them)
-_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
-             "max_length": 20, "num_beams": 1, "num_return_sequences": 1,
-             "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_length": 0,
-             "min_new_tokens": 0, "length_penalty": 1.0}
-# options that change which token is picked, accepted only at their defaults
-_UNSUPPORTED = ("num_beams", "num_return_sequences", "repetition_penalty",
-                "no_repeat_ngram_size", "min_length", "min_new_tokens", "bad_words_ids",
-                "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id",
-                "forced_eos_token_id", "sequence_bias", "guidance_scale", "watermarking_config",
-                "penalty_alpha", "typical_p", "epsilon_cutoff", "eta_cutoff", "min_p",
-                "assistant_model", "prompt_lookup_num_tokens", "constraints",
-                "force_words_ids", "stop_strings", "exponential_decay_length_penalty")
-# generate()'s own keyword arguments that are not generation options
-_OWN = ("attention_mask", "generation_config", "return_dict_in_generate", "output_scores",
-        "use_cache")
+# options that change which token is picked, accepted only at their neutral values
+_UNSUPPORTED = {"num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0,
+                "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0,
+                "encoder_repetition_penalty": 1.0, "length_penalty": 1.0, "typical_p": 1.0,
+                "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+                "forced_bos_token_id": None, "forced_eos_token_id": None, "sequence_bias": None,
+                "guidance_scale": None, "watermarking_config": None, "penalty_alpha": None,
+                "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "min_p": None, "top_h": None,
+                "prompt_lookup_num_tokens": None, "constraints": None,
+                "force_words_ids": None, "stop_strings": None, "max_time": None,
+                "exponential_decay_length_penalty": None}
+
+
+@dataclass
+class _Plan:
+    """One call's generation, resolved by transformers' own steps as
+    ``model.generate`` resolves it: its config, the total length, the
+    logits processors (min length, temperature, top-k, top-p, in
+    transformers' order), eos and pad."""
+
+    config: GenerationConfig
+    max_length: int
+    processors: LogitsProcessorList
+    eos: List[int]
+    pad: Optional[int]
+    digest: str  # the options, to agree on
 
 
 @dataclass
@@ -103,80 +106,133 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, comm, *,
              **generate_kwargs: Any) -> Any:
     """``model.generate(input_ids, **generate_kwargs)`` over ``comm``, on
     every rank with the same ``input_ids`` [batch, length] (rows of equal
-    length: no padding). Greedy (the default) or sampled
-    (``do_sample=True`` with ``temperature``, ``top_k``, ``top_p``; every
-    rank draws from ``seed``, by default one rank 0 draws from torch's
-    global generator); ``max_new_tokens`` / ``max_length``,
-    ``eos_token_id``, ``pad_token_id``; ``return_dict_in_generate=True``
-    returns transformers' ``GenerateDecoderOnlyOutput`` whose cache is this
-    rank's ``ShardedKVCache`` (pass it as ``past_key_values`` to continue the
+    length: no padding). The options are resolved by transformers' own
+    steps, the model's ``generation_config`` and its defaults included (20
+    new tokens when neither ``max_new_tokens`` nor ``max_length`` is
+    given), and what ``model.generate`` refuses is refused. Greedy (the
+    default; draws no random number) or sampled (``do_sample=True`` with
+    ``temperature``, ``top_k``, ``top_p``): with ``seed=s`` from a generator
+    of its own seeded ``s`` (the tokens of ``torch.manual_seed(s);
+    model.generate(...)``, the global generator untouched), else from
+    torch's global generator in rank 0's state, which every rank is left in
+    as ``model.generate`` leaves rank 0's. ``min_new_tokens`` /
+    ``min_length``, ``eos_token_id`` (int or list), ``pad_token_id``;
+    ``return_dict_in_generate=True`` returns transformers'
+    ``GenerateDecoderOnlyOutput`` whose cache is this rank's
+    ``ShardedKVCache`` (pass it as ``past_key_values`` to continue the
     conversation). ``prefill``: the commlib attention implementation of
     the first prefill (default: the model's, if one of commlib's, else
     ``"commlib_ring"``); ``prefill_method``: a later turn's "pass_q",
     "pass_kv" or "auto". Anything else that changes the picked tokens
-    (beams, penalties, ...) is refused on every rank."""
-    options, problem = _options(model, generate_kwargs)
+    (beams, penalties, masked tokens, ...) is refused on every rank."""
     name = prefill or _model_layout_name(model)
-    history = _history(input_ids)
+    plan, problem = _plan(model, input_ids, generate_kwargs)
     if problem is None:
-        problem = _input_problem(model, input_ids, past_key_values, options, name, comm,
+        problem = _input_problem(model, input_ids, past_key_values, plan, name, comm,
                                  prefill_method)
-    comm.agree("transformers.generate", tuple(input_ids.shape), history,
-               repr(sorted((k, repr(v)) for k, v in options.items())), seed, name,
-               prefill_method, None if past_key_values is None else past_key_values.digest(),
+    comm.agree("transformers.generate", tuple(input_ids.shape), _history(input_ids),
+               None if plan is None else plan.digest, seed, name, prefill_method,
+               None if past_key_values is None else past_key_values.digest(),
                problem=problem)
-    if seed is None:  # one draw, shared
-        seed = int(comm.bcast(torch.randint(0, 2 ** 62, (1,)) if comm.rank == 0 else None,
-                              root=0)[0])
     cache = past_key_values if past_key_values is not None else ShardedKVCache(
         model.config.num_hidden_layers, comm.size, comm.rank)
-    sampler = _Sampler(options, seed, input_ids.device)
+    sampler = _Sampler(plan.processors, _generator(plan, seed, comm, input_ids.device))
     with _generation_attention(model, comm, name):
         logits = _prefill(model, input_ids, cache, comm, name, prefill_method)
-        sequences, scores = _decode(model, input_ids, cache, comm, logits, sampler, options)
+        sequences, scores = _decode(model, input_ids, cache, comm, logits, sampler, plan)
     cache.history = _history(sequences[:, :cache.length])
-    if not options["return_dict_in_generate"]:
+    if not plan.config.return_dict_in_generate:
         return sequences
     fields = GenerateDecoderOnlyOutput.__dataclass_fields__
     return GenerateDecoderOnlyOutput(
-        sequences=sequences, scores=tuple(scores) if options["output_scores"] else None,
+        sequences=sequences, scores=tuple(scores) if plan.config.output_scores else None,
         **{"cache" if "cache" in fields else "past_key_values": cache})
 
 
 # -- checks ---------------------------------------------------------------------
-def _options(model: torch.nn.Module, kwargs: Dict[str, Any]) -> Tuple[Dict[str, Any],
-                                                                      Optional[ValueError]]:
-    """The resolved generation options (the model's generation_config,
-    updated by ``kwargs``) and what of them generate refuses."""
-    config = copy.deepcopy(kwargs.pop("generation_config", None) or model.generation_config)
-    own = {key: kwargs.pop(key) for key in _OWN if key in kwargs}
-    unknown = config.update(**kwargs)
-    options = {key: getattr(config, key, None) for key in
-               ("max_new_tokens", "eos_token_id", "pad_token_id") + tuple(_DEFAULTS)}
-    for key, default in _DEFAULTS.items():
-        if options[key] is None:
-            options[key] = default
-    options.update(return_dict_in_generate=bool(own.get("return_dict_in_generate",
-                                                        config.return_dict_in_generate)),
-                   output_scores=bool(own.get("output_scores", config.output_scores)))
-    refused = sorted(unknown) + [key for key in _UNSUPPORTED
-                                 if getattr(config, key, None) not in (None, _DEFAULTS.get(key),
-                                                                       [], {})]
-    mask = own.get("attention_mask")
-    if mask is not None and not bool(torch.as_tensor(mask).all()):
-        return options, ValueError(
-            "generate got an attention_mask that pads some tokens: left-padded batches are "
-            "not supported (a padded row's positions differ from the others'); generate "
-            "prompts of one length together, or one at a time")
+def _plan(model, input_ids: torch.Tensor,
+          kwargs: Dict[str, Any]) -> Tuple[Optional[_Plan], Optional[ValueError]]:
+    """The call resolved as ``model.generate`` resolves it (transformers'
+    own steps, in its order), or what generate refuses of it."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or \
+            input_ids.shape[1] == 0:
+        return None, ValueError(f"input_ids must be a tensor [batch, length] with length >= 1, "
+                                f"got shape {tuple(getattr(input_ids, 'shape', ()))}")
+    kwargs = dict(kwargs)
+    given = kwargs.pop("generation_config", None)
+    mask = kwargs.pop("attention_mask", None)
+    # as model.generate tells a default length from a set one, before resolving
+    default_max, default_min = (kwargs.get(key) is None
+                                and (given is None or getattr(given, key) is None)
+                                and getattr(model.generation_config, key) is None
+                                for key in ("max_length", "min_length"))
+    try:
+        config, unknown = model._prepare_generation_config(given, **kwargs)
+    except ValueError as error:
+        return None, ValueError(f"model.generate refuses these options: {error}")
+    digest = repr(sorted((key, repr(value)) for key, value in config.to_dict().items())) + \
+        repr(None if mask is None else (tuple(mask.shape), _history(mask)))
+    refused = sorted(unknown) + [key for key, neutral in _UNSUPPORTED.items()
+                                 if getattr(config, key, None) not in (neutral, None)]
     if refused:
-        return options, ValueError(f"commlib's generate does not implement "
-                                   f"{', '.join(refused)} (they change the picked tokens); it "
-                                   f"does greedy and sampling with temperature, top_k, top_p")
-    return options, None
+        return None, ValueError(f"commlib's generate does not implement "
+                                f"{', '.join(refused)} (they change the picked tokens); it "
+                                f"does greedy and sampling with temperature, top_k, top_p")
+    prompt = input_ids.shape[1]
+    model._prepare_special_tokens(config, mask is not None, device=input_ids.device,
+                                  batch_size=input_ids.shape[0])
+    model._prepare_generated_length(generation_config=config, has_default_max_length=default_max,
+                                    has_default_min_length=default_min,
+                                    model_input_name="input_ids", input_ids_length=prompt,
+                                    inputs_tensor=input_ids)
+    try:
+        model._validate_generated_length(config, prompt, default_max)
+        processors = model._get_logits_processor(generation_config=config,
+                                                 input_ids_seq_length=prompt,
+                                                 encoder_input_ids=input_ids,
+                                                 device=input_ids.device, model_kwargs={})
+    except ValueError as error:
+        return None, ValueError(f"model.generate refuses this call: {error}")
+    problem = _mask_problem(model, input_ids, mask, config)
+    if problem is not None:
+        return None, problem
+    eos, pad = config._eos_token_tensor, config._pad_token_tensor
+    return _Plan(config, int(config.max_length), processors,
+                 [] if eos is None else [int(t) for t in eos.reshape(-1)],
+                 None if pad is None else int(pad), digest), None
+
+
+def _mask_problem(model, input_ids: torch.Tensor, mask: Any,
+                  config: GenerationConfig) -> Optional[ValueError]:
+    """A token the attention would mask, which generate does not do (the
+    cache shares one position per column across the batch): an
+    ``attention_mask`` with a zero, or, without one, the pad token in the
+    prompt where ``model.generate`` infers the mask from it."""
+    if mask is not None:
+        mask = torch.as_tensor(mask)
+        if tuple(mask.shape) != tuple(input_ids.shape):
+            return ValueError(f"attention_mask must be [batch, length] like input_ids "
+                              f"{tuple(input_ids.shape)}, got {tuple(mask.shape)}")
+        if not bool((mask != 0).all()):
+            return ValueError(
+                "the attention_mask masks some tokens (padding), which commlib's generate "
+                "does not do: model.generate would skip them and shift the later positions, "
+                "and the sharded cache shares positions across the batch; remove the padded "
+                "tokens and generate rows of one length together, or one at a time")
+        return None
+    inferred = model._prepare_attention_mask_for_generation(input_ids, config, {})
+    if bool((inferred != 0).all()):
+        return None
+    pad = int(config._pad_token_tensor)
+    return ValueError(
+        f"input_ids contain pad_token_id {pad} and no attention_mask was given: "
+        f"model.generate would mask those tokens (and shift the later positions), which "
+        f"commlib's generate does not do; remove them, or pass "
+        f"attention_mask=torch.ones_like(input_ids) to attend them as ordinary tokens")
 
 
 def _input_problem(model, input_ids: torch.Tensor, cache: Optional[ShardedKVCache],
-                   options: Dict[str, Any], name: str, comm,
+                   plan: _Plan, name: str, comm,
                    prefill_method: str) -> Optional[ValueError]:
     """What is wrong with this call's inputs on this rank (None: nothing)."""
     if name not in LAYOUTS:
@@ -185,10 +241,7 @@ def _input_problem(model, input_ids: torch.Tensor, cache: Optional[ShardedKVCach
     if prefill_method not in ("auto", "pass_q", "pass_kv"):
         return ValueError(f"prefill_method must be 'auto', 'pass_q' or 'pass_kv', got "
                           f"{prefill_method!r}")
-    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
-        return ValueError(f"input_ids must be [batch, length] with length >= 1, got shape "
-                          f"{tuple(input_ids.shape)}")
-    total = input_ids.shape[1] + _new_tokens(options, input_ids.shape[1])
+    total = plan.max_length
     most = getattr(model.config, "max_position_embeddings", None)
     if most is not None and total > most:
         return ValueError(f"the prompt ({input_ids.shape[1]} tokens) and the new tokens "
@@ -217,14 +270,6 @@ def _history(tokens: torch.Tensor) -> int:
     """A fingerprint of the token ids (the same tokens on every rank)."""
     return zlib.crc32(np.ascontiguousarray(tokens.detach().cpu().numpy()).tobytes()) \
         ^ zlib.crc32(repr(tuple(tokens.shape)).encode())
-
-
-def _new_tokens(options: Dict[str, Any], prompt: int) -> int:
-    """How many tokens to generate: max_new_tokens, else max_length less
-    the prompt."""
-    if options["max_new_tokens"] is not None:
-        return int(options["max_new_tokens"])
-    return max(int(options["max_length"]) - prompt, 0)
 
 
 def _model_layout_name(model: torch.nn.Module) -> str:
@@ -362,55 +407,59 @@ def _from(comm, logits: torch.Tensor, holder: int) -> torch.Tensor:
 
 def _decode(model, input_ids: torch.Tensor, cache: ShardedKVCache, comm,
             logits: torch.Tensor, sampler: "_Sampler",
-            options: Dict[str, Any]) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+            plan: _Plan) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """New tokens, one a step, as model.generate picks them: a finished row
     (its eos picked) takes the pad token from then on; stop when every row
-    is finished or the count is reached."""
-    count = _new_tokens(options, input_ids.shape[1])
-    eos = options["eos_token_id"]
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    pad = options["pad_token_id"] if options["pad_token_id"] is not None else \
-        (eos[0] if eos else None)
+    is finished or the length is reached."""
     sequences, scores = input_ids, []
-    done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
-    for made in range(count):
+    done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    eos = torch.tensor(plan.eos, dtype=input_ids.dtype, device=input_ids.device)
+    for made in range(plan.max_length - input_ids.shape[1]):
         if made:
             position = np.array([sequences.shape[1] - 1])
             logits = _replicated(model, sequences[:, -1:], position, cache, comm)
         scored, picked = sampler.pick(sequences, logits)
         scores.append(scored)
-        if pad is not None:
-            picked = torch.where(done, torch.full_like(picked, pad), picked)
+        if plan.eos:
+            picked = torch.where(done, torch.full_like(picked, plan.pad), picked)
         sequences = torch.cat([sequences, picked[:, None].to(sequences.dtype)], dim=1)
-        if eos:
-            done |= torch.isin(picked, torch.tensor(eos, dtype=picked.dtype))
+        if plan.eos:
+            done |= torch.isin(sequences[:, -1], eos)
         if bool(done.all()):
             break
     return sequences, scores
 
 
-class _Sampler:
-    """Greedy, or sampling from the processed logits with a generator that
-    every rank seeds alike."""
+def _generator(plan: _Plan, seed: Optional[int], comm,
+               device: torch.device) -> Optional[torch.Generator]:
+    """What sampling draws from: nothing for greedy; a generator seeded
+    ``seed``; else torch's global generator of ``device``, set on every
+    rank to rank 0's state (so every rank draws alike and ends alike)."""
+    if not plan.config.do_sample:
+        return None
+    if seed is not None:
+        return torch.Generator(device=device).manual_seed(int(seed))
+    generator = torch.default_generator if device.type == "cpu" else \
+        torch.cuda.default_generators[device.index if device.index is not None
+                                      else torch.cuda.current_device()]
+    state = generator.get_state()
+    generator.set_state(comm.bcast(state, root=0).to(state.dtype))
+    return generator
 
-    def __init__(self, options: Dict[str, Any], seed: int, device: torch.device):
-        self.sample = bool(options["do_sample"])
-        self.warpers: List[Callable] = []
-        if self.sample:
-            if options["temperature"] != 1.0:
-                self.warpers.append(TemperatureLogitsWarper(options["temperature"]))
-            if options["top_k"]:
-                self.warpers.append(TopKLogitsWarper(options["top_k"]))
-            if options["top_p"] < 1.0:
-                self.warpers.append(TopPLogitsWarper(options["top_p"]))
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+class _Sampler:
+    """transformers' logits processors, then the argmax (no generator) or
+    a draw from ``generator``, as model.generate's sampling loop does."""
+
+    def __init__(self, processors: LogitsProcessorList, generator: Optional[torch.Generator]):
+        self.processors = processors
+        self.generator = generator
 
     def pick(self, sequences: torch.Tensor,
              logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """(the processed scores, the picked token of each row)."""
-        for warper in self.warpers:
-            logits = warper(sequences, logits)
-        if not self.sample:
-            return logits, logits.argmax(dim=-1)
-        probabilities = torch.softmax(logits, dim=-1)
-        return logits, torch.multinomial(probabilities, 1, generator=self.generator)[:, 0]
+        scores = self.processors(sequences, logits.to(sequences.device))
+        if self.generator is None:
+            return scores, scores.argmax(dim=-1)
+        probabilities = torch.softmax(scores, dim=-1)
+        return scores, torch.multinomial(probabilities, 1, generator=self.generator)[:, 0]

@@ -21,6 +21,7 @@ torch = requires.module("torch")
 requires.module("transformers")
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
+    GenerationConfig,
     LlamaConfig,
     MistralConfig,
     Qwen3Config,
@@ -29,6 +30,9 @@ from transformers import (  # noqa: E402
 
 from commlib.bindings import transformers as cht  # noqa: E402
 from commlib.inference import ShardedKVCache  # noqa: E402
+
+# prompt lengths the world size does not divide
+WORLD_SIZES = (2, 3)
 
 warnings.filterwarnings("ignore", message=".*(attention mask|deprecated).*")
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -121,7 +125,7 @@ BAD = {
     "different-options": "different arguments",
     "other-world": "continues only on the world that made it",
     "other-conversation": "another conversation",
-    "left-padding": "left-padded batches are not supported",
+    "left-padding": "the attention_mask masks some tokens",
     "beams": "does not implement num_beams",
 }
 
@@ -172,3 +176,123 @@ def test_the_model_keeps_its_attention_and_refuses_it_outside_generate(comm):
     finally:
         model.set_attn_implementation(before)
     assert all_ranks(model.config._attn_implementation == before)
+
+
+# -- conformance: each case is model.generate in one process, or refused ----------
+# A case: the prompt (rows, length), generate's options, and either nothing
+# (the tokens of model.generate on every rank, and every global generator
+# where model.generate leaves it) or the refusal every rank raises, with
+# what model.generate does there: raises too, or masks tokens commlib
+# would attend. "first" and "second" stand for the greedy tokens the model
+# picks first and second for row 0 (so that an eos among them matters).
+CASES = {
+    "defaults, prompt longer than 20": dict(length=25),
+    "defaults, prompt shorter than 20": dict(length=7),
+    "max_length": dict(options=dict(max_length=13)),
+    "max_length at the prompt": dict(options=dict(max_length=9),
+                                     refused=("`max_length` is set to 9", "raises")),
+    "max_new_tokens over max_length": dict(options=dict(max_new_tokens=3, max_length=30)),
+    "max_new_tokens 0": dict(options=dict(max_new_tokens=0),
+                             refused=("must be greater than 0", "raises")),
+    "the model's generation_config": dict(model_config=dict(max_new_tokens=4)),
+    "a generation_config": dict(options=dict(generation_config=dict(max_length=12))),
+    "min_new_tokens past eos": dict(options=dict(max_new_tokens=6, min_new_tokens=4,
+                                                 eos_token_id="first")),
+    "min_length past eos": dict(options=dict(max_new_tokens=6, min_length=12,
+                                             eos_token_id="first")),
+    "eos as an int": dict(rows=2, options=dict(max_new_tokens=6, eos_token_id="second",
+                                              pad_token_id=5)),
+    "eos as a list": dict(rows=2, options=dict(max_new_tokens=6,
+                                              eos_token_id=["first", "second"],
+                                              pad_token_id=5)),
+    "pad in the prompt": dict(pad_at=3, options=dict(max_new_tokens=4, pad_token_id=0),
+                              refused=("contain pad_token_id 0", "masks")),
+    "pad in the prompt, pad is eos": dict(pad_at=3, options=dict(max_new_tokens=4,
+                                                                 pad_token_id=0,
+                                                                 eos_token_id=0)),
+    "pad in the prompt, attention_mask of ones": dict(pad_at=3, mask="ones",
+                                                      options=dict(max_new_tokens=4,
+                                                                   pad_token_id=0)),
+    "attention_mask with a zero": dict(mask="zero", options=dict(max_new_tokens=4),
+                                       refused=("attention_mask masks", "masks")),
+    "attention_mask of another shape": dict(mask="short", options=dict(max_new_tokens=4),
+                                            refused=("attention_mask must be", "raises")),
+    "greedy": dict(options=dict(max_new_tokens=4)),
+    "sampling with a seed": dict(seed=11, options=dict(max_new_tokens=6, do_sample=True,
+                                                       top_k=30, temperature=0.8)),
+    "sampling without a seed": dict(options=dict(max_new_tokens=6, do_sample=True,
+                                                 top_p=0.9)),
+    "a second turn, defaults": dict(second_turn=True),
+    "a second turn, min_new_tokens": dict(second_turn=True,
+                                          options=dict(max_new_tokens=5, min_new_tokens=3,
+                                                       eos_token_id="first")),
+}
+
+
+def _case_inputs(model, case):
+    """The prompt and generate's options of ``case``, the same on every
+    rank (the prompt drawn away from the special ids 0 to 5)."""
+    ids = torch.randint(6, 128, (case.get("rows", 1), case.get("length", 9)),
+                        generator=torch.Generator().manual_seed(case.get("length", 9)))
+    if "pad_at" in case:
+        ids[:, case["pad_at"]] = 0
+    picks = model.generate(ids[:1], max_new_tokens=2, do_sample=False, eos_token_id=None)
+    named = {"first": int(picks[0, -2]), "second": int(picks[0, -1])}
+
+    def resolve(value):
+        if isinstance(value, list):
+            return [resolve(v) for v in value]
+        return named.get(value, value) if isinstance(value, str) else value
+    options = {key: GenerationConfig(**value) if key == "generation_config" else resolve(value)
+               for key, value in case.get("options", {}).items()}
+    masks = {"ones": torch.ones_like(ids), "short": torch.ones_like(ids)[:, 1:],
+             "zero": torch.ones_like(ids).index_fill_(1, torch.tensor([0]), 0)}
+    if "mask" in case:
+        options["attention_mask"] = masks[case["mask"]]
+    return ids, options
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_generate_conforms_to_model_generate(comm, name):
+    """``name`` by commlib's generate on every rank, each rank's global
+    torch generator in a state of its own: the tokens of model.generate in
+    one process (sampling without a seed: drawn from rank 0's generator;
+    with ``seed=s``: those of ``torch.manual_seed(s); model.generate(...)``),
+    and every rank's generator left as model.generate leaves rank 0's
+    (greedy and seeded: untouched); or, refused, the same clear error on
+    every rank, where model.generate raises too or masks tokens."""
+    case = CASES[name]
+    model = make_model("llama", comm.size)
+    for key, value in case.get("model_config", {}).items():
+        setattr(model.generation_config, key, value)
+    ids, options = _case_inputs(model, case)
+    if case.get("second_turn"):
+        out = cht.generate(model, ids, comm, max_new_tokens=3, return_dict_in_generate=True)
+        options["past_key_values"] = out.cache if hasattr(out, "cache") else \
+            out.past_key_values
+        ids = torch.cat([out.sequences, tokens(1, 4, seed=4)], dim=1)
+    reference = {key: value for key, value in options.items() if key != "past_key_values"}
+    seed = case.get("seed")
+    if "refused" in case:
+        match, transformers_does = case["refused"]
+        if transformers_does == "raises":
+            with pytest.raises((ValueError, RuntimeError)):  # a mask too short: RuntimeError
+                model.generate(ids, **reference)
+        raises_everywhere(commlib.CollectiveMismatchError,
+                          lambda: cht.generate(model, ids, comm, seed=seed, **options),
+                          match=match)
+        return
+    torch.manual_seed(1000 + comm.rank)  # each rank's generator in a state of its own
+    start = torch.get_rng_state()
+    root = torch.from_numpy(comm.mpi_comm.bcast(start.numpy(), root=0))
+    if seed is not None:
+        torch.manual_seed(seed)
+    else:
+        torch.set_rng_state(root)
+    want = model.generate(ids, **reference)
+    after = torch.get_rng_state() if options.get("do_sample") and seed is None else start
+    torch.set_rng_state(start)
+    got = cht.generate(model, ids, comm, seed=seed, **options)
+    everyone = comm.mpi_comm.allgather(got.numpy().tobytes())
+    assert all_ranks(torch.equal(got, want) and torch.equal(torch.get_rng_state(), after)
+                     and len(set(everyone)) == 1), (got, want)
