@@ -1,9 +1,11 @@
 """Multi-rank tests live in tests/mpi/ and run under mpiexec, launched by
 tests/test_multirank.py; a plain ``pytest`` collects them only there. What
-each launch ran is printed at the end (tests/rank_outcomes.py)."""
+each launch ran is printed at the end (tests/rank_outcomes.py). The quick
+tier leaves out the tests marked ``full`` (tests/tiers.py)."""
 
 import os
 
+import tiers
 from rank_outcomes import SUMMARY_KEY
 
 if os.environ.get("COMMLIB_TEST_UNDER_MPIEXEC") != "1":
@@ -17,3 +19,19 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_sep("-", "multi-rank launches: what each rank ran")
         for line in lines:
             terminalreporter.write_line(line)
+
+
+def pytest_report_header(config):
+    left = "" if tiers.full() else f" (tests marked full left out: {tiers.TIER_ENV}=full runs them)"
+    return f"commlib test tier: {tiers.tier()}{left}"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The quick tier deselects the tests marked ``full`` (pytest counts them
+    as deselected in its summary line)."""
+    if tiers.full():
+        return
+    kept = [item for item in items if item.get_closest_marker("full") is None]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept

@@ -1,13 +1,23 @@
-"""Runs tests/mpi/ under mpiexec at world sizes 1 to 4, and checks what every
-rank ran (tests/rank_outcomes.py): a launch that exits 0 having skipped
-what it should have run, or having run nothing, fails too."""
+"""Runs tests/mpi/ under mpiexec, and checks what every rank ran
+(tests/rank_outcomes.py): a launch that exits 0 having skipped what it
+should have run, or having run nothing, fails too.
 
+Each file of tests/mpi names the world sizes at which it tests something
+(``WORLD_SIZES``: 1 where the degenerate case is the point, odd sizes where
+layouts care, 4 where two hosts or a Ulysses x Ring grid do). The full tier
+launches every file at each of its sizes; the quick tier (tests/tiers.py)
+launches every file once at 2 ranks and the files that name 3 at 3, leaving
+out their tests marked ``full``."""
+
+import ast
 import subprocess
 import sys
+from typing import Tuple
 
 import pytest
 
 import rank_outcomes
+import tiers
 from launch import TESTS, hosts_for, run
 
 # a hang detector (COMMLIB_TIMEOUT=120 ends a stuck collective sooner): the
@@ -15,6 +25,7 @@ from launch import TESTS, hosts_for, run
 # its framework half on 2 emulated hosts (TCP between them) 661 s
 TIMEOUT_S = 1200
 MPI_TESTS = TESTS / "mpi"
+SIZES = (1, 2, 3, 4)
 # the files whose tests are about the MPI library underneath: collectives,
 # communicators and their lifecycle (splits, duplicates, frees, deadlines),
 # point-to-point rings and stages. .ci/run reruns them under Open MPI; the
@@ -32,12 +43,35 @@ MPI_LAYER = ("test_alltoallv.py", "test_collectives.py", "test_device_choice.py"
 CHECKED = ("test_alltoallv.py", "test_collectives.py", "test_fuzz.py", "test_moe.py",
            "test_packed.py", "test_reliability.py", "test_ring.py", "test_ulysses.py",
            "test_ulysses_uneven.py")
+# inference, masks and the matrices at 4 ranks in a launch of their own:
+# the frameworks launch alone took 661 s of its 1200 s on 2 emulated hosts
+SERVING = ("test_conformance.py", "test_generate.py", "test_inference.py", "test_masks.py",
+           "test_moe_matrix.py", "test_moe_replicated.py")
+
+# the quick tier's 3-rank launch: the attention matrix (odd sizes change
+# every layout's cuts), and any file that does not run at 2
+QUICK_AT_3 = ("test_conformance.py",)
 
 
-def _files(names=None, exclude=()):
-    """tests/mpi's test files (those in ``names`` only, if given), less
-    ``exclude``, sorted."""
-    found = {path.name for path in MPI_TESTS.glob("test_*.py")}
+def world_sizes(path) -> Tuple[int, ...]:
+    """The ``WORLD_SIZES = (...)`` a file of tests/mpi states, read without
+    importing it (an error names the file that lacks it)."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "WORLD_SIZES"
+                                                for t in node.targets):
+            sizes = tuple(ast.literal_eval(node.value))
+            if not sizes or not set(sizes) <= set(SIZES):
+                raise ValueError(f"{path.name}: WORLD_SIZES {sizes} must be some of {SIZES}")
+            return sizes
+    raise ValueError(f"{path.name} states no WORLD_SIZES: say at which world sizes it tests "
+                     f"something, e.g. WORLD_SIZES = (2, 3)")
+
+
+def _files(nprocs, names=None, exclude=()):
+    """tests/mpi's test files that run at ``nprocs`` ranks (of ``names``
+    only, if given), less ``exclude``, sorted."""
+    found = {path.name for path in MPI_TESTS.glob("test_*.py")
+             if nprocs in world_sizes(path)}
     return sorted((found if names is None else found & set(names)) - set(exclude))
 
 
@@ -49,16 +83,27 @@ def _launch(nprocs, files, check, name):
                         id=name + (f"-on-{hosts}-hosts" if hosts > 1 else ""))
 
 
-# inference and masks at 4 ranks in a launch of their own: the frameworks
-# launch alone takes 661 s of its 1200 s on 2 emulated hosts
-SERVING = ("test_generate.py", "test_inference.py", "test_masks.py", "test_moe_replicated.py")
-LAUNCHES = [_launch(1, _files(), "0", "1"),
-            _launch(2, _files(), "0", "2"),
-            _launch(3, _files(), "0", "3"),
-            _launch(4, _files(MPI_LAYER), "0", "4-mpi-layer"),
-            _launch(4, _files(exclude=MPI_LAYER + SERVING), "0", "4-frameworks"),
-            _launch(4, _files(SERVING), "0", "4-inference-and-masks"),
-            _launch(3, _files(CHECKED), "1", "3-checked")]
+def _quick_files(nprocs):
+    """The quick tier's files at 2 ranks (all that name 2) or at 3
+    (``QUICK_AT_3``, and those that do not run at 2)."""
+    at_two = _files(2)
+    return at_two if nprocs == 2 else sorted(set(QUICK_AT_3) | (set(_files(3)) - set(at_two)))
+
+
+def _launches():
+    if not tiers.full():
+        return [_launch(2, _quick_files(2), "0", "2-quick"),
+                _launch(3, _quick_files(3), "0", "3-quick")]
+    return [_launch(1, _files(1), "0", "1"),
+            _launch(2, _files(2), "0", "2"),
+            _launch(3, _files(3), "0", "3"),
+            _launch(4, _files(4, MPI_LAYER), "0", "4-mpi-layer"),
+            _launch(4, _files(4, exclude=MPI_LAYER + SERVING), "0", "4-frameworks"),
+            _launch(4, _files(4, SERVING), "0", "4-serving"),
+            _launch(3, _files(3, CHECKED), "1", "3-checked")]
+
+
+LAUNCHES = _launches()
 
 
 @pytest.mark.parametrize("nprocs, hosts, files, check", LAUNCHES)
@@ -90,8 +135,19 @@ def test_mpi_suite(nprocs, hosts, files, check, tmp_path, request):
 
 def test_the_named_selections_are_files_of_tests_mpi():
     """A misspelt or renamed file would drop out of its launch unseen."""
-    missing = sorted(set(MPI_LAYER + CHECKED) - set(_files()))
+    every = {path.name for path in MPI_TESTS.glob("test_*.py")}
+    missing = sorted(set(MPI_LAYER + CHECKED + SERVING) - every)
     assert not missing, f"named in test_multirank.py but not in tests/mpi: {missing}"
+
+
+def test_every_file_of_tests_mpi_states_its_world_sizes_and_runs_in_both_tiers():
+    """Each file names where it tests something, and every file runs at
+    least once in the full tier (and, at 2 ranks, in the quick tier)."""
+    quick = {name for launch in ("2", "3") for name in _quick_files(int(launch))}
+    for path in sorted(MPI_TESTS.glob("test_*.py")):
+        assert world_sizes(path), path.name
+        assert path.name in quick, f"{path.name} runs in no launch of the quick tier"
+
 
 
 def test_every_launch_shares_one_jax_compilation_cache():

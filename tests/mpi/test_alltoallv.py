@@ -10,6 +10,9 @@ import commlib
 
 from conftest import all_ranks, raises_everywhere, reference_alltoallv, same_on_all_ranks
 
+# counts at any world size; 1 alone; 4 across two hosts
+WORLD_SIZES = (1, 2, 3, 4)
+
 DTYPES = [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
           np.float16, np.float32, np.float64, np.complex64, np.bool_, ml_dtypes.bfloat16,
           ml_dtypes.float8_e4m3fn]

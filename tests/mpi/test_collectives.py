@@ -9,6 +9,9 @@ import commlib
 
 from conftest import all_ranks, raises_everywhere
 
+# every collective alone, in pairs, odd and across two hosts
+WORLD_SIZES = (1, 2, 3, 4)
+
 
 def local_input(rank, shape, dtype=np.int64):
     return (np.arange(int(np.prod(shape))).reshape(shape) + 1000 * rank).astype(dtype)

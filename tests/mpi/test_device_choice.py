@@ -12,6 +12,9 @@ from commlib.backends import nccl
 
 from conftest import all_ranks, raises_everywhere
 
+# ranks sharing a GPU: pairs, and two hosts of 2
+WORLD_SIZES = (2, 4)
+
 
 class _FakeNccl:
     """Stands in for NcclBackend: records which device it was given."""

@@ -8,6 +8,9 @@ from hypothesis import strategies as st
 
 from conftest import all_ranks, same_on_all_ranks
 
+# hypothesis over collectives at even, odd and two-host sizes
+WORLD_SIZES = (2, 3, 4)
+
 DTYPES = [np.int8, np.uint16, np.int32, np.int64, np.float16, np.float32, np.float64,
           np.bool_, ml_dtypes.bfloat16]
 

@@ -20,6 +20,9 @@ from commlib import memory
 import arrayimpl
 from conftest import all_ranks, raises_everywhere
 
+# faults between peers, and across two hosts
+WORLD_SIZES = (2, 4)
+
 GPU_CASES = arrayimpl.params(arrayimpl.GPU)
 # every fault must end well inside this, whatever the backend
 SECONDS = 15

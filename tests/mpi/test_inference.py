@@ -24,6 +24,9 @@ import requires
 from attention_reference import masked_torch_reference, relative_error
 from conftest import all_ranks, raises_everywhere
 
+# the striped cache at 1 (no peers), even and odd sizes
+WORLD_SIZES = (1, 2, 3)
+
 requires.module("torch")
 requires.module("jax")
 

@@ -17,6 +17,9 @@ import arrayimpl
 import requires
 from conftest import all_ranks, raises_everywhere
 
+# flat at odd sizes; two-hop on two nodes of 2 at 4
+WORLD_SIZES = (2, 3, 4)
+
 HIDDEN = 6
 NUMPY = arrayimpl.IMPLS["numpy"]
 # largest |error| allowed, relative to the largest |y|: the payload is

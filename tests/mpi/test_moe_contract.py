@@ -16,6 +16,9 @@ from commlib.moe.quantize import dequantize_fp8, quantize_fp8
 import requires
 from conftest import all_ranks, raises_everywhere
 
+# one contract: the same checks and messages at any size
+WORLD_SIZES = (2,)
+
 KINDS = ["core", "torch", "jax"]
 
 

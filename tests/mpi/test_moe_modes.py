@@ -24,6 +24,9 @@ import arrayimpl
 import requires
 from conftest import all_ranks, raises_everywhere
 
+# two-hop on two emulated nodes: 2 x 1 and 2 x 2
+WORLD_SIZES = (2, 4)
+
 
 def world_for(comm):
     return commlib.init(ranks_per_node=2 if comm.size % 2 == 0 else 1)

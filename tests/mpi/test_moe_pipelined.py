@@ -34,6 +34,9 @@ import arrayimpl
 import requires
 from conftest import all_ranks, raises_everywhere
 
+# two-hop on two emulated nodes: 2 x 1 and 2 x 2
+WORLD_SIZES = (2, 4)
+
 CHUNKS = (2, 3, 64)  # 64: more chunks than any rank has tokens
 # fixed capacity, capacity factor, quantize, dequantize, dtype
 MODES = {"counted": (False, None, None, False, "float32"),

@@ -16,6 +16,9 @@ from commlib.moe.replicated import everyones, my_share, replicated_moe, share_si
 import arrayimpl
 from conftest import all_ranks
 
+# each token dispatched once, at even and odd sizes
+WORLD_SIZES = (2, 3)
+
 
 def routing(tokens, num_experts, k=3, seed=9):
     """The same tokens and routing on every rank."""

@@ -12,6 +12,9 @@ from commlib.hybrid.attention import groups
 import requires
 from conftest import all_ranks, raises_everywhere
 
+# sub-communicators' lifecycle: one size past 1 shows it
+WORLD_SIZES = (2,)
+
 
 def test_the_hybrid_groups_are_made_once_and_freed_with_their_communicator():
     parent = commlib.init()

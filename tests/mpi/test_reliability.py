@@ -9,6 +9,9 @@ from commlib import memory
 
 from conftest import all_ranks, raises_everywhere
 
+# faults alone, between peers, odd, and across two hosts
+WORLD_SIZES = (1, 2, 3, 4)
+
 
 @pytest.fixture
 def checked():

@@ -14,6 +14,9 @@ import requires
 from attention_reference import reference_attention, relative_error, torch_reference
 from conftest import all_ranks, raises_everywhere
 
+# the ring's schedule at 1 (no hop), even and odd sizes
+WORLD_SIZES = (1, 2, 3)
+
 torch = requires.module("torch")
 
 SEQ, HEADS, DIM = 24, 4, 8  # 24 splits into 2P chunks for P = 1..4

@@ -24,6 +24,9 @@ from commlib.backends.staged import CHUNK_BYTES, CupyDevice, HostCopies, PinnedP
 from arrayimpl import cuda_skip_reason
 from conftest import all_ranks, raises_everywhere
 
+# the staged pipeline between peers, odd included
+WORLD_SIZES = (2, 3)
+
 POISON = 0xEE
 CHUNK = 8  # bytes: small blocks already make several chunks
 

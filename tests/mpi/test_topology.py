@@ -7,6 +7,9 @@ import commlib
 
 from conftest import raises_everywhere
 
+# one node, a pair, two hosts of 2
+WORLD_SIZES = (1, 2, 4)
+
 
 def test_each_host_is_one_node(comm):
     """Nodes are the hosts the ranks run on (one machine: one node; the

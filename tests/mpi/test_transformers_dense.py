@@ -21,6 +21,9 @@ hf = requires.module("commlib.bindings.transformers")
 from commlib.bindings.transformers_attention import LAYOUTS  # noqa: E402
 from commlib.bindings.transformers_experts import EXPERT_PARALLEL  # noqa: E402
 
+# a model sharded 2 ways, and the 2 x 2 hybrid
+WORLD_SIZES = (2, 4)
+
 KINDS = tuple(LAYOUTS)
 # commlib_ring_docs lays one unpacked sequence out as commlib_ring does
 TRAINED = tuple(kind for kind in KINDS if kind != "commlib_ring_docs")

@@ -38,6 +38,9 @@ from commlib.bindings.transformers_experts import (  # noqa: E402
 )
 from commlib.bindings.transformers_gradients import allreduce_gradients  # noqa: E402
 
+# experts over 2 ranks, and two nodes of 2
+WORLD_SIZES = (2, 4)
+
 try:  # the first experts with a post-expert norm came after transformers 5.17
     from transformers.models.muse_spark.modeling_muse_spark import (
         MuseSparkExperts,

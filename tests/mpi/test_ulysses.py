@@ -13,6 +13,9 @@ import requires
 from attention_reference import reference_attention, torch_reference
 from conftest import all_ranks, raises_everywhere
 
+# heads over even and odd degrees; 4: the hybrid's 2 x 2 grid
+WORLD_SIZES = (2, 3, 4)
+
 torch = requires.module("torch")
 
 SEQ, HEADS, DIM = 24, 12, 8  # 12 heads split over 1, 2, 3 and 4 ranks
