@@ -69,10 +69,26 @@ def on_cuda(x: Any) -> bool:
 
 
 def float32(x: Any) -> Any:
-    """``x`` as float32 (itself when it already is): statistics and
-    accumulators are float32 whatever the input dtype."""
+    """``x`` as float32 (itself when it already is): MoE's routing weights
+    and sums are float32 whatever the rows' dtype."""
     xp = namespace(x)
     return xp.astype(x, xp.float32, copy=False)
+
+
+def accumulator_dtype(*arrays: Any) -> Any:
+    """The dtype attention's statistics (lse), accumulators and gradient
+    partials take for these inputs: float64 where one of them is float64
+    (float32 would cost it 1e-7 against 1e-16), else float32 (16-bit inputs
+    need the range and precision; float32 its own)."""
+    xp = namespace(*arrays)
+    return xp.float64 if any(x.dtype == xp.float64 for x in arrays) else xp.float32
+
+
+def accumulated(x: Any, like: Any = None) -> Any:
+    """``x`` in the accumulator dtype of ``like`` (default ``x``): itself
+    when it already is."""
+    xp = namespace(x)
+    return xp.astype(x, accumulator_dtype(x if like is None else like), copy=False)
 
 
 def contiguous(x: Any) -> Any:

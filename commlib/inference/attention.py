@@ -41,7 +41,7 @@ from ..attention_inputs import agree_on_inputs, check_qkv, scale_of
 from ..kernels import Kernel, kernel_for
 from ..kernels.blockwise import attend, finish
 from ..kernels.merge import merge
-from ..namespace import detached, device, namespace
+from ..namespace import accumulated, detached, device, namespace
 from ..ring.exchange import RingExchange
 from ..visibility import band_blocks, bounds
 
@@ -62,7 +62,8 @@ def decode_attention(q: Any, k: Any, v: Any, comm, *, q_positions: Sequence[int]
     at global ``k_positions`` [n], increasing. Query at p sees the key at r
     when r <= p (``causal``) and inside ``window`` = (left, right). Returns
     out [b, t, h, d] in q's framework, device and dtype, the same on every
-    rank (and lse [b, h, t] float32 with ``return_lse``)."""
+    rank (and lse [b, h, t] float32, float64 for float64 q, with
+    ``return_lse``)."""
     q, k, v = detached(q, k, v)
     kernel, scale, (lo, hi) = _prepare(comm, "decode_attention", q, k, v, q_positions,
                                        k_positions, causal, window, softmax_scale, kernel,
@@ -71,7 +72,7 @@ def decode_attention(q: Any, k: Any, v: Any, comm, *, q_positions: Sequence[int]
     state = attend(kernel, q, k, v, band_blocks(q_positions, k_positions, lo, hi), scale)
     out, lse = finish(state, q) if state is None else state
     b, t, h, d = q.shape
-    packed = xp.concat([xp.reshape(xp.astype(out, xp.float32), (-1,)), xp.reshape(lse, (-1,))])
+    packed = xp.concat([xp.reshape(accumulated(out, q), (-1,)), xp.reshape(lse, (-1,))])
     gathered = xp.reshape(comm.allgather(packed), (comm.size, -1))
     merged = None
     for part in range(comm.size):  # rank order: the same sums on every rank
@@ -95,7 +96,8 @@ def chunk_attention(q: Any, k: Any, v: Any, comm, *, q_positions: Sequence[int],
     [n]; both increasing; m and n may differ across ranks. ``method``:
     "pass_kv", "pass_q" or "auto" (fewer bytes, ``prefill_bytes``; the same
     choice on every rank). Returns out [b, m, h, d] in q's framework,
-    device and dtype (and lse [b, h, m] float32 with ``return_lse``)."""
+    device and dtype (and lse [b, h, m] float32, float64 for float64 q,
+    with ``return_lse``)."""
     q, k, v = detached(q, k, v)
     kernel, scale, band = _prepare(comm, "chunk_attention", q, k, v, q_positions, k_positions,
                                    causal, window, softmax_scale, kernel, replicated=False,
@@ -116,12 +118,13 @@ def prefill_bytes(queries: Sequence[int], keys: Sequence[int], batch: int, num_h
     on rank r, over a cache of ``keys[r]`` keys on rank r. pass-KV: every
     rank's K and V, padded to the largest shard, around the ring (P-1 hops);
     pass-Q: every rank's queries to everyone (padded alike), and each
-    query's float32 partial (out and lse) back to its rank."""
+    query's partial (out and lse, float32; float64 for float64 inputs) back
+    to its rank."""
     size = len(queries)
     hops = size - 1
     return {"pass_kv": hops * 2 * max(keys) * batch * num_kv_heads * head_dim * itemsize,
             "pass_q": hops * max(queries) * batch * num_heads * (head_dim * itemsize
-                                                           + 4 * (head_dim + 1))}
+                                                           + max(4, itemsize) * (head_dim + 1))}
 
 
 def _prepare(comm, op: str, q: Any, k: Any, v: Any, q_positions: Sequence[int],
@@ -218,7 +221,7 @@ def _pass_q(comm, kernel, scale, band, q, k, v, queries, keys):
         state = attend(kernel, asked, k, v, band_blocks(positions, keys[comm.rank], *band),
                        scale)
         out, lse = finish(state, asked) if state is None else state
-        out = _padded(xp.astype(out, xp.float32), longest)
+        out = _padded(accumulated(out, q), longest)
         lse = xp.permute_dims(_padded(xp.permute_dims(lse, (0, 2, 1)), longest), (0, 2, 1))
         partials.append(xp.concat([xp.reshape(out, (-1,)), xp.reshape(lse, (-1,))]))
     received = comm.alltoall(xp.stack(partials))  # row r: rank r's partial for my queries

@@ -5,7 +5,8 @@ A ``Kernel`` is a pair of functions on [batch, seq, heads, head_dim] arrays
 of one framework:
 
 - ``forward(q, k, v, causal, scale) -> (out, lse)``: out like q (its dtype
-  or float32), lse [b, h, s] float32;
+  or wider), lse [b, h, s] float32 (float64 for float64 inputs:
+  ``namespace.accumulator_dtype``; a narrower one loses precision);
 - ``backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)``,
   where ``out`` and ``lse`` are the *global* ones (over all keys of the
   ring), so that the result is this block's exact share of the gradients.

@@ -2,10 +2,11 @@
 key shard (``commlib.visibility.blocks``): the one place where Ring, Ulysses,
 the hybrid and the all-gather mode call the kernel.
 
-Forward: each block's (out, lse) is merged into the running float32
-(out, lse) of its query rows with the online softmax; rows no block touched
-stay out 0, lse -inf. Backward: each block adds its share to dQ of its rows
-and to dK/dV of its columns, in float32.
+Forward: each block's (out, lse) is merged into the running (out, lse) of
+its query rows with the online softmax; rows no block touched stay out 0,
+lse -inf. Backward: each block adds its share to dQ of its rows and to
+dK/dV of its columns. Both accumulate in the accumulator dtype
+(``namespace.accumulator_dtype``: float32, float64 for float64 inputs).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Optional, Sequence, Tuple
 
 import array_api_extra as xpx
 
-from ..namespace import device, namespace
+from ..namespace import accumulator_dtype, device, namespace
 from ..visibility import Block
 from . import Kernel
 from .merge import merge
@@ -33,22 +34,23 @@ def _run(direction, block: Block, like: Any, arrays: tuple, scale: float):
 
 def attend(kernel: Kernel, q: Any, k: Any, v: Any, blocks: Sequence[Block], scale: float,
            state: State = None) -> State:
-    """``state`` (out [b, s, h, d], lse [b, h, s], float32) with q's view of
-    these key blocks merged in; None while no block was seen."""
-    xp = namespace(q)
+    """``state`` (out [b, s, h, d], lse [b, h, s], in q's accumulator
+    dtype) with q's view of these key blocks merged in; None while no block
+    was seen."""
+    xp, wide = namespace(q), accumulator_dtype(q)
     rows_all = q.shape[1]
     for block in blocks:
         rows, cols = block.row_slice, block.col_slice
         part_out, part_lse = _run(kernel.forward, block, q,
                                   (q[:, rows], k[:, cols], v[:, cols]), scale)
-        part_out = xp.astype(part_out, xp.float32, copy=False)
-        part_lse = xp.astype(part_lse, xp.float32, copy=False)
+        part_out = xp.astype(part_out, wide, copy=False)
+        part_lse = xp.astype(part_lse, wide, copy=False)
         whole = block.rows == (0, rows_all)
         if state is None and whole:
             state = (part_out, part_lse)
             continue
         if state is None:
-            state = _unseen(q, xp.float32)
+            state = _unseen(q, wide)
         out, lse = state
         if whole:
             state = merge(out, lse, part_out, part_lse)
@@ -60,7 +62,7 @@ def attend(kernel: Kernel, q: Any, k: Any, v: Any, blocks: Sequence[Block], scal
 
 
 def finish(state: State, q: Any) -> Tuple[Any, Any]:
-    """(out in q's dtype, lse float32) of a finished ``state``; a shard that
+    """(out in q's dtype, lse in its accumulator dtype) of a finished ``state``; a shard that
     saw no key at all (all padding) gets zeros and -inf."""
     if state is None:
         return _unseen(q, q.dtype)
@@ -71,22 +73,22 @@ def _unseen(q: Any, dtype: Any) -> Tuple[Any, Any]:
     """(out, lse) of rows that saw no key: zeros in ``dtype``, -inf."""
     xp = namespace(q)
     return (xp.zeros(q.shape, dtype=dtype, device=device(q)),
-            xp.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf, dtype=xp.float32,
-                    device=device(q)))
+            xp.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf,
+                    dtype=accumulator_dtype(q), device=device(q)))
 
 
 def attend_backward(kernel: Kernel, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
                     blocks: Sequence[Block], scale: float, dq: Any = None,
                     dkv: Any = None) -> Tuple[Any, Any]:
-    """``dq`` (like q) and ``dkv`` ([2, b, s_k, hk, d]: dK and dV), float32,
-    with these blocks' shares added (None: zeros); ``out``/``lse`` are the
-    global ones."""
-    xp = namespace(q)
+    """``dq`` (like q) and ``dkv`` ([2, b, s_k, hk, d]: dK and dV), in q's
+    accumulator dtype, with these blocks' shares added (None: zeros);
+    ``out``/``lse`` are the global ones."""
+    xp, wide = namespace(q), accumulator_dtype(q)
     for block in blocks:
         rows, cols = block.row_slice, block.col_slice
         arrays = (dout[:, rows], q[:, rows], k[:, cols], v[:, cols], out[:, rows],
                   lse[:, :, rows])
-        dq_part, dk_part, dv_part = (xp.astype(g, xp.float32, copy=False)
+        dq_part, dk_part, dv_part = (xp.astype(g, wide, copy=False)
                                      for g in _run(kernel.backward, block, q, arrays, scale))
         dq = _added(dq, dq_part, (slice(None), rows), block.rows == (0, q.shape[1]), q.shape, q)
         dkv = _added(dkv, xp.stack([dk_part, dv_part]), (slice(None), slice(None), cols),
@@ -96,14 +98,14 @@ def attend_backward(kernel: Kernel, dout: Any, q: Any, k: Any, v: Any, out: Any,
 
 
 def _added(total: Any, part: Any, where: tuple, whole: bool, shape: tuple, like: Any) -> Any:
-    """float32 ``total`` + ``part`` at ``where`` (all of it when ``whole``);
+    """``total`` + ``part`` at ``where`` (all of it when ``whole``);
     a None total is zeros of ``shape``, never allocated when the first part
     covers it (a plain sequence: one block)."""
     if total is None and part is not None and whole:
         return part
     if total is None:
         xp = namespace(like)
-        total = xp.zeros(shape, dtype=xp.float32, device=device(like))
+        total = xp.zeros(shape, dtype=accumulator_dtype(like), device=device(like))
     if part is None:
         return total
     return total + part if whole else xpx.at(total)[where].add(part)

@@ -7,7 +7,8 @@ block 2, then over both key sets ``lse = log(exp(lse1) + exp(lse2))`` and
 of the two lse values, so nothing overflows; a row that saw no key at all
 (lse = -inf, e.g. fully masked) contributes nothing, and two such rows merge
 to lse = -inf, o = 0, never NaN. Written once over the array API: it runs in
-the caller's framework, in float32.
+the caller's framework, in the accumulator dtype (float32; float64 for
+float64 inputs: ``namespace.accumulator_dtype``).
 """
 
 from __future__ import annotations
@@ -15,16 +16,17 @@ from __future__ import annotations
 import math
 from typing import Any, Tuple
 
-from ..namespace import namespace
+from ..namespace import accumulator_dtype, namespace
 
 
 def merge(out: Any, lse: Any, block_out: Any, block_lse: Any) -> Tuple[Any, Any]:
     """Online-softmax step. ``out``/``block_out``: [batch, seq, heads, dim];
-    ``lse``/``block_lse``: [batch, heads, seq]. Returns new float32
-    ``(out, lse)`` in their framework; the inputs are not modified."""
+    ``lse``/``block_lse``: [batch, heads, seq]. Returns new ``(out, lse)``
+    in their framework and accumulator dtype; the inputs are not modified."""
     xp = namespace(out)
-    lse = xp.astype(lse, xp.float32, copy=False)
-    block_lse = xp.astype(block_lse, xp.float32, copy=False)
+    acc = accumulator_dtype(out, block_out)
+    lse = xp.astype(lse, acc, copy=False)
+    block_lse = xp.astype(block_lse, acc, copy=False)
     top = xp.maximum(lse, block_lse)
     empty = top == -math.inf  # neither side saw a key
     base = xp.where(empty, 0.0, top)
@@ -35,6 +37,6 @@ def merge(out: Any, lse: Any, block_out: Any, block_lse: Any) -> Tuple[Any, Any]
     as_rows = (0, 2, 1)  # [b, h, s] -> [b, s, h], to scale rows of [b, s, h, d]
     weight_old = xp.permute_dims(keep / denominator, as_rows)[..., None]
     weight_new = xp.permute_dims(take / denominator, as_rows)[..., None]
-    merged = xp.astype(out, xp.float32, copy=False) * weight_old
-    merged += xp.astype(block_out, xp.float32, copy=False) * weight_new
+    merged = xp.astype(out, acc, copy=False) * weight_old
+    merged += xp.astype(block_out, acc, copy=False) * weight_new
     return merged, merged_lse

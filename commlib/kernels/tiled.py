@@ -3,15 +3,17 @@ for NumPy, CuPy and JAX (and torch where no fused kernel serves).
 
 Flash-attention's schedule in array code: queries in tiles, keys in tiles,
 an online softmax per query tile, so that at most one tile of scores
-([batch, kv_heads, group * tile, tile] float32) exists at a time, never the
+([batch, kv_heads, group * tile, tile]) exists at a time, never the
 full [seq, seq] matrix. GQA without copies: query heads are grouped under
 their kv head (query head i uses kv head i // group), so one batched matmul
 per kv head serves the whole group, and the backward pass sums dK and dV
 over the group by construction. Scores, statistics and accumulators are
-float32 whatever the input dtype; the P.V product runs in the input dtype on
-a GPU (flash-attention's choice), and JAX multiplies input-dtype operands
-with float32 accumulation. The causal mask is a ``where``, never a boolean
-assignment (which would synchronize a GPU with its host).
+in the accumulator dtype (``namespace.accumulator_dtype``): float32 for
+16-bit and float32 inputs, float64 for float64 ones. For 16-bit inputs the
+P.V product runs in the input dtype on a GPU (flash-attention's choice), and
+JAX multiplies input-dtype operands with float32 accumulation. The causal
+mask is a ``where``, never a boolean assignment (which would synchronize a
+GPU with its host).
 
 ``causal`` means the flash-attention convention for equal query and key
 lengths: query i sees keys 0..i of the same block. ``mask`` (bool
@@ -25,7 +27,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterator, Optional, Tuple
 
-from ..namespace import device, framework, namespace, on_cuda
+from ..namespace import accumulator_dtype, device, dtype_name, framework, namespace, on_cuda
 
 # a tile of scores ([batch, heads, tile, tile] float32) is kept about this
 # size: on a CPU larger tiles fall out of cache and slow the element-wise
@@ -42,22 +44,23 @@ def choose_tile(batch: int, heads: int, cuda: bool = False) -> int:
     return max(64, min(4096 if cuda else 1024, 1 << (edge.bit_length() - 1)))
 
 
-def _f32(x, xp):
-    return xp.astype(x, xp.float32, copy=False)
+def _as(x, dtype, xp):
+    return xp.astype(x, dtype, copy=False)
 
 
-def _product(a, b, dtype, xp):
-    """a @ b with operands in ``dtype``, result float32."""
-    if dtype == xp.float32:
-        return xp.matmul(_f32(a, xp), _f32(b, xp))
+def _product(a, b, dtype, wide, xp):
+    """a @ b with operands in ``dtype``, result in ``wide`` (the
+    accumulator dtype)."""
+    if dtype == wide:
+        return xp.matmul(_as(a, wide, xp), _as(b, wide, xp))
     a, b = xp.astype(a, dtype, copy=False), xp.astype(b, dtype, copy=False)
     if framework(a) == "jax":
-        return xp.matmul(a, b, preferred_element_type=xp.float32)
-    return _f32(xp.matmul(a, b), xp)
+        return xp.matmul(a, b, preferred_element_type=wide)
+    return _as(xp.matmul(a, b), wide, xp)
 
 
 def _exp_(x, xp):
-    """exp of a fresh float32 tile, in place where the framework allows: one
+    """exp of a fresh tile, in place where the framework allows: one
     tile-sized allocation less per tile pair (JAX makes a new array)."""
     kind = framework(x)
     if kind in ("numpy", "cupy"):
@@ -70,10 +73,10 @@ def _exp_(x, xp):
 def _precisions(x, xp, cuda: bool) -> Tuple[Any, Any]:
     """(dtype of Q.K^T operands, dtype of P.V operands): the input's own
     half precision where the framework multiplies it with float32
-    accumulation (JAX) or on a GPU for P.V, float32 elsewhere."""
-    low = x.dtype if x.dtype in (xp.float16, getattr(xp, "bfloat16", None)) else None
-    if low is None:
-        return xp.float32, xp.float32
+    accumulation (JAX) or on a GPU for P.V, the accumulator dtype elsewhere."""
+    if dtype_name(x) not in ("float16", "bfloat16"):  # by name: NumPy's float64 equals None
+        return accumulator_dtype(x), accumulator_dtype(x)
+    low = x.dtype
     if framework(x) == "jax":
         return low, low
     return xp.float32, (low if cuda else xp.float32)
@@ -157,23 +160,24 @@ def attention_forward(q: Any, k: Any, v: Any, causal: bool,
                       cuda: Optional[bool] = None, mask: Any = None) -> Tuple[Any, Any]:
     """softmax(scale * q k^T) v for q [b, sq, h, d], k and v [b, sk, hk, d],
     in q's framework. Returns ``(out, lse)``: out [b, sq, h, d] and
-    lse [b, h, sq], both float32. ``cuda`` says where q lives when it cannot
+    lse [b, h, sq], both in the accumulator dtype. ``cuda`` says where q lives when it cannot
     be asked (inside ``jax.jit``)."""
     xp, cuda, b, sq, heads, d, kv_heads, group, scale, tile = _setup(
         q, k, causal, softmax_scale, tile, cuda)
     score_dtype, value_dtype = _precisions(q, xp, cuda)
+    wide = accumulator_dtype(q)
     keys, values = _heads_last(k, xp), _heads_last(v, xp)
     outs, lses = [], []
     for q0 in range(0, sq, tile):
         q1 = min(q0 + tile, sq)
-        qt = _f32(_grouped(q[:, q0:q1], kv_heads, xp), xp) * scale
+        qt = _as(_grouped(q[:, q0:q1], kv_heads, xp), wide, xp) * scale
         rows = qt.shape[2]
-        top = xp.full((b, kv_heads, rows), -math.inf, dtype=xp.float32, device=device(q))
-        total = xp.zeros((b, kv_heads, rows), dtype=xp.float32, device=device(q))
-        acc = xp.zeros((b, kv_heads, rows, d), dtype=xp.float32, device=device(q))
+        top = xp.full((b, kv_heads, rows), -math.inf, dtype=wide, device=device(q))
+        total = xp.zeros((b, kv_heads, rows), dtype=wide, device=device(q))
+        acc = xp.zeros((b, kv_heads, rows, d), dtype=wide, device=device(q))
         for k0, k1, masked in _key_tiles(q0, q1, k.shape[1], causal, tile):
             scores = _product(qt, xp.permute_dims(keys[:, :, k0:k1], (0, 1, 3, 2)),
-                              score_dtype, xp)
+                              score_dtype, wide, xp)
             if masked:
                 later = _later(xp, device(q), q0, q1 - q0, k0, k1 - k0, group)
                 scores = xp.where(later, -math.inf, scores)
@@ -185,7 +189,7 @@ def attention_forward(q: Any, k: Any, v: Any, causal: bool,
             rescale = xp.exp(top - base)
             total = total * rescale + xp.sum(probs, axis=-1)
             acc = acc * rescale[..., None] + _product(probs, values[:, :, k0:k1],
-                                                      value_dtype, xp)
+                                                      value_dtype, wide, xp)
             top = new_top
         empty = total == 0
         denominator = xp.where(empty, 1.0, total)
@@ -194,8 +198,8 @@ def attention_forward(q: Any, k: Any, v: Any, causal: bool,
         lses.append(_rows_to_heads(xp.where(empty, -math.inf, base + xp.log(denominator)),
                                    q1 - q0, xp))
     if not outs:
-        return (xp.zeros((b, 0, heads, d), dtype=xp.float32, device=device(q)),
-                xp.zeros((b, heads, 0), dtype=xp.float32, device=device(q)))
+        return (xp.zeros((b, 0, heads, d), dtype=wide, device=device(q)),
+                xp.zeros((b, heads, 0), dtype=wide, device=device(q)))
     return xp.concat(outs, axis=1), xp.concat(lses, axis=2)
 
 
@@ -203,27 +207,29 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
                        causal: bool, softmax_scale: Optional[float] = None,
                        tile: Optional[int] = None, cuda: Optional[bool] = None,
                        mask: Any = None) -> Tuple[Any, Any, Any]:
-    """Gradients of ``attention_forward`` (dq, dk, dv; float32, shaped like
-    q, k, v). ``lse`` [b, h, sq] may be the log-sum-exp over *more* keys than
-    ``k`` holds (Ring Attention passes the global one, and the global
-    ``out``): then these are this block's exact contributions."""
+    """Gradients of ``attention_forward`` (dq, dk, dv in the accumulator
+    dtype, shaped like q, k, v). ``lse`` [b, h, sq] may be the log-sum-exp
+    over *more* keys than ``k`` holds (Ring Attention passes the global
+    one, and the global ``out``): then these are this block's exact
+    contributions."""
     xp, cuda, b, sq, heads, d, kv_heads, group, scale, tile = _setup(
         q, k, causal, softmax_scale, tile, cuda)
-    delta = row_dot(dout, out)
-    keys, values = _f32(_heads_last(k, xp), xp), _f32(_heads_last(v, xp), xp)
+    wide = accumulator_dtype(q)
+    delta = row_dot(dout, out, wide)
+    keys, values = _as(_heads_last(k, xp), wide, xp), _as(_heads_last(v, xp), wide, xp)
     key_tiles = list(range(0, k.shape[1], tile))
     dk = [None] * len(key_tiles)
     dv = [None] * len(key_tiles)
     dqs = []
     for q0 in range(0, sq, tile):
         q1 = min(q0 + tile, sq)
-        qt = _f32(_grouped(q[:, q0:q1], kv_heads, xp), xp)
+        qt = _as(_grouped(q[:, q0:q1], kv_heads, xp), wide, xp)
         scaled = qt * scale
-        dot = _f32(_grouped(dout[:, q0:q1], kv_heads, xp), xp)
-        row_lse = _heads_to_rows(lse[:, :, q0:q1], kv_heads, xp)
+        dot = _as(_grouped(dout[:, q0:q1], kv_heads, xp), wide, xp)
+        row_lse = _as(_heads_to_rows(lse[:, :, q0:q1], kv_heads, xp), wide, xp)
         row_lse = xp.where(row_lse == -math.inf, math.inf, row_lse)[..., None]
         row_delta = _heads_to_rows(delta[:, :, q0:q1], kv_heads, xp)[..., None]
-        dqt = xp.zeros(qt.shape, dtype=xp.float32, device=device(q))
+        dqt = xp.zeros(qt.shape, dtype=wide, device=device(q))
         for k0, k1, masked in _key_tiles(q0, q1, k.shape[1], causal, tile):
             kt, vt = keys[:, :, k0:k1], values[:, :, k0:k1]            # [b, hk, tk, d]
             scores = xp.matmul(scaled, xp.permute_dims(kt, (0, 1, 3, 2)))
@@ -251,18 +257,18 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
     def assemble(parts, like):
         full = [p if p is not None else
                 xp.zeros((b, kv_heads, min(start + tile, k.shape[1]) - start, d),
-                         dtype=xp.float32, device=device(q))
+                         dtype=wide, device=device(q))
                 for p, start in zip(parts, key_tiles)]
         if not full:
-            return xp.zeros(like.shape, dtype=xp.float32, device=device(q))
+            return xp.zeros(like.shape, dtype=wide, device=device(q))
         return xp.permute_dims(xp.concat(full, axis=2), (0, 2, 1, 3))
-    dq = xp.concat(dqs, axis=1) if dqs else xp.zeros(q.shape, dtype=xp.float32,
-                                                       device=device(q))
+    dq = xp.concat(dqs, axis=1) if dqs else xp.zeros(q.shape, dtype=wide, device=device(q))
     return dq, assemble(dk, k), assemble(dv, v)
 
 
-def row_dot(dout: Any, out: Any) -> Any:
-    """rowsum(dout * out) as [b, h, s] float32: the D of flash-attention's
-    backward pass."""
+def row_dot(dout: Any, out: Any, wide: Any = None) -> Any:
+    """rowsum(dout * out) as [b, h, s] in ``wide`` (default: their
+    accumulator dtype): the D of flash-attention's backward pass."""
     xp = namespace(dout)
-    return xp.permute_dims(xp.sum(_f32(dout, xp) * _f32(out, xp), axis=-1), (0, 2, 1))
+    wide = accumulator_dtype(dout, out) if wide is None else wide
+    return xp.permute_dims(xp.sum(_as(dout, wide, xp) * _as(out, wide, xp), axis=-1), (0, 2, 1))

@@ -5,11 +5,12 @@ backward that takes the global log-sum-exp. PyTorch's public
 ``scaled_dot_product_attention`` returns neither, but the fused ops under it
 do, forward and backward; PyTorch's own context parallelism calls exactly
 these per ring step. On the CPU: ``_scaled_dot_product_flash_attention_for_cpu``
-(any float dtype, GQA native). On CUDA: the flash kernel where PyTorch's own
-dispatcher says it can run (half precision, GQA native), else the
-memory-efficient one (float32 too; KV repeated for GQA and dK/dV summed
-back over the group). Where neither serves (float64 on CUDA, say), the
-tiled array-API kernel runs in torch. Inputs and outputs are
+(any float dtype, GQA native; float64 computed in float64, its lse too).
+On CUDA: the flash kernel where PyTorch's own dispatcher says it can run
+(half precision, GQA native), else the memory-efficient one (float32 too;
+KV repeated for GQA and dK/dV summed back over the group). Where neither
+serves (float64 on CUDA, say), the tiled array-API kernel runs in torch,
+in float64 for float64. Inputs and outputs are
 [batch, seq, heads, head_dim]; the kernels see [b, h, s, d] views.
 
 A ``mask`` (packed documents, sliding windows) goes to the CPU kernel as an
@@ -24,6 +25,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..namespace import accumulator_dtype
 from . import tiled
 
 aten = torch.ops.aten
@@ -73,12 +75,13 @@ def _bias(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
             scale: float, mask: Optional[torch.Tensor] = None
             ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(out [b, s, h, d] in q's dtype, lse [b, h, s] float32)."""
+    """(out [b, s, h, d] in q's dtype, lse [b, h, s] in its accumulator
+    dtype: float32, float64 for float64)."""
     if q.device.type == "cpu":
         bias = None if mask is None else _bias(mask, q)
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
             *_heads_first(q, k, v), 0.0, causal, attn_mask=bias, scale=scale)
-        lse = lse.float()  # float64 inputs give a float64 lse
+        lse = lse.to(accumulator_dtype(q))  # float32 for 16-bit inputs already
         if mask is not None:
             lse = lse.masked_fill(~mask.any(dim=1), float("-inf"))
         return out.transpose(1, 2), lse
@@ -108,7 +111,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     out = out.to(q.dtype)
     lse = lse.contiguous()
     if q.device.type == "cpu":  # it reads lse in its accumulation type
-        lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        lse = lse.to(accumulator_dtype(q))
         bias = None if mask is None else _bias(mask, q)
         if mask is not None:  # a row that saw no key: every exp(score - lse) is 0
             lse = lse.masked_fill(lse == float("-inf"), float("inf"))

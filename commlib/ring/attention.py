@@ -5,16 +5,17 @@ K and V travel around the ring; at every step each rank attends its queries
 to the block it holds with the block kernel (PyTorch's fused SDPA ops for
 torch tensors, the tiled array-API kernel otherwise, or the caller's
 ``kernel``) and merges the result into its running output with the online
-softmax, in float32. Which (query, key) pairs are visible (causality,
-packed documents ``cu_seqlens``, a sliding ``window``, padding) decides
-which blocks of a step are computed at all (``commlib.visibility``); zigzag
-layouts make every step cost about the same on every rank. Only bytes cross
-into the Communicator: K and V in their own dtype (bfloat16 moves half the
-bytes of float32).
+softmax, in float32 (float64 for float64 inputs). Which (query, key) pairs
+are visible (causality, packed documents ``cu_seqlens``, a sliding
+``window``, padding) decides which blocks of a step are computed at all
+(``commlib.visibility``); zigzag layouts make every step cost about the same
+on every rank. Only bytes cross into the Communicator: K and V in their own
+dtype (bfloat16 moves half the bytes of float32).
 
 Backward: dQ accumulates locally; dK and dV for a block accumulate in float32
-and travel one hop behind their K/V block, each rank adding its part, so
-that after P steps each block's gradients arrive at its owner.
+(float64 for float64 inputs) and travel one hop behind their K/V block, each
+rank adding its part, so that after P steps each block's gradients arrive at
+its owner.
 
 ``method="allgather"`` gathers K and V once instead (one collective; every
 rank then attends to the whole sequence: Llama 3's context parallelism) and
@@ -61,7 +62,7 @@ def ring_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool,
     queries see: ``ring.sparse``) or "auto" (sparse where a mask makes it
     move clearly less, else the ring). Returns out (q's
     framework, device and dtype) and, with ``return_lse``, lse [b, h, s/P]
-    float32. ``kernel`` replaces the
+    float32 (float64 for float64 q). ``kernel`` replaces the
     built-in block kernel (``commlib.kernels``)."""
     q, k, v = detached(q, k, v)
     call = prepare(comm, "ring_attention", q, k, v, layout=layout, causal=causal,

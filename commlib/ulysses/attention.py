@@ -34,7 +34,7 @@ def ulysses_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool
     unevenly where P does not divide them: ``relayout``); ``cu_seqlens``,
     ``window`` and ``mask`` as ``ring_attention``'s. Returns out [b, s/P, h, d] (q's
     framework, device and dtype) and, with ``return_lse``, lse [b, h, s/P]
-    float32."""
+    float32 (float64 for float64 q)."""
     q, k, v = detached(q, k, v)
     call = prepare(comm, "ulysses_attention", q, k, v, layout=layout, causal=causal,
                    softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, mask=mask,
@@ -77,8 +77,8 @@ def ulysses_forward(call: AttentionCall, q: Any, k: Any, v: Any):
 
 
 def ulysses_backward(call: AttentionCall, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any):
-    """float32 (dq, dk, dv) over the whole gathered sequence
-    (``ulysses_forward``'s mirror)."""
+    """(dq, dk, dv), in the accumulator dtype, over the whole gathered
+    sequence (``ulysses_forward``'s mirror)."""
     order, spans = call.placement.in_order()
     dout, q, k, v, out = _permuted(call, order, (dout, q, k, v, out), axis=1)
     (lse,) = _permuted(call, order, (lse,), axis=2)
