@@ -6,7 +6,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 import requires
+
+# the full tier only (tests/tiers.py): the GPU benchmark's CPU smoke run
+pytestmark = pytest.mark.full
 
 requires.module("torch")
 

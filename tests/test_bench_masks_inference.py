@@ -6,8 +6,13 @@ layout's spread of the shared-prefix mask)."""
 import re
 import sys
 
+import pytest
+
 import requires
 from launch import run
+
+# the full tier only (tests/tiers.py): two benchmarks at toy sizes
+pytestmark = pytest.mark.full
 
 requires.module("torch")
 requires.module("transformers")

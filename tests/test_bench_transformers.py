@@ -5,8 +5,13 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import requires
 from launch import run
+
+# the full tier only (tests/tiers.py): a benchmark at toy size
+pytestmark = pytest.mark.full
 
 requires.module("transformers")
 TOY = ["--seq", "64", "--hidden", "32", "--heads", "2", "--layers", "1", "--repeats", "1"]

@@ -58,6 +58,9 @@ from doc_blocks import (
 
 from launch import run as launch_run
 
+# the full tier only (tests/tiers.py): every block of the docs, under mpiexec: minutes
+pytestmark = pytest.mark.full
+
 TIMEOUT_S = 600
 # COLUMNS: click's help wraps at 80. PYTHONUNBUFFERED off: unbuffered, print()
 # writes a line and its newline apart, and two ranks' lines can interleave in

@@ -12,6 +12,10 @@ import pytest
 import requires
 from launch import run
 
+# the full tier only (tests/tiers.py): examples/hf_generate.py at 2 and 3 ranks
+# (tests/mpi/test_generate.py tests generate in the quick tier)
+pytestmark = pytest.mark.full
+
 requires.module("transformers")
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_generate.py"
 

@@ -11,6 +11,10 @@ import pytest
 import requires
 from launch import run
 
+# the full tier only (tests/tiers.py): examples/hf_train.py at 2-4 ranks
+# (tests/mpi/test_transformers_*.py test the same in the quick tier)
+pytestmark = pytest.mark.full
+
 requires.module("transformers")
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_train.py"
 

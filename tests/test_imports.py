@@ -8,6 +8,8 @@ import pkgutil
 import subprocess
 import sys
 
+import pytest
+
 import commlib
 import commlib.bindings
 import commlib.tools
@@ -39,6 +41,7 @@ def _first_import(module):
     return None if result.returncode == 0 else f"`import {module}`:\n{result.stderr}"
 
 
+@pytest.mark.full  # 72 fresh interpreters: about two minutes on 2 cores
 def test_every_module_imports_first():
     """Each module in its own fresh interpreter (several at once: 72
     interpreters, most of which import torch, take two minutes one by one)."""

@@ -11,6 +11,10 @@ import pytest
 import requires
 from launch import run
 
+# the full tier only (tests/tiers.py): examples/train_block.py at 2 and 4 ranks
+# (the bindings' training tests run in the quick tier)
+pytestmark = pytest.mark.full
+
 requires.module("torch")
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_block.py"
 
