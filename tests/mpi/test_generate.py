@@ -80,7 +80,7 @@ def test_a_second_turn_continues_from_the_sharded_cache(comm, method):
     model = make_model("llama", comm.size)
     first = tokens(1, 29, seed=3)
     out = cht.generate(model, first, comm, max_new_tokens=5, return_dict_in_generate=True)
-    cache = out.cache if hasattr(out, "cache") else out.past_key_values
+    cache = cache_of(out)
     ok = []
     for extra in (9, 2):
         ids = torch.cat([out.sequences, tokens(1, extra, seed=extra)], dim=1)
@@ -160,7 +160,13 @@ def _cache_of(model, comm):
     """The cache of another conversation."""
     out = cht.generate(model, tokens(1, 12, seed=9), comm, max_new_tokens=2,
                        return_dict_in_generate=True)
-    return out.cache if hasattr(out, "cache") else out.past_key_values
+    return cache_of(out)
+
+
+def cache_of(out):
+    """The cache of a generate output: transformers 5.17 names the field
+    ``past_key_values``, 5.25 ``cache`` (the old name a deprecated alias)."""
+    return out.cache if "cache" in type(out).__dataclass_fields__ else out.past_key_values
 
 
 def test_the_model_keeps_its_attention_and_refuses_it_outside_generate(comm):
@@ -222,6 +228,10 @@ CASES = {
                                                        top_k=30, temperature=0.8)),
     "sampling without a seed": dict(options=dict(max_new_tokens=6, do_sample=True,
                                                  top_p=0.9)),
+    "a dict with the processed scores": dict(options=dict(max_new_tokens=5, min_new_tokens=3,
+                                                          eos_token_id="first",
+                                                          return_dict_in_generate=True,
+                                                          output_scores=True)),
     "a second turn, defaults": dict(second_turn=True),
     "a second turn, min_new_tokens": dict(second_turn=True,
                                           options=dict(max_new_tokens=5, min_new_tokens=3,
@@ -268,8 +278,7 @@ def test_generate_conforms_to_model_generate(comm, name):
     ids, options = _case_inputs(model, case)
     if case.get("second_turn"):
         out = cht.generate(model, ids, comm, max_new_tokens=3, return_dict_in_generate=True)
-        options["past_key_values"] = out.cache if hasattr(out, "cache") else \
-            out.past_key_values
+        options["past_key_values"] = cache_of(out)
         ids = torch.cat([out.sequences, tokens(1, 4, seed=4)], dim=1)
     reference = {key: value for key, value in options.items() if key != "past_key_values"}
     seed = case.get("seed")
@@ -293,6 +302,20 @@ def test_generate_conforms_to_model_generate(comm, name):
     after = torch.get_rng_state() if options.get("do_sample") and seed is None else start
     torch.set_rng_state(start)
     got = cht.generate(model, ids, comm, seed=seed, **options)
+    if options.get("return_dict_in_generate"):
+        assert all_ranks(same_output(got, want)), (got, want)
+        got, want = got.sequences, want.sequences
     everyone = comm.mpi_comm.allgather(got.numpy().tobytes())
     assert all_ranks(torch.equal(got, want) and torch.equal(torch.get_rng_state(), after)
                      and len(set(everyone)) == 1), (got, want)
+
+
+def same_output(got, want) -> bool:
+    """generate's dict output is model.generate's of this transformers: its
+    class, the same fields set (the cache under this version's name), the
+    scores after the logits processors (eos held back: -inf) alike."""
+    return (type(got) is type(want) and list(got.keys()) == list(want.keys())
+            and isinstance(cache_of(got), ShardedKVCache)
+            and len(got.scores) == len(want.scores)
+            and all(torch.allclose(g, w, atol=1e-4) and torch.equal(g.isinf(), w.isinf())
+                    for g, w in zip(got.scores, want.scores)))
