@@ -27,11 +27,15 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The quick tier deselects the tests marked ``full`` (pytest counts them
-    as deselected in its summary line)."""
+    """The quick tier deselects the tests marked ``full``, and of a test
+    marked ``quick_sample(n)`` keeps n of its parametrized cases, spread
+    evenly over them (the same ones on every rank); pytest counts the rest
+    as deselected in its summary line."""
     if tiers.full():
         return
     kept = [item for item in items if item.get_closest_marker("full") is None]
+    kept = tiers.sampled(kept)
     if len(kept) < len(items):
-        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        chosen = set(map(id, kept))
+        config.hook.pytest_deselected(items=[item for item in items if id(item) not in chosen])
         items[:] = kept

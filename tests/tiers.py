@@ -5,12 +5,16 @@ at 2 and 3 ranks, the conformance matrices sampled; ``full``
 world size each multi-rank file names, the whole matrices.
 
 A test that only the full tier runs carries ``@pytest.mark.full`` (a file:
-``pytestmark = pytest.mark.full``); the quick tier deselects it, and says so
-in pytest's header and summary, so nothing is left out unseen."""
+``pytestmark = pytest.mark.full``); a parametrized test marked
+``@pytest.mark.quick_sample(n)`` runs n of its cases in the quick tier,
+spread evenly over them, and all of them in the full tier. The quick tier
+deselects the rest and says so in pytest's header and summary, so nothing
+is left out unseen."""
 
 from __future__ import annotations
 
 import os
+from typing import Dict, List, Tuple
 
 TIER_ENV = "COMMLIB_TEST_TIER"
 TIERS = ("quick", "full")
@@ -26,3 +30,23 @@ def tier() -> str:
 
 def full() -> bool:
     return tier() == "full"
+
+
+def sampled(items: List) -> List:
+    """``items`` (pytest items, in collection order) less the cases a
+    ``quick_sample(n)`` marker leaves out: of each such test's cases, n
+    spread evenly (the first and the last among them). Cases marked ``gpu``
+    stay (they run where a GPU is and skip, saying so, elsewhere), and do
+    not count among the n."""
+    groups: Dict[Tuple[str, str], List] = {}
+    for item in items:
+        if item.get_closest_marker("quick_sample") is not None \
+                and item.get_closest_marker("gpu") is None:
+            groups.setdefault((item.module.__name__, item.originalname), []).append(item)
+    dropped = set()
+    for cases in groups.values():
+        count = cases[0].get_closest_marker("quick_sample").args[0]
+        keep = {round(i * (len(cases) - 1) / (count - 1)) for i in range(count)} \
+            if count > 1 else {0}
+        dropped |= {id(case) for index, case in enumerate(cases) if index not in keep}
+    return [item for item in items if id(item) not in dropped]

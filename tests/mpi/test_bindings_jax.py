@@ -46,6 +46,7 @@ CASES = [(kind, layout, 1 if causal else HEADS, causal, "float32")
      ("hybrid", "zigzag", 1, False, "bfloat16")]
 
 
+@pytest.mark.quick_sample(4)
 @pytest.mark.parametrize("kind, layout, kv_heads, causal, dtype", CASES)
 @pytest.mark.parametrize("impl", arrayimpl.params(("jax", "jax-cuda")))
 def test_jit_and_grad_match_unsharded_attention(comm, impl, kind, layout, kv_heads, causal,
@@ -90,6 +91,7 @@ MASKED = [("ring", "block-diagonal", "auto"), ("ring", "block-diagonal", "sparse
           ("ring", "first-keys", "sparse")]  # contiguous: ranks without keys 0-5 send none
 
 
+@pytest.mark.quick_sample(2)
 @pytest.mark.parametrize("kind, name, method", MASKED)
 def test_masks_under_jit_and_grad_match_unsharded_attention(comm, kind, name, method):
     """mask= in the balanced layout (first-keys: contiguous). The sparse

@@ -23,6 +23,7 @@ requires.module("torch")
 requires.module("jax")
 
 
+@pytest.mark.quick_sample(40)
 @pytest.mark.parametrize("collective", list(CHECKS))
 @pytest.mark.parametrize("impl, dtype", cases())
 def test_collective_matches_numpy(comm, impl, dtype, collective):

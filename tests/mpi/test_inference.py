@@ -78,6 +78,7 @@ DECODE = {  # prefill tokens, new tokens t, batch, kv heads, causal, window, lay
 }
 
 
+@pytest.mark.quick_sample(8)
 @pytest.mark.parametrize("case", DECODE)
 @pytest.mark.parametrize("impl, dtype", CASES)
 def test_decode_is_sdpa_over_the_whole_cache(comm, impl, dtype, case):
@@ -109,6 +110,7 @@ CHUNK = {  # cached tokens, chunk tokens, kv heads, window
 }
 
 
+@pytest.mark.quick_sample(12)
 @pytest.mark.parametrize("method", ["pass_q", "pass_kv", "auto"])
 @pytest.mark.parametrize("case", CHUNK)
 @pytest.mark.parametrize("impl, dtype", CASES)

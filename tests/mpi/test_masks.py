@@ -106,6 +106,7 @@ def compare(comm, impl, dtype, dense, layout, algorithm, placed, seed=0, **optio
     return impl.is_native(out) and errors[0] <= bound[0] and max(errors[1:]) <= bound[1], errors
 
 
+@pytest.mark.quick_sample(24)
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name", MASKS)
@@ -143,6 +144,7 @@ def test_sparse_without_a_mask_routes_documents_causality_and_window(comm, name,
                                          for d in (["float32", "bfloat16"]
                                                    if p.id in ("torch", "torch-cuda")
                                                    else ["float32"])])
+@pytest.mark.quick_sample(3)
 def test_every_framework_attends_a_mask(comm, impl, dtype):
     """One mask, the ring, the balanced layout, in every framework."""
     ok, errors = check(comm, impl, dtype, shared_prefix(LENGTH, 17, 4), "balanced", "ring")

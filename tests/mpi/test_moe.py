@@ -187,6 +187,7 @@ def frameworks_and_dtypes():
     return cases
 
 
+@pytest.mark.quick_sample(7)
 @pytest.mark.parametrize("fixed", [False, True], ids=["counted", "fixed"])
 @pytest.mark.parametrize("impl, dtype", frameworks_and_dtypes())
 def test_combine_of_dispatch_in_every_framework(comm, impl, dtype, fixed):

@@ -179,6 +179,7 @@ OPTIONS = [dict(), dict(capacity_factor=0.5), dict(max_tokens_per_rank=7),
            dict(max_tokens_per_rank=7, quantize="fp8")]
 
 
+@pytest.mark.quick_sample(5)
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(o) or "counted")
 @pytest.mark.parametrize("kind", KINDS)
 def test_same_options_same_result(comm, kind, options):

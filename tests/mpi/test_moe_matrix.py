@@ -24,6 +24,7 @@ from commlib.moe.quantize import dequantize_fp8, quantize_fp8
 
 import covering
 import requires
+import tiers
 from conftest import all_ranks, raises_everywhere
 
 WORLD_SIZES = (2, 3, 4)  # 1 rank has no second node, so no two-hop path to test
@@ -46,13 +47,17 @@ FACTORS = {"framework": ["numpy", "torch", "jax"], "mode": list(MODES),
 # numpy and torch: every pair, and every framework x mode x path. JAX:
 # every mode x spread of the flat path (its only one), and each mode with
 # each two-hop path once (refused: no need to vary the rest)
-CASES = covering.covering(dict(FACTORS, framework=["numpy", "torch"]),
-                          full=[("framework", "mode", "path")], seed=0)
-CASES += [dict(case, framework="jax", path="flat") for case in covering.covering(
+ALL_CASES = covering.covering(dict(FACTORS, framework=["numpy", "torch"]),
+                              full=[("framework", "mode", "path")], seed=0)
+ALL_CASES += [dict(case, framework="jax", path="flat") for case in covering.covering(
     {name: FACTORS[name] for name in ("mode", "calls", "spread")}, full=[("mode", "spread")],
     seed=0)]
-CASES += covering.covering(dict(framework=["jax"], mode=list(MODES), path=["two-hop", "pipelined"],
-                                calls=["sync"], spread=["random"]), seed=0)
+ALL_CASES += covering.covering(dict(framework=["jax"], mode=list(MODES),
+                                    path=["two-hop", "pipelined"], calls=["sync"],
+                                    spread=["random"]), seed=0)
+# the quick tier (tests/tiers.py) runs a seeded sample of them
+QUICK_CASES = 16
+CASES = ALL_CASES if tiers.full() else covering.sample(ALL_CASES, QUICK_CASES)
 
 
 def _expected_refusal(case):
@@ -268,9 +273,10 @@ def test_the_matrix_covers_every_pair():
     """Every pair of factor values meets in some case, and every framework x
     mode x path; every pair but JAX's with two hops (refused) also meets in
     a case that runs and is compared with the reference."""
-    assert covering.pairs_missed(CASES, FACTORS) == []
-    assert len({(c["framework"], c["mode"], c["path"]) for c in CASES}) == 27
-    runs = [c for c in CASES if _expected_refusal(c) is None
+    assert covering.pairs_missed(ALL_CASES, FACTORS) == []
+    assert len({(c["framework"], c["mode"], c["path"]) for c in ALL_CASES}) == 27
+    assert all(case in ALL_CASES for case in CASES)
+    runs = [c for c in ALL_CASES if _expected_refusal(c) is None
             or _expected_refusal(c)[2] == "async"]
     assert [pair for pair in covering.pairs_missed(runs, FACTORS)
             if not {("framework", "jax"), ("path", "two-hop")} <= set(pair)

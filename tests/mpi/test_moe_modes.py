@@ -212,6 +212,7 @@ def test_fp8_rows_are_within_e4m3s_bound_with_exact_scales(comm, fixed):
     assert all_ranks(ok)
 
 
+@pytest.mark.quick_sample(2)
 @pytest.mark.parametrize("impl", arrayimpl.params())
 def test_fp8_dispatch_then_combine_is_the_loop_within_the_bound(comm, impl):
     """The experts compute on the dequantized rows (x's framework and

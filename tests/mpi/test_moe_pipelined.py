@@ -180,6 +180,7 @@ def impl_cases():
             yield pytest.param(impl.values[0], mode, id=f"{impl.id}-{mode}", marks=impl.marks)
 
 
+@pytest.mark.quick_sample(4)
 @pytest.mark.parametrize("case", ["plain", "no_tokens"])
 @pytest.mark.parametrize("impl, mode", list(impl_cases()))
 def test_pipelined_two_hop_is_one_exchange_bit_for_bit(comm, impl, mode, case):

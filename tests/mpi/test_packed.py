@@ -117,6 +117,7 @@ PARAMS = [pytest.param(*case.values, masking, algorithm, marks=case.marks,
                                                  or algorithm == "ring-zigzag_docs"))]
 
 
+@pytest.mark.quick_sample(20)
 @pytest.mark.parametrize("impl, dtype, masking, algorithm", PARAMS)
 def test_attention_matches_sdpa_with_the_explicit_mask(comm, impl, dtype, masking, algorithm):
     cu_seqlens, causal, window = MASKS[masking]
@@ -160,6 +161,7 @@ BINDINGS = ["ring-zigzag_docs-ring", "ring-zigzag-allgather", "ulysses-zigzag",
             "hybrid-zigzag_docs"]
 
 
+@pytest.mark.quick_sample(6)
 @pytest.mark.parametrize("name", BINDINGS)
 @pytest.mark.parametrize("masking", ["documents", "window-documents"])
 @pytest.mark.parametrize("impl", [p for p in arrayimpl.params() if p.id in

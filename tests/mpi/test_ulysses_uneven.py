@@ -55,6 +55,7 @@ def contiguous(x, comm):
     return ring.shard_sequence(x, comm, layout="contiguous")
 
 
+@pytest.mark.quick_sample(8)
 @pytest.mark.parametrize("heads, kv_heads", [(6, 6), (5, 5), (8, 2), (6, 3), (12, 1), (6, 1)])
 @pytest.mark.parametrize("impl", arrayimpl.params())
 def test_relayout_matches_array_split(comm, impl, heads, kv_heads):
@@ -136,6 +137,7 @@ def matches_sdpa(comm, run, impl, dtype, heads, kv_heads, causal, layout):
                          [(6, 6, False, "contiguous"), (6, 3, True, "zigzag"),
                           (6, 2, True, "zigzag_docs"), (6, 1, True, "contiguous"),
                           (8, 2, False, "zigzag")])
+@pytest.mark.quick_sample(8)
 @pytest.mark.parametrize("impl, dtype", CASES)
 def test_ulysses_attention_matches_sdpa(comm, impl, dtype, heads, kv_heads, causal, layout):
     assert all_ranks(matches_sdpa(comm, _ulysses, impl, dtype, heads, kv_heads, causal, layout))
