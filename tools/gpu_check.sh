@@ -102,10 +102,12 @@ else
 fi
 export PYTHONPATH=$ENV_DIR/site PYTHONSAFEPATH=1 MPI4PY_LIBMPI=$ENV_DIR/mpich/lib \
     PATH=$ENV_DIR/site/bin:$ENV_DIR/mpich/bin:$PATH
-# a missing framework is an error, not a skip (tests/requires.py); JAX would
-# take 75% of the GPU at start, and several ranks share the one GPU
-export COMMLIB_TEST_REQUIRE=all COMMLIB_TIMEOUT=60 XLA_PYTHON_CLIENT_PREALLOCATE=false \
-    PYTHONUNBUFFERED=1
+# a missing framework is an error, not a skip (tests/requires.py); every GPU
+# case runs (the full tier: the quick one samples some parametrized tests,
+# tests/tiers.py); JAX would take 75% of the GPU at start, and several ranks
+# share the one GPU
+export COMMLIB_TEST_REQUIRE=all COMMLIB_TEST_TIER=full COMMLIB_TIMEOUT=60 \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 
 if [[ $MODE == gpu ]]; then
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
