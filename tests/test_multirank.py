@@ -56,15 +56,16 @@ QUICK_AT_3 = ("test_conformance.py",)
 def world_sizes(path) -> Tuple[int, ...]:
     """The ``WORLD_SIZES = (...)`` a file of tests/mpi states, read without
     importing it (an error names the file that lacks it)."""
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "WORLD_SIZES"
-                                                for t in node.targets):
-            sizes = tuple(ast.literal_eval(node.value))
-            if not sizes or not set(sizes) <= set(SIZES):
-                raise ValueError(f"{path.name}: WORLD_SIZES {sizes} must be some of {SIZES}")
-            return sizes
-    raise ValueError(f"{path.name} states no WORLD_SIZES: say at which world sizes it tests "
-                     f"something, e.g. WORLD_SIZES = (2, 3)")
+    stated = [tuple(ast.literal_eval(node.value)) for node in ast.parse(path.read_text()).body
+              if isinstance(node, ast.Assign)
+              and any(getattr(t, "id", None) == "WORLD_SIZES" for t in node.targets)]
+    if len(stated) != 1:
+        raise ValueError(f"{path.name} states WORLD_SIZES {len(stated)} times: state once at "
+                         f"which world sizes it tests something, e.g. WORLD_SIZES = (2, 3)")
+    sizes = stated[0]
+    if not sizes or not set(sizes) <= set(SIZES):
+        raise ValueError(f"{path.name}: WORLD_SIZES {sizes} must be some of {SIZES}")
+    return sizes
 
 
 def _files(nprocs, names=None, exclude=()):
