@@ -56,6 +56,17 @@ def document_mask(length, cu_seqlens=None, causal=False, window=None):
     return visible
 
 
+def position_mask(q_positions, k_positions, causal, window=None):
+    """The [t, n] mask (True = visible) of queries at ``q_positions`` over
+    keys at ``k_positions``: key r seen from p when r <= p (``causal``) and
+    inside ``window`` = (left, right), by global position."""
+    gap = np.asarray(q_positions)[:, None] - np.asarray(k_positions)[None, :]
+    mask = gap >= 0 if causal else np.ones(gap.shape, bool)
+    if window is not None:
+        mask &= (gap <= window[0]) & (gap >= -window[1])
+    return mask
+
+
 def masked_torch_reference(q, k, v, dout, mask, scale=None):
     """``torch_reference`` with an explicit boolean mask [s, s]."""
     import torch

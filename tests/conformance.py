@@ -64,11 +64,7 @@ def cases(world: int) -> List[Dict[str, Any]]:
 
 
 def case_id(case: Dict[str, Any]) -> str:
-    return "-".join(str(case[name]) for name in FACTORS)
-
-
-def case_id_of(case: Dict[str, Any]) -> str:
-    """Any case's id: its values in factor order."""
+    """A case's id: its values in factor order (``covering`` keeps it)."""
     return "-".join(str(value) for value in case.values())
 
 

@@ -10,7 +10,7 @@ from mpi4py import MPI
 import conformance
 import covering
 import requires
-from attention_reference import masked_torch_reference, relative_error
+from attention_reference import masked_torch_reference, position_mask, relative_error
 from conftest import all_ranks, same_on_all_ranks
 
 requires.module("torch")
@@ -46,19 +46,15 @@ def test_case_is_correct_or_refused_everywhere(comm, case):
     assert all_ranks(ok), f"errors (out, dq, dk, dv) {errors} over bounds {bounds}"
 
 
-@pytest.mark.parametrize("case", INFERENCE_CASES, ids=conformance.case_id_of)
+@pytest.mark.parametrize("case", INFERENCE_CASES, ids=conformance.case_id)
 def test_inference_case_is_sdpa_over_the_whole_cache(comm, case):
     """Decode and a chunk's prefill over the striped cache: each rank's
     queries get SDPA's output on the unsharded sequence (float64, the mask
     by position), in the case's framework and dtype."""
     length = conformance.CACHED + conformance.NEW
-    full = conformance.inputs(case, length, seed=len(conformance.case_id_of(case)))
+    full = conformance.inputs(case, length, seed=len(conformance.case_id(case)))
     got, asked = conformance.run_inference_case(case, comm, full)
-    options = conformance.inference_visibility(case)
-    gap = asked[:, None] - np.arange(length)[None, :]
-    mask = gap >= 0 if options["causal"] else np.ones(gap.shape, bool)
-    if options["window"] is not None:
-        mask &= gap <= options["window"][0]
+    mask = position_mask(asked, np.arange(length), **conformance.inference_visibility(case))
     q, k, v, _ = full
     want = masked_torch_reference(q[:, asked], k, v, np.zeros_like(q[:, asked]), mask)[0]
     error = relative_error(got, want)
@@ -67,7 +63,7 @@ def test_inference_case_is_sdpa_over_the_whole_cache(comm, case):
 
 def test_every_rank_runs_the_same_cases():
     same_on_all_ranks([conformance.case_id(c) for c in CASES]
-                      + [conformance.case_id_of(c) for c in INFERENCE_CASES])
+                      + [conformance.case_id(c) for c in INFERENCE_CASES])
 
 
 def test_the_matrix_covers_every_pair_and_entry_layout_method():

@@ -21,7 +21,7 @@ from commlib.inference import (
 
 import arrayimpl
 import requires
-from attention_reference import masked_torch_reference, relative_error
+from attention_reference import masked_torch_reference, position_mask, relative_error
 from conftest import all_ranks, raises_everywhere
 
 # the striped cache at 1 (no peers), even and odd sizes
@@ -48,14 +48,6 @@ def shard_positions(comm, prefill, total, layout):
     return np.concatenate([index[index >= 0], later[striped(later, comm.size, comm.rank)]])
 
 
-def visible(q_positions, k_positions, causal, window):
-    gap = np.asarray(q_positions)[:, None] - np.asarray(k_positions)[None, :]
-    mask = gap >= 0 if causal else np.ones(gap.shape, bool)
-    if window is not None:
-        mask &= (gap <= window[0]) & (gap >= -window[1])
-    return mask
-
-
 def tensors(seed, batch, length, kv_heads):
     rng = np.random.default_rng(seed)
     return [rng.standard_normal((batch, length, h, DIM)) for h in (HEADS, kv_heads, kv_heads)]
@@ -63,7 +55,7 @@ def tensors(seed, batch, length, kv_heads):
 
 def reference(q, k, v, q_positions, causal, window):
     """SDPA of the queries at ``q_positions`` over all keys 0..L-1."""
-    mask = visible(q_positions, np.arange(k.shape[1]), causal, window)
+    mask = position_mask(q_positions, np.arange(k.shape[1]), causal, window)
     zero = np.zeros_like(q[:, q_positions])
     return masked_torch_reference(q[:, q_positions], k, v, zero, mask)[0]
 
