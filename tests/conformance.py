@@ -25,12 +25,14 @@ from commlib import common_masks, masks, ring
 from commlib.hybrid import hybrid_attention, hybrid_attention_backward
 from commlib.ulysses import ulysses_attention, ulysses_attention_backward
 
+import arrayimpl
 import covering
 from attention_reference import document_mask
 
 TIER = os.environ.get("COMMLIB_TEST_TIER", "quick")
 QUICK_CASES = int(os.environ.get("COMMLIB_MATRIX_QUICK_CASES", "24"))
 
+NUMPY = arrayimpl.IMPLS["numpy"]
 HEADS, DIM = 6, 8
 # (query heads, kv heads): kv heads below the Ulysses degree at 2-4 ranks
 HEAD_COUNTS = {"mha": (HEADS, HEADS), "gqa": (HEADS, 2), "kv_below_degree": (HEADS, 1)}
@@ -158,9 +160,7 @@ def run_case(case: Dict[str, Any], comm, full: List[np.ndarray],
 def _core(algorithm: str, mine: List[np.ndarray], dtype: str, comm,
           call: Dict[str, Any]) -> List[np.ndarray]:
     """The core functions on NumPy arrays (bfloat16 through ml_dtypes)."""
-    import ml_dtypes
-    q, k, v, dout = (x.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
-                     for x in mine)
+    q, k, v, dout = (NUMPY.asarray(x, dtype) for x in mine)
     call = dict(call)
     if algorithm == "ring":
         out, lse = ring.ring_attention(q, k, v, comm, return_lse=True, **call)
@@ -172,23 +172,22 @@ def _core(algorithm: str, mine: List[np.ndarray], dtype: str, comm,
         degree = call.pop("ulysses_size")
         out, lse = hybrid_attention(q, k, v, comm, degree, return_lse=True, **call)
         grads = hybrid_attention_backward(dout, q, k, v, out, lse, comm, degree, **call)
-    return [np.asarray(x).astype(np.float64) for x in (out, *grads)]
+    return [_float64(NUMPY, x) for x in (out, *grads)]
 
 
 def _torch(algorithm: str, mine: List[np.ndarray], dtype: str, comm,
            call: Dict[str, Any]) -> List[np.ndarray]:
     """The torch binding, through autograd."""
-    import torch
-
     from commlib.bindings import torch as ct
-    q, k, v = (torch.tensor(x, dtype=getattr(torch, dtype)).requires_grad_()
-               for x in mine[:3])
-    dout = torch.tensor(mine[3], dtype=getattr(torch, dtype))
+    torch_impl = arrayimpl.IMPLS["torch"]
+    q, k, v, dout = (torch_impl.asarray(x, dtype) for x in mine)
+    for x in (q, k, v):
+        x.requires_grad_()
     call = dict(call)
     args = (call.pop("ulysses_size"),) if algorithm == "hybrid" else ()
     out = getattr(ct, f"{algorithm}_attention")(q, k, v, comm, *args, **call)
     out.backward(dout)
-    return [x.detach().to(torch.float64).numpy() for x in (out, q.grad, k.grad, v.grad)]
+    return [_float64(torch_impl, x) for x in (out, q.grad, k.grad, v.grad)]
 
 
 def _jax(algorithm: str, mine: List[np.ndarray], dtype: str, comm,
@@ -196,7 +195,6 @@ def _jax(algorithm: str, mine: List[np.ndarray], dtype: str, comm,
     """The JAX binding inside ``jax.jit``, through ``jax.vjp`` (float64
     with x64 on for this call)."""
     import jax
-    import jax.numpy as jnp
 
     from commlib.bindings import jax as cj
     call = dict(call)
@@ -207,11 +205,10 @@ def _jax(algorithm: str, mine: List[np.ndarray], dtype: str, comm,
         out, pullback = jax.vjp(lambda *qkv: attention(*qkv, comm, *args, **call), q, k, v)
         return (out, *pullback(dout))
 
-    with jax.enable_x64(dtype == "float64"):
-        arrays = [jnp.asarray(x, dtype=getattr(jnp, dtype)) for x in mine]
-        got = jax.jit(step)(*arrays)
-        return [np.asarray(x.astype(jnp.float32) if dtype == "bfloat16" else x, np.float64)
-                for x in got]
+    jax_impl = arrayimpl.IMPLS["jax"]
+    with _x64("jax", dtype):
+        got = jax.jit(step)(*(jax_impl.asarray(x, dtype) for x in mine))
+        return [_float64(jax_impl, x) for x in got]
 
 
 # The inference core: decode (new tokens every rank holds) and a chunk's
@@ -251,39 +248,27 @@ def run_inference_case(case: Dict[str, Any], comm,
     keys = np.arange(comm.rank, total, comm.size)
     new = np.arange(total - NEW, total)
     asked = new if case["entry"] == "decode" else np.array_split(new, comm.size)[comm.rank]
-    make = _maker(case["framework"], case["dtype"])
+    impl = arrayimpl.IMPLS[case["framework"]]
     options = dict(inference_visibility(case), q_positions=asked, k_positions=keys)
     if case["entry"] == "chunk":
         options["method"] = case["method"]
     attention = decode_attention if case["entry"] == "decode" else chunk_attention
-    with _x64(case):
-        out = attention(make(q[:, asked]), make(k[:, keys]), make(v[:, keys]), comm, **options)
-        return _to_float64(out), asked
+    with _x64(case["framework"], case["dtype"]):
+        out = attention(*(impl.asarray(x, case["dtype"]) for x in (q[:, asked], k[:, keys],
+                                                                    v[:, keys])),
+                        comm, **options)
+        return _float64(impl, out), asked
 
 
-def _maker(framework: str, dtype: str):
-    """Arrays of ``framework`` in ``dtype`` from float64 NumPy."""
-    if framework == "torch":
-        import torch
-        return lambda x: torch.tensor(x, dtype=getattr(torch, dtype))
-    if framework == "jax":
-        import jax.numpy as jnp
-        return lambda x: jnp.asarray(x, dtype=getattr(jnp, dtype))
-    import ml_dtypes
-    return lambda x: x.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+def _float64(impl: Any, x: Any) -> np.ndarray:
+    return impl.to_numpy(x).astype(np.float64)
 
 
-def _x64(case: Dict[str, Any]):
+def _x64(framework: str, dtype: str):
+    """JAX's float64 switched on for a float64 case (JAX has no float64
+    arrays without it); nothing for the other frameworks."""
     import contextlib
-    if case["framework"] != "jax":
+    if framework != "jax":
         return contextlib.nullcontext()
     import jax
-    return jax.enable_x64(case["dtype"] == "float64")
-
-
-def _to_float64(x: Any) -> np.ndarray:
-    if hasattr(x, "detach"):
-        import torch
-        return x.detach().to(torch.float64).numpy()
-    return np.asarray(np.asarray(x).astype(np.float32) if "bfloat16" in str(x.dtype) else x,
-                      np.float64)
+    return jax.enable_x64(dtype == "float64")
