@@ -213,9 +213,16 @@ def _outcome(transfer: Transfer, watcher: Optional[_Watcher]):
             if not watcher.isolated:
                 watcher.isolated = True
                 _isolate(cuda)
-        status = cuda.status(transfer.event)
+        return event_outcome(cuda, transfer.event)
     except Exception as error:  # a CUDA error raised by setDevice, say: the transfer failed
         return f"{type(error).__name__}: {error}"
+
+
+def event_outcome(cuda: CudaEvents, event: Any):
+    """_FINISHED, None (not yet) or the CUDA error that ended the work before
+    ``event``, in CUDA's words: the one reading of an event's status (the
+    staged MPI path reads its copies' events with it too)."""
+    status = cuda.status(event)
     if status == CUDA_SUCCESS:
         return _FINISHED
     if status == CUDA_ERROR_NOT_READY:

@@ -23,8 +23,13 @@ from the root), and ``allreduce`` is always reduced on the host, by logical
 value (bfloat16 and float8 live on the device as integer storage).
 
 Every wait, for the device's copies as for MPI, is polled by the host
-backend's watchdog: deadlines and failure notices as for host arrays. When
-a call returns, its results are complete (for any stream), as with NCCL.
+backend's watchdog: deadlines and failure notices as for host arrays. A
+copy's event is read as the NCCL path reads its events
+(``inflight.event_outcome``): a CUDA error it reports (CuPy's
+``Event.done`` would read it as "not yet", until the deadline) makes this
+rank give up at once, telling the peers, and raise ``CommlibError`` naming
+it. When a call returns, its results are complete (for any stream), as with
+NCCL.
 All the device work goes through a small *device* object, so that the whole
 pipeline runs on NumPy arrays in the tests (``HostCopies``, or the lazy
 stream stand-in of ``tests/mpi/test_staged.py``).
@@ -39,8 +44,10 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import numpy as np
 
 from ..arrays import byte_view
+from ..errors import CommlibError
 from . import displacements
 from .cuda_aware import detect as cuda_aware_detect
+from .inflight import CudaEvents, event_outcome
 
 # Chunk size of both paths: a few MiB, so that the cost of one more message
 # is small next to moving its bytes, while a block of tens of MiB still makes
@@ -80,6 +87,12 @@ def _pinned(nbytes: int) -> np.ndarray:
 _PINNED_POOL: Optional[PinnedPool] = None
 
 
+class DeviceCopyError(Exception):
+    """A device copy's event reported a CUDA error (the message: CUDA's name
+    and text for it). Raised by a device's ``done``; the backend gives up
+    on the call and raises ``CommlibError`` instead."""
+
+
 class CupyDevice:
     """The device side with CuPy, for one GPU: downloads and device copies
     on one side stream, uploads on another (the two copy engines run in
@@ -100,6 +113,7 @@ class CupyDevice:
         import cupy
         self._cupy = cupy
         self._gpu = cupy.cuda.Device(index)
+        self._events = CudaEvents(cupy.cuda.runtime)
         with self._gpu:
             self._down = cupy.cuda.Stream(non_blocking=True)
             self._up = cupy.cuda.Stream(non_blocking=True)
@@ -139,9 +153,13 @@ class CupyDevice:
             event.record(stream)
         return event
 
-    @staticmethod
-    def done(token) -> bool:
-        return token.done
+    def done(self, token) -> bool:
+        """Whether the copy is done; ``DeviceCopyError`` if CUDA reports an
+        error for it (a sticky error never becomes "done")."""
+        outcome = event_outcome(self._events, token)
+        if isinstance(outcome, str):
+            raise DeviceCopyError(outcome)
+        return outcome is not None
 
 
 def _host_copy(buf) -> np.ndarray:
@@ -296,7 +314,24 @@ class StagedBackend:
         device.pool.give(staging)  # not reached on failure: MPI may still hold it
 
     def _wait_for(self, device, token) -> None:
-        self.host.watchdog.wait_until(lambda: device.done(token))
+        _wait(self.host.watchdog, lambda: device.done(token))
+
+
+def _wait(watchdog, done: Callable[[], bool],
+          pending: Callable[[], Optional[List[int]]] = lambda: None) -> None:
+    """``watchdog.wait_until(done, pending)``; a device copy that failed ends
+    the call at once: this rank gives up (the peers are told) and raises
+    ``CommlibError`` naming the CUDA error, instead of a timeout at the
+    deadline naming peers that did nothing wrong."""
+    try:
+        watchdog.wait_until(done, pending)
+    except DeviceCopyError as error:
+        reason = (f"a copy between the GPU and host memory failed with {error}. Such CUDA "
+                  f"errors are usually sticky: this process cannot use its GPU any more; "
+                  f"restart it")
+        watchdog.give_up(reason)
+        raise CommlibError(f"{watchdog.op} (call #{watchdog.calls}) on rank {watchdog.rank}: "
+                           f"{reason}") from error
 
 
 class _Exchange:
@@ -373,7 +408,7 @@ class _Exchange:
         def step() -> bool:
             self._progress()
             return done()
-        self.host.watchdog.wait_until(step, self._missing)
+        _wait(self.host.watchdog, step, self._missing)
 
     def _progress(self) -> None:
         """Send the chunks whose download is done (in order), start the
