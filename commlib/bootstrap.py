@@ -31,8 +31,9 @@ def init(backend: str = "auto", *, mpi_comm=None, ranks_per_node: Optional[int] 
 
     ``backend``: "mpi" moves host arrays only; "nccl" also moves CUDA arrays
     over NCCL and fails with the reason where it cannot run; "auto" is "nccl"
-    when every rank has CuPy, NCCL and a GPU of its own, else "mpi" (ranks
-    sharing a GPU cannot form an NCCL communicator unless NCCL allows it).
+    when every rank has CuPy, NCCL and a GPU of its own and MPI runs at
+    ``MPI_THREAD_MULTIPLE`` (mpi4py's default), else "mpi" (ranks sharing a
+    GPU cannot form an NCCL communicator unless NCCL allows it).
     ``device``: the CUDA device this rank drives (default: the device the
     user already made current, e.g. with ``torch.cuda.set_device``, where the
     ranks of a node made distinct ones current; else the rank's index among
@@ -133,17 +134,38 @@ def _adopted_device(host: MpiBackend, leader: int) -> Optional[int]:
     return mine
 
 
+def _thread_level_reason() -> Optional[str]:
+    """Why this process's MPI thread level cannot carry the NCCL backend, or
+    None. Its launches that wait for peers run on a helper thread while the
+    caller's thread polls MPI, and a helper refused by an abort gives up
+    there, sending the failure notices: two threads in MPI at once, which
+    only ``MPI_THREAD_MULTIPLE`` allows (below it, MPI may corrupt its state)."""
+    from mpi4py import MPI
+
+    level = MPI.Query_thread()
+    if level >= MPI.THREAD_MULTIPLE:
+        return None
+    names = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+             MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED"}
+    return (f"MPI was initialized at thread level {names.get(level, level)}, and the NCCL "
+            f"backend calls MPI from a helper thread too, which needs MPI_THREAD_MULTIPLE: "
+            f"leave mpi4py.rc.thread_level at its default, 'multiple' (or call "
+            f"MPI_Init_thread with MPI_THREAD_MULTIPLE), before MPI is initialized")
+
+
 def _device_backend(host: MpiBackend, backend: str, shared_rank: int, leader: int,
                     device: Optional[int]):
     """The NCCL backend when every rank can run it on a GPU of its own; the
     decision is taken together so that no rank builds NCCL while another
-    does not. Under "auto" any obstacle means MPI; under "nccl" it raises
-    ``BackendUnavailableError`` naming the ranks and what stops them."""
+    does not. Under "auto" any obstacle means MPI (a thread level below
+    ``MPI_THREAD_MULTIPLE`` included: the MPI path calls MPI from the
+    caller's thread only); under "nccl" it raises ``BackendUnavailableError``
+    naming the ranks and what stops them."""
     from .backends import nccl
 
     if device is None:
         device = _adopted_device(host, leader)
-    reason = nccl.unavailable_reason()
+    reason = nccl.unavailable_reason() or _thread_level_reason()
     index = identity = None
     if reason is None:
         index, reason = nccl.local_device(shared_rank, device)

@@ -9,8 +9,10 @@ is outstanding, one daemon thread per process enters MPI every
 ``POLL_S`` with an ``Iprobe`` for a tag nothing is sent on: it drives MPI's
 progress engine without touching the transfer's own requests (MPI forbids
 two threads testing one request), and numpy, torch and JAX kernels release
-the GIL, so it runs beside them. It needs ``MPI_THREAD_MULTIPLE``; without
-it the transfers progress at their wait, as before.
+the GIL, so it runs beside them. It needs ``MPI_THREAD_MULTIPLE`` (two
+threads in MPI at once); below it no thread is started, even when asked
+for (that is said once on stderr), and the transfers progress at their
+wait, as before.
 
 The thread needs a core of its own: moving the bytes through shared memory
 is CPU work, and a thread that wakes 10,000 times a second on the core the
@@ -23,6 +25,7 @@ use more than one core and its node has more cores than ranks;
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from typing import Optional
@@ -33,6 +36,7 @@ POLL_S = 1e-4
 PROBE_TAG = 7302
 THREAD_ENV = "COMMLIB_PROGRESS_THREAD"
 _spare_core = False
+_told_thread_level = False
 
 
 def share_cores(ranks_on_node: int, cores_on_node: int) -> None:
@@ -83,12 +87,21 @@ class Progress:
 
 
 def _threads_allowed() -> bool:
+    global _told_thread_level
     from mpi4py import MPI
 
     choice = os.environ.get(THREAD_ENV, "").strip()
     wanted = _spare_core if choice not in ("0", "1") else choice == "1"
-    return wanted and MPI.Is_initialized() and not MPI.Is_finalized() \
-        and MPI.Query_thread() == MPI.THREAD_MULTIPLE
+    if not (wanted and MPI.Is_initialized() and not MPI.Is_finalized()):
+        return False
+    if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
+        return True
+    if choice == "1" and not _told_thread_level:
+        _told_thread_level = True
+        sys.stderr.write(f"commlib: {THREAD_ENV}=1, but MPI was initialized below "
+                         f"MPI_THREAD_MULTIPLE, which a progress thread needs: none is "
+                         f"started (leave mpi4py.rc.thread_level at 'multiple')\n")
+    return False
 
 
 # the process's one progress thread
