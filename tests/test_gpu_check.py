@@ -32,3 +32,31 @@ def test_an_unreadable_report_is_named(tmp_path):
     broken = tmp_path / "rank0.xml"
     broken.write_text("<testsuites>")
     assert "unreadable junit report" in summarize("mpi1", [broken])
+
+
+def test_the_transport_each_rank_chose_is_counted(tmp_path):
+    """A launch where one rank fell back to MPI shows it (tests/mpi/conftest.py
+    records the property)."""
+    reports = []
+    for rank, backend in enumerate(("nccl", "mpi")):
+        reports.append(tmp_path / f"rank{rank}.xml")
+        reports[-1].write_text(REPORT.replace(
+            '<testsuite name="pytest" tests="4">',
+            '<testsuite name="pytest" tests="4"><properties>'
+            f'<property name="commlib_backend" value="{backend}"/></properties>'))
+    assert "; backend mpi on 1, nccl on 1" in summarize("nccl2", reports)
+
+
+def test_nccl_peers_refuses_an_nccl_without_shared_gpus(monkeypatch):
+    """Before NCCL 2.30 two ranks cannot share the GPU in one communicator:
+    the NCCL steps are not run, and the reason is printed."""
+    from click.testing import CliRunner
+
+    from commlib.tools import gpu_check
+    main = gpu_check.main
+    monkeypatch.setattr(gpu_check, "nccl_version_code", lambda: 22907)
+    refused = CliRunner().invoke(main, ["nccl-peers"])
+    assert refused.exit_code == 1 and "NCCL 2.29.7: ranks share one GPU in an NCCL communicator from NCCL 2.30 only" in str(refused.exception)
+    monkeypatch.setattr(gpu_check, "nccl_version_code", lambda: 23206)
+    allowed = CliRunner().invoke(main, ["nccl-peers"])
+    assert allowed.exit_code == 0 and "NCCL 2.32.6: ranks share the GPU" in allowed.output

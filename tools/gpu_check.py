@@ -5,6 +5,7 @@ step's time limit interrupts it).
 
     python -m commlib.tools.gpu_check preflight --site DIR [--rehearse]
     python -m commlib.tools.gpu_check summary STEP REPORT.xml...
+    python -m commlib.tools.gpu_check nccl-peers [--rehearse]
 
 A failed preflight check says what to fix; the script stops there rather
 than spend the lent machine's minutes on steps that cannot work.
@@ -26,10 +27,13 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import click
 
+from commlib.tools.cli import nccl_version_text
+
 # imported by the steps: each must import before any step runs
 STEP_MODULES = ("commlib.bindings.torch", "commlib.bindings.jax", "commlib.bindings.transformers",
                 "commlib.tools.bench_gpu")
 MPI4PY_FLOOR = (4, 1)  # pyproject.toml's lower bound
+NCCL_MULTI_RANK_GPU = 23000  # NCCL 2.30: several ranks of a communicator on one GPU
 # one write per rank: unbuffered, print() writes its parts apart and two ranks' interleave
 WORLD_OF_TWO = ("import sys; from mpi4py import MPI; w = MPI.COMM_WORLD; "
                 "library = MPI.Get_library_version().splitlines()[0].strip(); "
@@ -195,6 +199,34 @@ def preflight(site: Path, rehearse: bool) -> None:
                          f"them before spending GPU time on the steps")
 
 
+def nccl_version_code() -> int:
+    """The NCCL CuPy loads, as its version code (23206 for 2.32.6)."""
+    from cupy.cuda import nccl as cupy_nccl
+
+    return int(cupy_nccl.get_version())
+
+
+@main.command("nccl-peers")
+@click.option("--rehearse", is_flag=True, help="A CPU machine: report, never refuse.")
+def nccl_peers(rehearse: bool) -> None:
+    """Exit 0 when several ranks can share the one GPU in one NCCL
+    communicator (NCCL 2.30+, with NCCL_MULTI_RANK_GPU_ENABLE=1); else say why
+    and exit 1: without it every multi-rank step runs the staged MPI path."""
+    try:
+        code = nccl_version_code()
+    except Exception as error:  # noqa: BLE001 - every failure is the answer
+        code, found = 0, f"NCCL unknown ({type(error).__name__}: {error})"
+    else:
+        found = f"NCCL {nccl_version_text(code)}"
+    if rehearse:
+        click.echo(f"{found}; rehearsal: the NCCL steps run, on the MPI path (no GPU here)")
+    elif code >= NCCL_MULTI_RANK_GPU:
+        click.echo(f"{found}: ranks share the GPU with NCCL_MULTI_RANK_GPU_ENABLE=1")
+    else:
+        raise SystemExit(f"{found}: ranks share one GPU in an NCCL communicator from NCCL "
+                         f"2.30 only, so nothing here runs NCCL between ranks")
+
+
 @main.command()
 @click.argument("step")
 @click.argument("reports", nargs=-1, type=click.Path(path_type=Path))
@@ -210,13 +242,18 @@ def summarize(step: str, reports: Sequence[Path]) -> str:
     if not present:
         return f"{step}: no junit report: the step was killed before pytest wrote one"
     outcomes: collections.Counter = collections.Counter()
+    backends: collections.Counter = collections.Counter()
     skips: collections.Counter = collections.Counter()
     failures: List[str] = []
     for report in present:
         try:
-            cases = ElementTree.parse(report).getroot().iter("testcase")
+            root = ElementTree.parse(report).getroot()
         except ElementTree.ParseError as error:
             return f"{step}: unreadable junit report {report}: {error}"
+        # tests/mpi/conftest.py records the transport each launch chose
+        backends.update(p.get("value") for p in root.iter("property")
+                        if p.get("name") == "commlib_backend")
+        cases = root.iter("testcase")
         for case in cases:
             name = f"{case.get('classname', '')}::{case.get('name', '')}"
             found = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
@@ -229,6 +266,8 @@ def summarize(step: str, reports: Sequence[Path]) -> str:
     counts = ", ".join(f"{outcomes[o]} {o}" for o in ("passed", "failure", "error", "skipped")
                        if outcomes[o])
     line = f"{step}: {counts or 'no tests'} over {len(present)} report(s)"
+    if backends:
+        line += "; backend " + ", ".join(f"{name} on {n}" for name, n in sorted(backends.items()))
     if skips:
         line += "; skipped: " + "; ".join(f"{n} x {r}" for r, n in skips.most_common(2))
     if failures:

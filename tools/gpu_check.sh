@@ -19,17 +19,27 @@
 # runs with PYTHONSAFEPATH=1. A failed preflight stops the run at once, saying
 # what to fix. Then the steps, the numbers the run exists for early: each under
 # its own time limit (interrupted with SIGINT, so pytest still writes its junit
-# report and the summary line says what ran), all of them within 6 minutes so
-# that a rerun fits in the 15 minutes of device time:
+# report and the summary line says what ran, and which transport each launch
+# chose), all of them within 7 minutes so that a rerun of the failed ones fits
+# in the 15 minutes of device time (GPU_CHECK_STEPS=nccl2,graph runs only those
+# after the preflight):
 #   pytest_gpu   the single-process gpu tests (the size-1 NCCL communicator,
 #                kernels, arrays)
 #   bench        python -m commlib.tools.bench_gpu -> $OUT/gpu_check.json
-#   mpi1 mpi2    tests/mpi -m gpu at 1 and 2 ranks (2 ranks share the GPU)
-#   mpi4         the collectives and the GPU faults at 4 ranks on one GPU
+#   mpi1 mpi2    tests/mpi -m gpu at 1 and 2 ranks on the staged MPI path (the
+#                ranks share the one GPU, so backend "auto" falls back to MPI)
+#   nccl2 nccl4  the same at 2 ranks, and the collectives and GPU faults at 4,
+#                with NCCL between the ranks: NCCL 2.30+ lets ranks share a GPU
+#                under NCCL_MULTI_RANK_GPU_ENABLE=1, and COMMLIB_EXPECT_BACKEND
+#                =nccl fails every test of a launch that fell back to MPI. Not
+#                run (and said so) with an older NCCL; mpi4 runs instead
 #   hf_train     examples/hf_train.py: a transformers Qwen3-MoE in bfloat16
-#   stall graph  a deliberately stalled transfer (2 ranks), then the CUDA-graph
-#                capture and replay of a fixed-capacity MoE pair, last: both
-#                can leave a GPU in a state the other steps should not meet
+#   stall stall_nccl graph
+#                a deliberately stalled transfer at 2 ranks (staged, then
+#                NCCL: the in-flight deadline of a connected communicator),
+#                then the CUDA-graph capture and replay of a fixed-capacity MoE
+#                pair, last: both can leave a GPU in a state the other steps
+#                should not meet
 # $OUT gets summary.txt (what this prints), gpu_check.json and logs.tgz (every
 # step's log and junit reports, per rank), rewritten after each step so that a
 # run killed from outside still returns what it did.
@@ -66,7 +76,7 @@ fi
 if [[ $MODE == rehearse ]]; then OUT=${OUT:-/tmp/gpu_check_rehearsal}; else OUT=${OUT:-/tmp/gpu_check}; fi
 ENV_DIR=${GPU_CHECK_ENV:-/tmp/commlib-gpu-env}
 LOGS=$ENV_DIR/logs
-BUDGET_S=360
+BUDGET_S=420
 END=$((SECONDS + BUDGET_S))
 rm -rf "$ENV_DIR" && mkdir -p "$OUT" "$LOGS"
 : >"$OUT/summary.txt"
@@ -106,7 +116,9 @@ export PYTHONPATH=$ENV_DIR/site PYTHONSAFEPATH=1 MPI4PY_LIBMPI=$ENV_DIR/mpich/li
 # case runs (the full tier: the quick one samples some parametrized tests,
 # tests/tiers.py); JAX would take 75% of the GPU at start, and several ranks
 # share the one GPU
-export COMMLIB_TEST_REQUIRE=all COMMLIB_TEST_TIER=full COMMLIB_TIMEOUT=60 \
+# COMMLIB_TIMEOUT under every step's limit: a hang ends in commlib's own
+# diagnosis (which rank, which call), not in the step's SIGINT
+export COMMLIB_TEST_REQUIRE=all COMMLIB_TEST_TIER=full COMMLIB_TIMEOUT=15 \
     XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 
 if [[ $MODE == gpu ]]; then
@@ -122,6 +134,8 @@ fi
 step() {
     local name=$1 limit=$2 left=$((END - SECONDS)) code=0 started=$SECONDS
     shift 2
+    # GPU_CHECK_STEPS=a,b: only those (a rerun); 3 tells the caller nothing ran
+    if [[ -n ${GPU_CHECK_STEPS:-} && ,$GPU_CHECK_STEPS, != *,$name,* ]]; then return 3; fi
     ((limit > left)) && limit=$left
     if ((limit < 15)); then
         say "$name: not run, ${left}s of the ${BUDGET_S}s budget left"; status=1; return 1
@@ -144,7 +158,7 @@ pytest_step() {
     local name=$1 limit=$2
     shift 2
     step "$name" "$limit" $PY -m pytest -p no:cacheprovider -q --junitxml="$LOGS/$name.xml" "$@"
-    summary "$name" "$LOGS/$name.xml"
+    [[ -e $LOGS/$name.log ]] && summary "$name" "$LOGS/$name.xml"
 }
 # mpi_step NAME RANKS LIMIT_S PYTEST_ARGS...: under mpiexec, one report per rank
 mpi_step() {
@@ -152,7 +166,7 @@ mpi_step() {
     shift 3
     mkdir -p "$LOGS/$name"
     step "$name" "$limit" mpiexec -n "$ranks" $PY tests/mpi_pytest.py "$LOGS/$name" "$@"
-    summary "$name" "$LOGS/$name"/rank*.xml
+    [[ -e $LOGS/$name.log ]] && summary "$name" "$LOGS/$name"/rank*.xml
 }
 
 if step preflight 90 $PY -m commlib.tools.gpu_check preflight --site "$ENV_DIR/site" $rehearse
@@ -162,17 +176,37 @@ else
     say "stopped: the preflight failed (above)"; exit 1
 fi
 
-LAST="cuda_graph or never_arrives"  # the last two steps' tests
+LAST="cuda_graph or never_arrives"  # the last steps' tests
 pytest_step pytest_gpu 50 -m gpu -k "not ($LAST)" tests
-step bench 70 $PY -m commlib.tools.bench_gpu --device $device $bench_size \
+step bench 60 $PY -m commlib.tools.bench_gpu --device $device $bench_size \
     --out "$OUT/gpu_check.json" && tail -4 "$LOGS/bench.log"
-mpi_step mpi1 1 30 -m gpu -k "not ($LAST)" tests/mpi
+mpi_step mpi1 1 25 -m gpu -k "not ($LAST)" tests/mpi
 mpi_step mpi2 2 45 -m gpu -k "not ($LAST)" tests/mpi
-mpi_step mpi4 4 30 -m gpu -k "not ($LAST)" tests/mpi/test_collectives_frameworks.py \
-    tests/mpi/test_gpu_faults.py
+FOUR="tests/mpi/test_collectives_frameworks.py tests/mpi/test_gpu_faults.py"
+# with_nccl STEP...: the step with NCCL between the ranks that share the GPU;
+# on the GPU, a launch that falls back to MPI fails (COMMLIB_EXPECT_BACKEND);
+# the rehearsal runs the same steps on the MPI path
+with_nccl() {
+    (export NCCL_MULTI_RANK_GPU_ENABLE=1 COMMLIB_EXPECT_BACKEND=${expect_nccl:-}
+     "$@"; exit $status) || status=1
+}
+if peers=$($PY -m commlib.tools.gpu_check nccl-peers $rehearse 2>&1); then
+    say "nccl: $peers"
+    [[ $MODE == gpu ]] && expect_nccl=nccl
+    with_nccl mpi_step nccl2 2 45 -m gpu -k "not ($LAST)" tests/mpi
+    # shellcheck disable=SC2086
+    with_nccl mpi_step nccl4 4 45 -m gpu -k "not ($LAST)" $FOUR
+else
+    say "nccl2, nccl4, stall_nccl: not run: $peers"
+    peers=""
+    # shellcheck disable=SC2086
+    mpi_step mpi4 4 45 -m gpu -k "not ($LAST)" $FOUR
+fi
 step hf_train 30 $PY examples/hf_train.py --model qwen3_moe --device $device --dtype bfloat16 \
     --steps 3 && tail -2 "$LOGS/hf_train.log"
 mpi_step stall 2 20 -m gpu -k never_arrives tests/mpi/test_gpu_faults.py
+[[ -n $peers ]] && with_nccl mpi_step stall_nccl 2 25 -m gpu -k never_arrives \
+    tests/mpi/test_gpu_faults.py
 pytest_step graph 20 -m gpu -k cuda_graph tests/test_gpu_nccl.py
 say "$SECONDS s in all ($MODE); $( ((status == 0)) && echo "every step passed" || echo \
     "some steps FAILED (above)"); logs in $OUT/logs.tgz"

@@ -5,6 +5,8 @@ and decides pass/fail together (``all_ranks``), so that one rank's failure
 does not leave the others waiting in the next test's collective.
 """
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -23,6 +25,19 @@ def comm():
     c = commlib.init()
     yield c
     c.free()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def transport_reported(comm, record_testsuite_property):
+    """The transport this launch chose for CUDA arrays goes in the junit
+    report (tools/gpu_check.sh prints it per step), and where
+    COMMLIB_EXPECT_BACKEND names one, any other fails every test: on one
+    GPU a fallback from NCCL to the staged MPI path is otherwise silent."""
+    record_testsuite_property("commlib_backend", comm.backend)
+    expected = os.environ.get("COMMLIB_EXPECT_BACKEND")
+    if expected and comm.backend != expected:
+        pytest.fail(f"commlib.init() chose backend {comm.backend!r}, but "
+                    f"COMMLIB_EXPECT_BACKEND={expected}")
 
 
 def all_ranks(ok: bool) -> bool:

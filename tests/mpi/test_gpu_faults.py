@@ -56,10 +56,13 @@ def world():
 
 @pytest.mark.parametrize("impl", GPU_CASES)
 def test_a_rank_that_never_arrives_times_out_its_peers(impatient, impl):
-    """Rank 1 skips an allreduce of CUDA arrays; the others raise within
-    seconds (timeout=2): CommTimeoutError on at least one, naming rank 1 on
+    """After one allreduce on every rank, rank 1 skips the next; the others
+    raise within seconds (timeout=2): CommTimeoutError on at least one, naming rank 1 on
     the staged path, and PeerFailedError at most on the rest."""
     x = impl.asarray(np.ones((4, 8)), "float32")
+    # every rank connects first: the stall below must meet the in-flight
+    # deadline of a live NCCL communicator, not the deadline of its first connect
+    impl.to_numpy(impatient.allreduce(x))
     start = time.monotonic()
     error = None
     if impatient.rank != 1:
