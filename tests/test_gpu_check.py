@@ -56,7 +56,9 @@ def test_nccl_peers_refuses_an_nccl_without_shared_gpus(monkeypatch):
     main = gpu_check.main
     monkeypatch.setattr(gpu_check, "nccl_version_code", lambda: 22907)
     refused = CliRunner().invoke(main, ["nccl-peers"])
-    assert refused.exit_code == 1 and "NCCL 2.29.7: ranks share one GPU in an NCCL communicator from NCCL 2.30 only" in str(refused.exception)
+    assert refused.exit_code == 1
+    assert "NCCL 2.29.7: ranks share one GPU in an NCCL communicator from NCCL 2.30 only" \
+        in str(refused.exception)
     monkeypatch.setattr(gpu_check, "nccl_version_code", lambda: 23206)
     allowed = CliRunner().invoke(main, ["nccl-peers"])
     assert allowed.exit_code == 0 and "NCCL 2.32.6: ranks share the GPU" in allowed.output
