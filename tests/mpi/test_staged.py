@@ -10,6 +10,7 @@ up as wrong bytes. Every result is compared with the host backend's
 where a device exists."""
 
 import contextlib
+import time
 from collections import deque
 
 import ml_dtypes
@@ -318,6 +319,27 @@ def test_a_copy_that_never_finishes_times_out(path):
         # the first rank to time out tells the others, which may hear of it first
         raises_everywhere(commlib.CommlibError,
                           lambda: backend.alltoall(x, np.empty_like(x)), match="timed out")
+
+
+def test_a_copy_that_fails_on_the_gpu_is_raised_on_every_rank_at_once():
+    """The last rank's first download reports cudaErrorIllegalAddress (read
+    as CupyDevice reads its events: tests/test_staged_status.py): it raises
+    CommlibError naming the error and its peers PeerFailedError saying so,
+    well before the deadline (the old reading took it for "not yet")."""
+    from test_staged_status import ILLEGAL_ADDRESS, ILLEGAL_TEXT, NOT_READY, _Device
+
+    with _failing_communicator(timeout=60) as c:
+        failing = c.rank == c.size - 1
+        device = _Device([NOT_READY, ILLEGAL_ADDRESS]) if failing else HostCopies()
+        backend = StagedBackend(c._host, device=device, cuda_aware=False, chunk_bytes=CHUNK)
+        x = np.ones(c.size * 4 * CHUNK, np.uint8)
+        start = time.monotonic()
+        error = raises_everywhere(commlib.CommlibError,
+                                  lambda: backend.alltoall(x, np.empty_like(x)),
+                                  match=ILLEGAL_TEXT)
+        assert all_ranks(time.monotonic() - start < 30)
+        assert all_ranks(isinstance(error, commlib.PeerFailedError) != failing
+                         and not isinstance(error, commlib.CommTimeoutError)), error
 
 
 @pytest.mark.parametrize("path", PATHS)
