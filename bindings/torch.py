@@ -1,10 +1,12 @@
-"""PyTorch autograd functions over commlib: Ring, Ulysses and hybrid
-attention, the Ulysses relayouts, and (re-exported from
-``bindings.torch_moe``) MoE dispatch/combine.
+"""PyTorch functions over commlib: Ring, Ulysses and hybrid attention, the
+Ulysses relayouts, and (re-exported from ``bindings.torch_moe``) MoE
+dispatch/combine.
 
-Each is a ``torch.autograd.Function`` whose backward runs the mirror
-communication (ring_attention_backward, head_to_seq for seq_to_head, combine's
-path for dispatch's gradient and back). Tensors cross into commlib through
+Attention and the relayouts are ``torch.library`` custom ops
+(``bindings.torch_ops``), so ``torch.compile`` traces each call as one node
+without a graph break; their backward runs the mirror communication
+(ring_attention_backward, head_to_seq for seq_to_head; combine's path for
+dispatch's gradient and back). Tensors cross into commlib through
 DLPack without a copy (a contiguous CPU tensor shares its memory) and the
 results come back as tensors on the caller's device. The computation is
 torch's own, in the tensors' dtype (PyTorch's fused SDPA kernels for the
@@ -13,42 +15,53 @@ attention blocks), never NumPy.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional
 
 import torch
 
-from commlib import hybrid as _hybrid
-from commlib import ring as _ring
-from commlib import ulysses as _ulysses
 from commlib.kernels import Kernel
 
+from . import torch_ops as _ops
 from .torch_moe import Dispatcher, TorchHandle
 
 __all__ = ["ring_attention", "ulysses_attention", "hybrid_attention", "seq_to_head",
            "head_to_seq", "Dispatcher", "TorchHandle"]
 
 
-class _Attention(torch.autograd.Function):
-    """out = forward(q, k, v); the backward calls the matching core backward
-    with the forward's out and lse."""
+def _attention(q, k, v, comm, algorithm: str, *, layout: str, causal: bool,
+               softmax_scale: Optional[float], cu_seqlens: Any, window: Any, mask: Any,
+               method: str = "auto", kernel: Optional[Kernel] = None,
+               ulysses_size: int = 0) -> torch.Tensor:
+    """The ``commlib::attention`` op's out. Arguments no graph can carry (a
+    window that is not a (left, right) pair of token counts) go to the core,
+    which refuses them on every rank."""
+    reach = _window(window)
+    if reach is False:
+        extra = {"ulysses_size": ulysses_size} if algorithm == "hybrid" else {}
+        return _ops.FORWARD[algorithm](q, k, v, comm, layout=layout, causal=causal,
+                                       window=window, **extra)
+    tensor = isinstance(cu_seqlens, torch.Tensor)
+    values = None if tensor or cu_seqlens is None else [int(o) for o in cu_seqlens]
+    out, _ = _ops.attention(q, k, v, cu_seqlens if tensor else None, algorithm, comm.handle,
+                            layout, causal, softmax_scale, values, reach,
+                            None if mask is None else mask.handle, method,
+                            None if kernel is None else kernel.handle, ulysses_size)
+    return out
 
-    @staticmethod
-    def forward(ctx, q, k, v, forward, backward):
-        out, lse = forward(q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.backward_fn = backward
-        return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        return (*ctx.backward_fn(dout.contiguous(), q, k, v, out, lse), None, None)
-
-
-def _attention(q, k, v, forward, backward, **settings):
-    return _Attention.apply(q, k, v, functools.partial(forward, return_lse=True, **settings),
-                            functools.partial(backward, **settings))
+def _window(window: Any) -> Any:
+    """(left, right) as the op's [left, right] (-1: unbounded), None, or
+    False where it is not a pair of ints (or None) the core would accept."""
+    if window is None:
+        return None
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        return False
+    if not all(r is None or (isinstance(r, int) and not isinstance(r, bool))
+               for r in (left, right)):
+        return False
+    return [-1 if r is None else r for r in (left, right)]
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *, layout: str,
@@ -59,10 +72,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *, l
     packed ``cu_seqlens``, sliding ``window``, or any ``mask``; ``method``
     as ``ring_attention``'s); ``kernel`` replaces torch's fused SDPA kernels
     (``commlib.kernels.Kernel``)."""
-    return _attention(q, k, v, _ring.ring_attention, _ring.ring_attention_backward, comm=comm,
-                      layout=layout, causal=causal, softmax_scale=softmax_scale,
-                      cu_seqlens=cu_seqlens, window=window, mask=mask, method=method,
-                      kernel=kernel)
+    return _attention(q, k, v, comm, "ring", layout=layout, causal=causal,
+                      softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window,
+                      mask=mask, method=method, kernel=kernel)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *, layout: str,
@@ -70,9 +82,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *
                       cu_seqlens: Any = None, window: Any = None, mask: Any = None,
                       kernel: Optional[Kernel] = None) -> torch.Tensor:
     """Differentiable ``commlib.ulysses.ulysses_attention``."""
-    return _attention(q, k, v, _ulysses.ulysses_attention, _ulysses.ulysses_attention_backward,
-                      comm=comm, layout=layout, causal=causal, softmax_scale=softmax_scale,
-                      cu_seqlens=cu_seqlens, window=window, mask=mask, kernel=kernel)
+    return _attention(q, k, v, comm, "ulysses", layout=layout, causal=causal,
+                      softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window,
+                      mask=mask, kernel=kernel)
 
 
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm,
@@ -81,41 +93,17 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm,
                      window: Any = None, mask: Any = None, method: str = "auto",
                      kernel: Optional[Kernel] = None) -> torch.Tensor:
     """Differentiable ``commlib.hybrid.hybrid_attention``."""
-    return _attention(q, k, v, _hybrid.hybrid_attention, _hybrid.hybrid_attention_backward,
-                      comm=comm, ulysses_size=ulysses_size, layout=layout, causal=causal,
+    return _attention(q, k, v, comm, "hybrid", layout=layout, causal=causal,
                       softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window,
-                      mask=mask, method=method, kernel=kernel)
-
-
-class _SeqToHead(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, query_heads):
-        ctx.comm, ctx.heads, ctx.query_heads = comm, x.shape[2], query_heads
-        return _ulysses.seq_to_head(x, comm, query_heads)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (_ulysses.head_to_seq(grad.contiguous(), ctx.comm, ctx.heads, ctx.query_heads),
-                None, None)
-
-
-class _HeadToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, heads, query_heads):
-        ctx.comm, ctx.query_heads = comm, query_heads
-        return _ulysses.head_to_seq(x, comm, heads, query_heads)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _ulysses.seq_to_head(grad.contiguous(), ctx.comm, ctx.query_heads), None, None, None
+                      mask=mask, method=method, kernel=kernel, ulysses_size=ulysses_size)
 
 
 def seq_to_head(x: torch.Tensor, comm, num_heads: Optional[int] = None) -> torch.Tensor:
     """Differentiable [b, s/P, h, d] -> [b, s, h_p, d]; its adjoint is head_to_seq."""
-    return _SeqToHead.apply(x, comm, num_heads)
+    return _ops.seq_to_head(x, comm.handle, num_heads)
 
 
 def head_to_seq(x: torch.Tensor, comm, heads: Optional[int] = None,
                 num_heads: Optional[int] = None) -> torch.Tensor:
     """Differentiable [b, s, h_p, d] -> [b, s/P, h, d]; its adjoint is seq_to_head."""
-    return _HeadToSeq.apply(x, comm, heads, num_heads)
+    return _ops.head_to_seq(x, comm.handle, heads, num_heads)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequ
 
 import numpy as np
 
-from . import consistency, memory
+from . import consistency, handles, memory
 from . import counts as _counts
 from .arrays import Native, byte_view, contiguous, unwrap, writable
 from .backends import REDUCE_OPS, Backend
@@ -121,6 +121,8 @@ class Communicator:
         self.topology = topology
         self._children: List[Communicator] = []  # made by split, freed with this one
         self._cached: Dict[Hashable, Tuple[int, int, str, Communicator]] = {}  # split's cache_key
+        # what a compiled graph's ops name this communicator by (commlib.handles)
+        self.handle = handles.name("comm", self)
 
     @property
     def rank(self) -> int:

@@ -29,12 +29,14 @@ slice holding its boolean pattern.
 from __future__ import annotations
 
 import functools
+import hashlib
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from . import handles
 from .visibility import UNBOUNDED, bounds
 
 __all__ = ["Slice", "Explicit", "Mask", "KINDS", "from_cu_seqlens", "from_band", "from_mask_mod",
@@ -175,6 +177,11 @@ class Mask:
         if length is not None and length < end:
             raise ValueError(f"the slices reach token {end - 1}, past the length {length}")
         self.length = end if length is None else int(length)
+        slices = repr([(p.q, p.k, p.kind, getattr(p, "digest", 0)) for p in self.slices])
+        self._text = f"{self.length}:{slices}"  # the content, once
+        # equal masks share a name: a compiled graph retraces for another mask only
+        self.handle = handles.name("mask", self, hashlib.blake2b(
+            self._text.encode(), digest_size=16).hexdigest())
 
     def __repr__(self) -> str:
         return f"Mask({len(self.slices)} slices, length {self.length})"
@@ -187,8 +194,7 @@ class Mask:
 
     def digest(self) -> int:
         """A CRC of the slices (what the ranks compare to agree)."""
-        text = repr([(p.q, p.k, p.kind, getattr(p, "digest", 0)) for p in self.slices])
-        return zlib.crc32(f"{self.length}:{text}".encode())
+        return zlib.crc32(self._text.encode())
 
     def dense(self) -> np.ndarray:
         """bool [length, length]: the mask written out (for references)."""

@@ -31,6 +31,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Tuple
 
+from .. import handles
 from ..namespace import framework, on_cuda
 from . import tiled
 
@@ -45,6 +46,10 @@ class Kernel:
     forward: Forward
     backward: Backward
     name: str = "custom"
+
+    def __post_init__(self):
+        # what a compiled graph's ops name this kernel by (commlib.handles)
+        object.__setattr__(self, "handle", handles.name("kernel", self))
 
 
 TILED = Kernel(tiled.attention_forward, tiled.attention_backward, "tiled")
