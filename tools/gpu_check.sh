@@ -11,7 +11,7 @@
 #                                   device here"); CI runs it (.ci/gpu_rehearsal)
 #
 # The GPU run, through the device tool: carry [".whl"], one call, e.g.
-#   run(command="bash tools/gpu_check.sh", carry=[".whl"], timeout_s=420)
+#   run(command="bash tools/gpu_check.sh", carry=[".whl"], timeout_s=480)
 #
 # Nothing runs from the source tree: commlib is installed (with its bindings/
 # and tools/, which exist only in an install) under $GPU_CHECK_ENV, MPICH with
