@@ -13,6 +13,7 @@ has no bfloat16 (transfers move bytes; reductions read ``Native.dtype``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from dataclasses import dataclass
@@ -199,6 +200,32 @@ def unwrap(x: Any) -> Native:
         return _from_numpy(np.asarray(x))
     raise TypeError(f"expected an array (NumPy, CuPy, PyTorch, JAX or any DLPack "
                     f"exporter), got {type(x).__module__}.{type(x).__qualname__}")
+
+
+def callers_stream(x: Any):
+    """A context in which CuPy's current stream is torch's current stream,
+    for a torch CUDA tensor ``x`` (or a sequence starting with one, or its
+    ``Native``) on CuPy's current device; a no-op otherwise. Every step of a
+    collective then runs on the caller's stream: DLPack's stream handshake
+    has nothing to order (CuPy's default would make torch record an event
+    and the legacy stream wait on it, which a CUDA graph capture cannot
+    contain), and NCCL joins a capture of that stream. JAX's binding sets
+    XLA's stream itself."""
+    if isinstance(x, (list, tuple)) and x:
+        x = x[0]
+    if isinstance(x, Native):
+        if x.framework != "torch" or not x.on_device:
+            return contextlib.nullcontext()
+        device = x.data.device.id
+    elif type(x).__module__.split(".")[0] == "torch" and getattr(x, "is_cuda", False):
+        device = x.device.index
+    else:
+        return contextlib.nullcontext()
+    import cupy
+    if device != cupy.cuda.runtime.getDevice():  # refused later, naming both devices
+        return contextlib.nullcontext()
+    torch = sys.modules["torch"]
+    return cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device)
 
 
 def contiguous(native: Native):

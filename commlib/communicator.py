@@ -19,7 +19,7 @@ import numpy as np
 
 from . import consistency, handles, memory
 from . import counts as _counts
-from .arrays import Native, byte_view, contiguous, unwrap, writable
+from .arrays import Native, byte_view, callers_stream, contiguous, unwrap, writable
 from .backends import REDUCE_OPS, Backend
 from .backends.mpi import MpiBackend
 from .backends.nccl import NcclBackend
@@ -96,6 +96,16 @@ def _row_signature(dtype: np.dtype, row_shape: Tuple[int, ...], on_device: bool,
     CUDA (they travel differently), and the registered parameters. Cached:
     it is computed on every call."""
     return consistency.signature("alltoallv", _row_facts(dtype, row_shape, on_device), context)
+
+
+def _on_callers_stream(method: Callable) -> Callable:
+    """The collective on the caller's CUDA stream, for torch CUDA input
+    (``arrays.callers_stream``): one place every collective passes through."""
+    @functools.wraps(method)
+    def run(self, x, *args, **kwargs):
+        with callers_stream(x):
+            return method(self, x, *args, **kwargs)
+    return run
 
 
 class Communicator:
@@ -303,6 +313,7 @@ class Communicator:
         self._watchdog.freed = how
 
     # -- collectives --------------------------------------------------------
+    @_on_callers_stream
     def alltoallv(self, x: Any, send_counts: Any,
                   recv_counts: Any = None) -> Tuple[Any, np.ndarray]:
         """Variable-size all-to-all of rows along axis 0.
@@ -319,6 +330,7 @@ class Communicator:
         wait()
         return native.wrap(out), recv
 
+    @_on_callers_stream
     def alltoallv_async(self, x: Any, send_counts: Any,
                         recv_counts: Any = None) -> "Pending":
         """Start ``alltoallv`` and return once the payload is posted;
@@ -428,6 +440,7 @@ class Communicator:
         self._watchdog.give_up(message)
         raise AllocationRefusedError(message)
 
+    @_on_callers_stream
     def alltoall(self, x: Any, split_axis: int = 0, concat_axis: int = 0,
                  out: Any = None) -> Any:
         """Split ``x`` along ``split_axis`` into ``size`` equal chunks, send
@@ -466,6 +479,7 @@ class Communicator:
                                  (size, length // size) + tuple(send.data.shape[1:]))
         return _concat_blocks(xp.moveaxis(chunk_first, 1, split_axis + 1), concat_axis)
 
+    @_on_callers_stream
     def alltoall_many(self, arrays: Sequence[Any]) -> List[Any]:
         """Several all-to-alls in one exchange: each array is cut along axis 0
         into ``size`` equal chunks, chunk i to rank i, and every peer gets one
@@ -500,6 +514,7 @@ class Communicator:
         ``x`` of rank ``(rank - shift) % size``. All ranks pass the same shape."""
         return self.ring_shift_async(x, shift).wait()
 
+    @_on_callers_stream
     def ring_shift_async(self, x: Any, shift: int = 1, lane: int = 0,
                          out: Any = None) -> "Pending":
         """Start ``ring_shift(x, shift)`` and return at once; ``.wait()`` gives
@@ -549,6 +564,7 @@ class Communicator:
                                f"exception in between, or a handle never waited on); its "
                                f"transfer may still be in flight")
 
+    @_on_callers_stream
     def allgather(self, x: Any, axis: int = 0) -> Any:
         """Every rank's ``x`` (same shape everywhere), concatenated along
         ``axis`` in rank order."""
@@ -563,6 +579,7 @@ class Communicator:
         backend.allgather(data, out)
         return _concat_blocks(native.wrap(out), axis)
 
+    @_on_callers_stream
     def allreduce(self, x: Any, op: str = "sum") -> Any:
         """Element-wise reduction over ranks: "sum", "prod", "max" or "min".
         For bool, "sum" is logical or and "prod" logical and."""
@@ -576,6 +593,7 @@ class Communicator:
         backend.allreduce(data, out, native.dtype, op)
         return native.wrap(out)
 
+    @_on_callers_stream
     def bcast(self, x: Any, root: int = 0) -> Any:
         """Root's ``x`` on every rank. Elsewhere ``x`` may be None (the result
         is then a NumPy array, or CuPy when root's is on the GPU) or an array
@@ -642,14 +660,15 @@ class Pending:
     def wait(self) -> Any:
         if self._abandon is None and self._sending is None:
             raise RuntimeError(f"this {self._op} was already waited on")
-        try:
-            self._wait()
-        finally:
-            if self._progress:
-                self._progress = False
-                PROGRESS.finish()
-        self._sending, self._abandon = None, None
-        return self._native.wrap(self._out)
+        with callers_stream(self._native):
+            try:
+                self._wait()
+            finally:
+                if self._progress:
+                    self._progress = False
+                    PROGRESS.finish()
+            self._sending, self._abandon = None, None
+            return self._native.wrap(self._out)
 
     def __del__(self):
         if self._progress:

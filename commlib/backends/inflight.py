@@ -137,8 +137,9 @@ class InFlight:
         until it fires. Call ``expire(what, None)`` once if it has not fired
         ``timeout`` seconds from now, ``expire(what, cuda_error)`` at once if
         CUDA reports an error for it. Never while the event's stream is being
-        captured into a CUDA graph: a captured event cannot be queried (the
-        graph keeps its buffers)."""
+        captured into a CUDA graph: a captured event cannot be queried (and a
+        graph owns no memory: its owner keeps the buffers of a captured
+        launch, ``NcclBackend._captured``)."""
         deadline = time.monotonic() + timeout if math.isfinite(timeout) else math.inf
         with self._lock:
             self._transfers.append(Transfer(owner, event, keep, deadline, what, expire,

@@ -271,6 +271,9 @@ class NcclBackend:
         self._guard = _Guarded(comm, on_abort=lambda: in_flight.forget(self))
         self._cuda = CudaEvents(self._cupy.cuda.runtime)
         self._connected: Set[Hashable] = set()  # the links NCCL has set up (see _enqueue)
+        # buffers of launches captured into CUDA graphs: a graph owns no memory,
+        # and commlib cannot see when the caller's graph is destroyed
+        self._captured: List[tuple] = []
         watchdog.on_failure(self._abort)
 
     @property
@@ -285,11 +288,17 @@ class NcclBackend:
         """A sibling on its own NCCL communicator and stream, so that its
         transfers overlap this one's (NCCL runs one communicator's operations
         in order): the ring backward's gradient hop beside the K/V rotation.
-        Made on first use; every rank gets there in the same call."""
+        Made on first use; every rank gets there in the same call, and makes
+        it once nothing of this communicator is in flight: two NCCL
+        communicators' kernels at once can deadlock (NCCL's guide), and
+        creating one may synchronise the device."""
         if index not in self._lanes:
+            self._quiesce()
             lane = self._sibling(self._host, f"NCCL communicator init for lane {index}")
             lane._root = self
             self._lanes[index] = lane
+            if self._guard.abort_wanted:  # aborted while it was made: it goes too
+                lane._abort()
         return self._lanes[index]
 
     def _sibling(self, host, what: str) -> "NcclBackend":
@@ -299,22 +308,35 @@ class NcclBackend:
 
     def free(self) -> None:
         """Destroy the NCCL communicators once their transfers are done (an
-        aborted one is already released)."""
-        for lane in self._lanes.values():
+        aborted one is already released), and let go of the buffers kept for
+        CUDA graphs captured on them: replaying such a graph after ``free()``
+        is not allowed."""
+        for lane in list(self._lanes.values()):
             if lane is not self:
                 lane.free()
         if not self._guard.abort_wanted:
             self.watchdog.wait_until(lambda: self._in_flight.pending(self) == 0)
         self._guard.destroy()
+        self._captured.clear()
+
+    def _quiesce(self) -> None:
+        """Wait (under the deadline) until no lane of this communicator has a
+        transfer in flight: before NCCL makes a communicator or connects a
+        link, so that no kernel of another lane is running meanwhile."""
+        lanes = list(self._root._lanes.values())
+        self.watchdog.wait_until(
+            lambda: all(self._in_flight.pending(lane) == 0 for lane in lanes))
 
     def _abort(self) -> None:
         """Abort the NCCL communicators, once: kernels waiting on peers return
         and NCCL lets go of the buffers; nothing more runs on them. Called by
-        the watchdog on any failure, or by the in-flight thread."""
-        for lane in self._lanes.values():
+        the watchdog on any failure, or by the in-flight thread, while the
+        main thread may be adding a lane: over a copy of the lanes, taken
+        once this one is marked (a lane added after it sees the mark)."""
+        self._guard.abort()
+        for lane in list(self._lanes.values()):
             if lane is not self:
                 lane._abort()
-        self._guard.abort()
 
     def _refuse(self) -> NoReturn:
         """A launch on a communicator that is being aborted: the watchdog's
@@ -384,14 +406,20 @@ class NcclBackend:
         its first use, and picks the algorithm by size: a later collective of
         another size may still connect unbounded. A launch that fails leaves
         the peers waiting in theirs: give up (which tells them and aborts).
-        While the caller's stream is captured into a CUDA graph nothing is
-        watched: its events cannot be queried, and the graph keeps the
-        buffers."""
+        A new link is connected only once nothing of this communicator is
+        in flight (see ``lane``). While the caller's stream is captured into
+        a CUDA graph nothing is watched (its events cannot be queried) and
+        ``keep`` is held until ``free()``: a graph owns no memory, and its
+        replays use these buffers, which CuPy's pool would hand out again."""
         self.watchdog.check_usable()
         caller = self._cupy.cuda.get_current_stream()
         capturing = caller.is_capturing()
-        self.stream.wait_event(_event(self._cupy, caller))
         new = links - self._connected
+        if new and not capturing:
+            self._quiesce()
+        self.stream.wait_event(_event(self._cupy, caller))
+        if capturing:
+            self._captured.append(keep)
         try:
             if new:
                 self._connect(lambda: launch(self.stream.ptr), keep, _connecting(new))
