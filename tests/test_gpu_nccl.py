@@ -10,7 +10,10 @@
   and the results are right once read;
 - a non-contiguous torch input; an array on another GPU is refused, naming
   both devices (where there are two GPUs);
-- CUDA arrays really travel over NCCL.
+- CUDA arrays really travel over NCCL;
+- collectives captured into a CUDA graph (on CuPy's stream, and on torch's
+  capture stream) replay right on new input, after other allocations that
+  their buffers, had they been freed, would have become.
 
 At one rank a ring shift is a copy on the device: lane 1 (its own NCCL
 communicator) first moves bytes at two ranks with a GPU each
@@ -186,3 +189,73 @@ def test_fixed_capacity_pair_is_captured_in_a_cuda_graph_and_replayed(comm, torc
     graph.replay()
     torch.cuda.synchronize()
     assert torch.allclose(captured.float(), pair().float(), rtol=1e-3, atol=1e-3)
+
+
+# collectives whose CuPy temporaries (a strided input's contiguous copy, the
+# output, alltoall_many's packed message) a captured graph replays
+CAPTURED_ON_CUPY = {
+    "allreduce of a strided input": lambda comm, x: [comm.allreduce(x[:, ::2])],
+    "allgather of a strided input": lambda comm, x: [comm.allgather(x[:, 1::2])],
+    "alltoall": lambda comm, x: [comm.alltoall(x)],
+    "alltoall_many": lambda comm, x: comm.alltoall_many([x, x]),
+}
+
+
+@pytest.mark.parametrize("collective", list(CAPTURED_ON_CUPY))
+def test_a_graph_captured_on_cupy_arrays_replays_right_after_other_allocations(comm, collective):
+    """A CUDA graph owns no memory: the buffers of its NCCL launches must
+    outlive the capture (issue 38.3). Had they gone back to CuPy's pool, the
+    next allocations of this stream would be them, and the replay would
+    write into those and read what they hold."""
+    import cupy
+
+    call = CAPTURED_ON_CUPY[collective]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        x = cupy.arange(64 * 32, dtype=cupy.float32).reshape(64, 32)
+        call(comm, x)  # warm up: NCCL's links, the pool's blocks
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            captured = call(comm, x)
+        finally:
+            graph = stream.end_capture()
+        others = [cupy.full(nbytes, 0xAB, dtype=cupy.uint8)
+                  for nbytes in (x.nbytes // 4, x.nbytes // 2, x.nbytes, 2 * x.nbytes)
+                  for _ in range(8)]
+        x[...] = cupy.arange(x.size, dtype=cupy.float32).reshape(x.shape) * -3 + 1
+        graph.launch(stream)
+        stream.synchronize()
+        overwritten = sum(not bool((o == 0xAB).all()) for o in others)
+        eager = call(comm, x)
+        wrong = [i for i, (a, b) in enumerate(zip(captured, eager))
+                 if not bool(cupy.array_equal(a, b))]
+    assert overwritten == 0, f"the replay wrote into {overwritten} later allocations"
+    assert not wrong and len(captured) == len(eager)
+
+
+def test_a_torch_collective_captured_in_a_cuda_graph_replays_on_new_input(comm, torch):
+    """On torch's capture stream (issue 38.2): the DLPack handshake orders
+    nothing and NCCL joins the capture; the replay gives what eager calls
+    give on the new input, after other allocations."""
+    x = torch.arange(64 * 32, device="cuda", dtype=torch.float32).reshape(64, 32)
+
+    def calls():
+        return [comm.allreduce(x.T), comm.alltoall(x), comm.alltoallv(x, [64], [64])[0],
+                comm.ring_shift_async(x, lane=1).wait(), comm.allgather(x[:, ::2])]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the default stream, as torch asks
+        calls()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = calls()
+    others = [torch.full_like(x, -1.0) for _ in range(16)]
+    x.copy_(x * -3 + 1)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = calls()
+    assert all(bool((o == -1).all()) for o in others)
+    wrong = [i for i, (a, b) in enumerate(zip(captured, eager)) if not torch.equal(a, b)]
+    assert not wrong and len(captured) == len(eager)
