@@ -161,6 +161,18 @@ def test_an_array_on_another_gpu_is_refused_naming_both(torch):
         c.free()
 
 
+def _captured_by_torch(torch, work):
+    """(graph, what it returned): ``work()`` warmed up, then captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the default stream, as torch asks
+        work()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = work()
+    return graph, captured
+
 
 def test_fixed_capacity_pair_is_captured_in_a_cuda_graph_and_replayed(comm, torch):
     """DeepEP's low-latency use: under a fixed capacity a dispatch + combine
@@ -177,14 +189,7 @@ def test_fixed_capacity_pair_is_captured_in_a_cuda_graph_and_replayed(comm, torc
     def pair():
         rows, handle = d.dispatch(x, experts, weights, quantize="fp8", dequantize=True)
         return d.combine(rows * 2, handle)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up off the default stream, as torch asks
-        pair()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = pair()
+    graph, captured = _captured_by_torch(torch, pair)
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
@@ -243,14 +248,7 @@ def test_a_torch_collective_captured_in_a_cuda_graph_replays_on_new_input(comm, 
     def calls():
         return [comm.allreduce(x.T), comm.alltoall(x), comm.alltoallv(x, [64], [64])[0],
                 comm.ring_shift_async(x, lane=1).wait(), comm.allgather(x[:, ::2])]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up off the default stream, as torch asks
-        calls()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = calls()
+    graph, captured = _captured_by_torch(torch, calls)
     others = [torch.full_like(x, -1.0) for _ in range(16)]
     x.copy_(x * -3 + 1)
     graph.replay()
