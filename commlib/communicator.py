@@ -498,6 +498,8 @@ class Communicator:
         xp = natives[0].xp
         parts = [byte_view(contiguous(n)).reshape(size, -1) for n in natives]
         packed = parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=1)
+        if isinstance(backend, NcclBackend):  # a captured concatenate reads them
+            backend.hold_if_captured(*parts)
         out = natives[0].empty(packed.shape, np.uint8)
         backend.alltoall(packed, out)
         results, offset = [], 0
@@ -536,6 +538,8 @@ class Communicator:
         shift = int(shift) % self.size
         if shift == 0:
             target[...] = data
+            if isinstance(backend, NcclBackend):  # a captured copy reads it
+                backend.hold_if_captured(data)
             return Pending("ring_shift", lambda: None, native, target, data, abandon=None)
         wait = backend.start_sendrecv(data, (self.rank + shift) % self.size, target,
                                       (self.rank - shift) % self.size)

@@ -197,12 +197,16 @@ def test_fixed_capacity_pair_is_captured_in_a_cuda_graph_and_replayed(comm, torc
 
 
 # collectives whose CuPy temporaries (a strided input's contiguous copy, the
-# output, alltoall_many's packed message) a captured graph replays
+# output, alltoall_many's parts and packed message) a captured graph replays
 CAPTURED_ON_CUPY = {
     "allreduce of a strided input": lambda comm, x: [comm.allreduce(x[:, ::2])],
     "allgather of a strided input": lambda comm, x: [comm.allgather(x[:, 1::2])],
     "alltoall": lambda comm, x: [comm.alltoall(x)],
     "alltoall_many": lambda comm, x: comm.alltoall_many([x, x]),
+    "alltoall_many of strided inputs": lambda comm, x: comm.alltoall_many([x[:, ::2],
+                                                                         x[:, 1::2]]),
+    # at one rank a shift by 0: a copy of the strided input's contiguous copy
+    "ring_shift of a strided input": lambda comm, x: [comm.ring_shift(x[::2])],
 }
 
 

@@ -45,6 +45,22 @@ def test_the_buffers_of_a_captured_launch_live_until_free(world):
     assert alive() is None
 
 
+@pytest.mark.parametrize("capturing", [True, False])
+def test_temporaries_a_captured_kernel_reads_live_until_free(world, capturing):
+    """alltoall_many's parts (read by its concatenate), a shift by 0's source
+    (read by its copy): held only while a capture is on."""
+    backend, _ = _backend(world, capturing=capturing)
+    buffer = _Buffer()
+    alive = weakref.ref(buffer)
+    backend.hold_if_captured(buffer)
+    del buffer
+    gc.collect()
+    assert (alive() is not None) == capturing
+    backend.free()
+    gc.collect()
+    assert alive() is None
+
+
 def test_an_uncaptured_launch_keeps_nothing_past_its_transfer(world):
     backend, _ = _backend(world, finished=lambda: True)
     buffer = _Buffer()

@@ -319,6 +319,13 @@ class NcclBackend:
         self._guard.destroy()
         self._captured.clear()
 
+    def hold_if_captured(self, *arrays) -> None:
+        """Keep ``arrays`` until ``free()`` while the caller's stream is being
+        captured: CuPy temporaries that a captured kernel besides NCCL's
+        reads (alltoall_many's parts, a shift by 0's source)."""
+        if self._cupy.cuda.get_current_stream().is_capturing():
+            self._captured.append(arrays)
+
     def _quiesce(self) -> None:
         """Wait (under the deadline) until no lane of this communicator has a
         transfer in flight: before NCCL makes a communicator or connects a
