@@ -21,6 +21,12 @@ with the same full ``input_ids``, as it would call
    pass-KV, whichever moves fewer bytes), or replicated when there are
    fewer new tokens than ranks.
 
+With ``compile_decode=True`` the decode step (the model on one token) is
+``torch.compile(fullgraph=True)``'d once: the cache's new tokens go to a
+``bindings.torch_inference.DecodeCache`` (fixed buffers, positions and
+count on the device), so no step changes a shape or reads the device, and
+the step compiles once for the whole call; the tokens are eager's.
+
 The model runs under an attention implementation of its own for the call
 (``"commlib_generate"``); its configured one is restored afterwards.
 """
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -41,6 +48,7 @@ from transformers.generation import GenerateDecoderOnlyOutput, GenerationConfig,
 from commlib.documents import local_index, packing_for
 from commlib.inference import ShardedKVCache, chunk_attention, decode_attention, striped
 
+from .torch_inference import DecodeCache
 from .transformers_attention import (
     LAYOUTS,
     check_call,
@@ -103,7 +111,7 @@ _ACTIVE: contextvars.ContextVar[Optional[_Step]] = contextvars.ContextVar("comml
 def generate(model: torch.nn.Module, input_ids: torch.Tensor, comm, *,
              past_key_values: Optional[ShardedKVCache] = None, seed: Optional[int] = None,
              prefill: Optional[str] = None, prefill_method: str = "auto",
-             **generate_kwargs: Any) -> Any:
+             compile_decode: bool = False, **generate_kwargs: Any) -> Any:
     """``model.generate(input_ids, **generate_kwargs)`` over ``comm``, on
     every rank with the same ``input_ids`` [batch, length] (rows of equal
     length: no padding). The options are resolved by transformers' own
@@ -123,8 +131,10 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, comm, *,
     conversation). ``prefill``: the commlib attention implementation of
     the first prefill (default: the model's, if one of commlib's, else
     ``"commlib_ring"``); ``prefill_method``: a later turn's "pass_q",
-    "pass_kv" or "auto". Anything else that changes the picked tokens
-    (beams, penalties, masked tokens, ...) is refused on every rank."""
+    "pass_kv" or "auto". ``compile_decode``: the decode step compiled
+    (``torch.compile(fullgraph=True)``, one trace for the call; dense
+    models). Anything else that changes the picked tokens (beams,
+    penalties, masked tokens, ...) is refused on every rank."""
     name = prefill or _model_layout_name(model)
     plan, problem = _plan(model, input_ids, generate_kwargs)
     if problem is None:
@@ -133,13 +143,17 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, comm, *,
     comm.agree("transformers.generate", tuple(input_ids.shape), _history(input_ids),
                None if plan is None else plan.digest, seed, name, prefill_method,
                None if past_key_values is None else past_key_values.digest(),
-               problem=problem)
+               bool(compile_decode), problem=problem)
     cache = past_key_values if past_key_values is not None else ShardedKVCache(
         model.config.num_hidden_layers, comm.size, comm.rank)
     sampler = _Sampler(plan.processors, _generator(plan, seed, comm, input_ids.device))
-    with _generation_attention(model, comm, name):
+    with _generation_attention(model, comm, name) as decoding:
         logits = _prefill(model, input_ids, cache, comm, name, prefill_method)
-        sequences, scores = _decode(model, input_ids, cache, comm, logits, sampler, plan)
+        stepper = _CompiledDecode(model, cache, comm, decoding, plan.max_length,
+                                  input_ids.shape[0], input_ids.device) \
+            if compile_decode else None
+        sequences, scores = _decode(model, input_ids, cache, comm, logits, sampler, plan,
+                                    stepper)
     cache.history = _history(sequences[:, :cache.length])
     if not plan.config.return_dict_in_generate:
         return sequences
@@ -278,22 +292,33 @@ def _model_layout_name(model: torch.nn.Module) -> str:
 
 
 # -- the attention the model runs under ----------------------------------------
+@dataclass
+class _Decoding:
+    """The compiled decode step's state, read by the attention of this
+    call (a plain attribute: ``torch.compile`` does not trace a ContextVar):
+    the cache and the step's positions [1] on the device; None outside it."""
+
+    cache: Optional[DecodeCache] = None
+    positions: Optional[torch.Tensor] = None
+
+
 @contextlib.contextmanager
-def _generation_attention(model: torch.nn.Module, comm, name: str) -> Iterator[None]:
+def _generation_attention(model: torch.nn.Module, comm, name: str) -> Iterator[_Decoding]:
     """The model switched to ``"commlib_generate"`` over ``comm`` (the first
     prefill by ``name``), and back afterwards."""
     attend = implementations(comm)[name]
-    AttentionInterface.register(GENERATION, _attention(attend, comm))
+    decoding = _Decoding()
+    AttentionInterface.register(GENERATION, _attention(attend, comm, decoding))
     AttentionMaskInterface.register(GENERATION, mask_function(GENERATION, comm))
     previous = model.config._attn_implementation
     model.set_attn_implementation(GENERATION)
     try:
-        yield
+        yield decoding
     finally:
         model.set_attn_implementation(previous)
 
 
-def _attention(attend: Callable, comm) -> Callable:
+def _attention(attend: Callable, comm, decoding: _Decoding) -> Callable:
     """The attention transformers calls per layer during generate: keep the
     step's K and V in the cache, then attend: the first prefill's sharded
     attention, a chunk against the cache, or replicated tokens over it."""
@@ -303,6 +328,9 @@ def _attention(attend: Callable, comm) -> Callable:
                   dropout: float = 0.0, scaling: Optional[float] = None,
                   is_causal: Optional[bool] = None, sliding_window: Optional[int] = None,
                   **kwargs: Any) -> Tuple[torch.Tensor, None]:
+        if decoding.cache is not None:
+            return _decode_attention(decoding, module, query, key, value, attention_mask,
+                                     dropout, scaling, is_causal, sliding_window, kwargs), None
         step = _ACTIVE.get()
         if step is None:
             raise RuntimeError(f"{GENERATION!r} attends only inside "
@@ -327,6 +355,66 @@ def _attention(attend: Callable, comm) -> Callable:
 
     attention.__name__ = attention.__qualname__ = GENERATION
     return attention
+
+
+def _decode_attention(decoding: _Decoding, module: torch.nn.Module, query: torch.Tensor,
+                      key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Optional[torch.Tensor], dropout: float,
+                      scaling: Optional[float], is_causal: Optional[bool],
+                      sliding_window: Optional[int], kwargs: Dict[str, Any]) -> torch.Tensor:
+    """A compiled decode step's attention: the token's K and V into the
+    DecodeCache, then ``decode_attention`` over it, nothing read back. A
+    window is passed whenever the model has one (one that covers the
+    sequence hides nothing), so no step's settings differ."""
+    kwargs.pop("position_ids", None)
+    check_call(GENERATION, attention_mask, dropout, kwargs)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    window = window_of(GENERATION, sliding_window, (sliding_window or 0) + 1, causal)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    decoding.cache.store(module.layer_idx, k, v)
+    return decoding.cache.attend(module.layer_idx, q, decoding.positions, causal=causal,
+                                 window=window, softmax_scale=scaling)
+
+
+class _CompiledDecode:
+    """The model on one replicated token, compiled once for the call, over
+    a DecodeCache made from the sharded cache (room for every token the
+    call may add) and written back into it at the end (``finish``)."""
+
+    def __init__(self, model, cache: ShardedKVCache, comm, decoding: _Decoding,
+                 max_length: int, batch: int, device: torch.device):
+        self.model, self.sharded, self.decoding = model, cache, decoding
+        config = model.config
+        head_dim = getattr(config, "head_dim", None) or \
+            config.hidden_size // config.num_attention_heads
+        like = torch.empty((batch, 0, config.num_key_value_heads, head_dim), dtype=model.dtype,
+                           device=device)
+        room = cache.tokens + math.ceil(max(max_length - cache.length, 0) / comm.size) + 1
+        decoding.cache = DecodeCache.from_sharded(cache, comm, room, like=like)
+        decoding.positions = torch.zeros(1, dtype=torch.int64, device=device)
+        self.tokens = torch.zeros((batch, 1), dtype=torch.int64, device=device)
+        self.step = torch.compile(self._step, fullgraph=True)
+
+    def _step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.decoding.cache.advance(positions)
+        position_ids = positions[None].expand(tokens.shape[0], -1)
+        return self.model(input_ids=tokens, position_ids=position_ids, use_cache=False,
+                          logits_to_keep=1).logits[:, -1]
+
+    def logits(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
+        """The last token's logits [batch, vocab] (float32) for ``tokens``
+        [batch, 1] at ``position``, the same on every rank."""
+        # the tensors the graph reads, their layout fixed: no retrace
+        self.decoding.positions.fill_(position)
+        self.tokens.copy_(tokens)
+        with torch.no_grad(), replicated_tokens():
+            return self.step(self.tokens, self.decoding.positions).float()
+
+    def finish(self, length: int) -> None:
+        """The decoded tokens' K and V into the sharded cache (``length``
+        tokens over all ranks), and the attention back to the cache's."""
+        self.decoding.cache.into(self.sharded, length)
+        self.decoding.cache = self.decoding.positions = None
 
 
 def _forward(model: torch.nn.Module, step: _Step, keep: torch.Tensor,
@@ -406,8 +494,9 @@ def _from(comm, logits: torch.Tensor, holder: int) -> torch.Tensor:
 
 
 def _decode(model, input_ids: torch.Tensor, cache: ShardedKVCache, comm,
-            logits: torch.Tensor, sampler: "_Sampler",
-            plan: _Plan) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+            logits: torch.Tensor, sampler: "_Sampler", plan: _Plan,
+            stepper: Optional[_CompiledDecode] = None
+            ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """New tokens, one a step, as model.generate picks them: a finished row
     (its eos picked) takes the pad token from then on; stop when every row
     is finished or the length is reached."""
@@ -415,7 +504,9 @@ def _decode(model, input_ids: torch.Tensor, cache: ShardedKVCache, comm,
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     eos = torch.tensor(plan.eos, dtype=input_ids.dtype, device=input_ids.device)
     for made in range(plan.max_length - input_ids.shape[1]):
-        if made:
+        if made and stepper is not None:
+            logits = stepper.logits(sequences[:, -1:], sequences.shape[1] - 1)
+        elif made:
             position = np.array([sequences.shape[1] - 1])
             logits = _replicated(model, sequences[:, -1:], position, cache, comm)
         scored, picked = sampler.pick(sequences, logits)
@@ -427,6 +518,8 @@ def _decode(model, input_ids: torch.Tensor, cache: ShardedKVCache, comm,
             done |= torch.isin(sequences[:, -1], eos)
         if bool(done.all()):
             break
+    if stepper is not None:
+        stepper.finish(sequences.shape[1] - 1)
     return sequences, scores
 
 

@@ -32,6 +32,7 @@ range of the shard (``visibility.band_blocks``).
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -41,7 +42,7 @@ from ..attention_inputs import agree_on_inputs, check_qkv, scale_of
 from ..kernels import Kernel, kernel_for
 from ..kernels.blockwise import attend, finish
 from ..kernels.merge import merge
-from ..namespace import accumulated, detached, device, namespace
+from ..namespace import accumulated, accumulator_dtype, detached, device, framework, namespace
 from ..ring.exchange import RingExchange
 from ..visibility import band_blocks, bounds
 
@@ -63,8 +64,19 @@ def decode_attention(q: Any, k: Any, v: Any, comm, *, q_positions: Sequence[int]
     when r <= p (``causal``) and inside ``window`` = (left, right). Returns
     out [b, t, h, d] in q's framework, device and dtype, the same on every
     rank (and lse [b, h, t] float32, float64 for float64 q, with
-    ``return_lse``)."""
+    ``return_lse``).
+
+    Positions given as arrays of q's framework (not NumPy: a torch, CuPy
+    or JAX array, on q's device) take the path a captured or compiled
+    decode step needs, which reads nothing back from the device: the
+    visible keys are a mask made on the device, so the cache may be a
+    preallocated buffer whose empty slots have position -1 (in any order),
+    and the queries' positions are compared across ranks on the device
+    (``_decode_on_device``)."""
     q, k, v = detached(q, k, v)
+    if _device_positions(q, q_positions) or _device_positions(q, k_positions):
+        return _decode_on_device(q, k, v, comm, q_positions, k_positions, causal, window,
+                                 softmax_scale, kernel, return_lse)
     kernel, scale, (lo, hi) = _prepare(comm, "decode_attention", q, k, v, q_positions,
                                        k_positions, causal, window, softmax_scale, kernel,
                                        replicated=True)
@@ -81,6 +93,89 @@ def decode_attention(q: Any, k: Any, v: Any, comm, *, q_positions: Sequence[int]
         merged = state if merged is None else merge(*merged, *state)
     out, lse = xp.astype(merged[0], q.dtype), merged[1]
     return (out, lse) if return_lse else out
+
+
+def _device_positions(q: Any, positions: Any) -> bool:
+    """Whether ``positions`` is an array of q's framework other than NumPy
+    (a host sequence or a NumPy array takes the host path)."""
+    kind = framework(q)
+    return kind != "numpy" and _framework_or_none(positions) == kind
+
+
+def _framework_or_none(x: Any) -> Optional[str]:
+    try:
+        return framework(x)
+    except TypeError:
+        return None
+
+
+def _decode_on_device(q: Any, k: Any, v: Any, comm, q_positions: Any, k_positions: Any,
+                      causal: bool, window: Any, softmax_scale: Optional[float],
+                      kernel: Optional[Kernel], return_lse: bool):
+    """``decode_attention`` with positions on the device, and no read of
+    the device: what is checked is what the host knows (shapes, dtypes,
+    settings, agreed by every rank as on the host path); the keys a query
+    sees are a device mask [t, n] (a key at a negative position: an empty
+    slot, seen by none); the queries' positions travel with the partials,
+    and a rank whose positions differ from rank 0's makes the output NaN on
+    every rank (no rank can raise without reading the device)."""
+    xp = namespace(q)
+    problem = band = None
+    try:
+        check_qkv(q, k, v, same_length=False)
+        q_positions = _on_device_as_ints("q_positions", q_positions, q.shape[1], q)
+        k_positions = _on_device_as_ints("k_positions", k_positions, k.shape[1], q)
+        band = bounds(causal, window)
+    except ValueError as error:
+        problem = error
+    shared = dict(causal=causal, window=window,
+                  scale=None if problem else scale_of(q, softmax_scale),
+                  kernel=None if kernel is None else kernel.name, positions="device",
+                  q_length=None if problem else q.shape[1])
+    agree_on_inputs(comm, "decode_attention", q, k, problem, shared_axes=(0, 2, 3), **shared)
+    lo, hi = band
+    wide = accumulator_dtype(q)
+    b, t, h, d = q.shape
+    if k.shape[1]:
+        apart = q_positions[:, None] - k_positions[None, :]
+        visible = (k_positions >= 0)[None, :] & (apart >= lo) & (apart <= hi)
+        out, lse = (kernel or kernel_for(q)).forward(q, k, v, False, shared["scale"],
+                                                     mask=visible)
+        out = xp.astype(out, wide, copy=False)
+        lse = xp.astype(lse, wide, copy=False)
+        # a row that saw no key: out 0 (a kernel may leave NaN there), lse -inf
+        out = xp.where(xp.permute_dims(lse, (0, 2, 1))[..., None] == -math.inf, 0.0, out)
+    else:
+        out, lse = finish(None, q)
+        out = accumulated(out)
+    packed = xp.concat([xp.reshape(out, (-1,)), xp.reshape(lse, (-1,)),
+                        xp.astype(q_positions, wide)])
+    gathered = xp.reshape(comm.allgather(packed), (comm.size, -1))
+    merged = None
+    for part in range(comm.size):  # rank order: the same sums on every rank
+        state = (xp.reshape(gathered[part, :b * t * h * d], (b, t, h, d)),
+                 xp.reshape(gathered[part, b * t * h * d:b * t * h * (d + 1)], (b, h, t)))
+        merged = state if merged is None else merge(*merged, *state)
+    told = gathered[:, b * t * h * (d + 1):]
+    same = xp.all(told == told[:1])
+    out = xp.where(same, merged[0], math.nan)
+    out, lse = xp.astype(out, q.dtype), xp.where(same, merged[1], math.nan)
+    return (out, lse) if return_lse else out
+
+
+def _on_device_as_ints(name: str, positions: Any, count: int, q: Any) -> Any:
+    """``positions`` as a 1-D integer array of q's framework on q's device
+    (a host sequence copied there), checked by what the host knows: its
+    shape and dtype; never its values."""
+    xp = namespace(q)
+    if _framework_or_none(positions) != framework(q):
+        positions = xp.asarray(np.asarray(positions, np.int64), device=device(q))
+    if len(positions.shape) != 1 or not xp.isdtype(positions.dtype, "integral"):
+        raise ValueError(f"{name} must be a 1-D array of integer positions, got shape "
+                         f"{tuple(positions.shape)} of {positions.dtype}")
+    if positions.shape[0] != count:
+        raise ValueError(f"{name} has {positions.shape[0]} positions for {count} tokens")
+    return xp.astype(positions, xp.int64, copy=False)
 
 
 def chunk_attention(q: Any, k: Any, v: Any, comm, *, q_positions: Sequence[int],
