@@ -202,6 +202,9 @@ def unwrap(x: Any) -> Native:
                     f"exporter), got {type(x).__module__}.{type(x).__qualname__}")
 
 
+_NO_STREAM = contextlib.nullcontext()  # reusable: entering it does nothing
+
+
 def callers_stream(x: Any):
     """A context in which CuPy's current stream is torch's current stream,
     for a torch CUDA tensor ``x`` (or a sequence starting with one, or its
@@ -211,19 +214,21 @@ def callers_stream(x: Any):
     and the legacy stream wait on it, which a CUDA graph capture cannot
     contain), and NCCL joins a capture of that stream. JAX's binding sets
     XLA's stream itself."""
+    if type(x) is np.ndarray:  # the common case, first: small calls feel every microsecond
+        return _NO_STREAM
     if isinstance(x, (list, tuple)) and x:
         x = x[0]
     if isinstance(x, Native):
         if x.framework != "torch" or not x.on_device:
-            return contextlib.nullcontext()
+            return _NO_STREAM
         device = x.data.device.id
     elif type(x).__module__.split(".")[0] == "torch" and getattr(x, "is_cuda", False):
         device = x.device.index
     else:
-        return contextlib.nullcontext()
+        return _NO_STREAM
     import cupy
     if device != cupy.cuda.runtime.getDevice():  # refused later, naming both devices
-        return contextlib.nullcontext()
+        return _NO_STREAM
     torch = sys.modules["torch"]
     return cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device)
 
