@@ -175,15 +175,18 @@ def sum_rows(values: Any, index: Any, count: int, *, scale: Any = None, rows: An
     xp = namespace(values)
     dtype = values.dtype if dtype is None else dtype
     out = xp.zeros((count,) + tuple(values.shape[1:]), dtype=dtype, device=device(values))
-    if framework(values) == "numpy":
+    kind = framework(values)
+    if kind == "numpy":
         _sum_rows_in_rounds(out, index, values, scale, rows)
+        return out
+    if kind == "torch" and values.device.type == "cpu":
+        _sum_rows_in_slices(out, index, values, scale, rows)
         return out
     if rows is not None:
         values = take_rows(values, rows)
     values = xp.astype(values, dtype, copy=False)
     if scale is not None:
         values = values * _per_row(scale, values.ndim)
-    kind = framework(values)
     if kind == "torch":
         return out.index_add_(0, index, values)
     if kind == "jax":
@@ -196,6 +199,32 @@ def sum_rows(values: Any, index: Any, count: int, *, scale: Any = None, rows: An
 def _per_row(scale: Any, ndim: int) -> Any:
     """One factor per row [n], shaped to broadcast against [n, ...] rows."""
     return namespace(scale).reshape(scale, (-1,) + (1,) * (ndim - 1))
+
+
+def _sum_rows_in_slices(out: Any, index: Any, values: Any, scale: Any, rows: Any) -> None:
+    """torch on the CPU: ``index_add_`` of the terms a slice of
+    ``_SLICE_BYTES`` at a time, where a term must be made first (gathered,
+    converted or scaled). A temporary of every term at once is a fresh
+    allocation the size of ``values`` whose page faults cost more than the
+    sum (8192 rows x 4 KiB: 21 ms against 8); a slice's is reused, warm in
+    cache. The CPU kernel adds in index order, slice after slice, so the
+    sums are one call's, bit for bit."""
+    terms = index.shape[0]
+    if rows is None and scale is None and values.dtype == out.dtype:
+        out.index_add_(0, index, values)  # no term to make
+        return
+    step = max(1, _SLICE_BYTES // max(1, out.itemsize * math.prod(out.shape[1:])))
+    for low in range(0, terms, step):
+        high = min(low + step, terms)
+        part = values[low:high] if rows is None else values.index_select(0, rows[low:high])
+        part = part.to(out.dtype)
+        if scale is not None:
+            part = part * _per_row(scale[low:high], part.ndim)
+        out.index_add_(0, index[low:high], part)
+
+
+# bytes of terms sum_rows makes at a time in torch on the CPU
+_SLICE_BYTES = 2 << 20
 
 
 def _sum_rows_in_rounds(out: np.ndarray, index: np.ndarray, values: np.ndarray,

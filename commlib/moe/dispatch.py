@@ -338,7 +338,8 @@ class Dispatcher:
             started = route.start(self.comm, lambda c: xp.take(message, first_rows, axis=0))
 
         def finish():
-            expansion = Expansion(per_expert, first_expert, wire.decode, meta)
+            expansion = Expansion(per_expert, first_expert, wire.decode, meta,
+                                  route.chunks)
             for chunk, arrived in enumerate(route.arriving(self.comm, started, forward_chunk)):
                 expansion.add(self._served(arrived, k, maps[-1]),
                               from_bytes(arrived[:, 4 * k:8 * k], xp.float32, (k,)),

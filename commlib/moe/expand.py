@@ -11,7 +11,11 @@ expert the rows come chunk after chunk, each chunk's in arrival order.
 Where an expert's next row goes is a cursor on the device (the expert's
 first row, from the counts every rank learned, plus the rows placed so
 far), so placing reads nothing back; how many (arrival, expert) pairs a
-chunk holds comes from the count exchange.
+chunk holds comes from the count exchange. A route of one chunk (flat, or
+two hops unpipelined) skips all that: its pairs sorted by expert are
+expert_x's rows in order, so expert_x is one gather of the arrivals and
+combine sums the expert rows in place (the scatter and combine's gather of
+every expert row cost the torch pair 1.6x; issue 37).
 
 A fixed capacity has static sizes and no count exchange, so a chunk's pair
 count is unknown until the device is read: its expert_x is made once every
@@ -93,8 +97,12 @@ class Expansion:
     values and scales); ``like``: an array beside which to allocate."""
 
     def __init__(self, per_expert: np.ndarray, first_expert: int,
-                 decode: Callable[[Any], Tuple[Any, ...]], like: Any):
-        self._cursor = from_host_ints(np.cumsum(per_expert) - per_expert, like)
+                 decode: Callable[[Any], Tuple[Any, ...]], like: Any, chunks: int):
+        # one chunk (flat, or two hops unpipelined): its pairs sorted by expert are
+        # expert_x's rows in order, so no cursor, no scatter, and combine gathers nothing
+        self._whole = chunks == 1
+        self._cursor = None if self._whole else from_host_ints(np.cumsum(per_expert)
+                                                               - per_expert, like)
         self._total = int(per_expert.sum())
         self._local = len(per_expert)
         self._first_expert = first_expert
@@ -112,17 +120,21 @@ class Expansion:
         arrivals, k = ids.shape
         local = xp.reshape(xp.where(ids >= 0, ids - self._first_expert, self._local), (-1,))
         order = xp.argsort(local, stable=True)[:pairs]  # served pairs, by expert, as they came
-        expert = xp.take(local, order)
-        within = xp.arange(pairs, dtype=kind, device=where) - xp.searchsorted(expert, expert)
-        target = xp.take(self._cursor, expert) + within
-        self._cursor = self._cursor + bincount(expert, self._local)
         arrival = order // max(k, 1)
         parts = self._decode(payload)
-        if self.parts is None:
-            self.parts = [xp.empty((self._total,) + tuple(p.shape[1:]), dtype=p.dtype,
-                                   device=device(p)) for p in parts]
-        self.parts = [xpx.at(whole)[target].set(take_rows(part, arrival))
-                      for whole, part in zip(self.parts, parts)]
+        if self._whole:  # expert_x's rows are these pairs, in order
+            target = None
+            self.parts = [take_rows(part, arrival) for part in parts]
+        else:
+            expert = xp.take(local, order)
+            within = xp.arange(pairs, dtype=kind, device=where) - xp.searchsorted(expert, expert)
+            target = xp.take(self._cursor, expert) + within
+            self._cursor = self._cursor + bincount(expert, self._local)
+            if self.parts is None:
+                self.parts = [xp.empty((self._total,) + tuple(p.shape[1:]), dtype=p.dtype,
+                                       device=device(p)) for p in parts]
+            self.parts = [xpx.at(whole)[target].set(take_rows(part, arrival))
+                          for whole, part in zip(self.parts, parts)]
         self.chunks.append(ScatteredRows(arrivals, target, arrival, order % max(k, 1),
                                          xp.take(xp.reshape(gate, (-1,)), order),
                                          first=self.arrivals))
@@ -131,6 +143,9 @@ class Expansion:
     def by_expert_row(self) -> Tuple[Any, Any, Any]:
         """For each expert row: its arrival among all of the owner's, its
         slot and its weight (the gradients' view of the expansion)."""
+        if self._whole:
+            chunk = self.chunks[0]
+            return chunk.arrival, chunk.slot, chunk.weight
         like = self.chunks[0].arrival
         xp, where = namespace(like), device(like)
         arrival = xp.zeros(self._total, dtype=index_dtype(like), device=where)
