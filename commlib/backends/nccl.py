@@ -215,8 +215,9 @@ class _Guarded:
 class NcclBackend:
     """Collectives on CUDA buffers over one NCCL communicator, stream-ordered:
     each call is enqueued on this backend's stream after the work already
-    queued on the caller's stream (CuPy's current stream, which DLPack has
-    ordered after the torch or JAX stream the arrays came from), and the
+    queued on the caller's stream (CuPy's current stream: torch's current
+    stream for torch input, set by ``arrays.callers_stream``; XLA's inside
+    JAX's ``jit``; else one DLPack ordered after the producer's), and the
     caller's stream waits on an event recorded after it. The host never
     waits for the GPU; ``IN_FLIGHT`` holds the buffers until the event fires
     and aborts the communicator past the deadline.
