@@ -152,7 +152,11 @@ class _Guarded:
     an abort would use a freed communicator. A thread inside NCCL waiting for a
     peer (init, a first connection) may never come out, so an abort never
     waits for it: that thread aborts as it comes out (ProcessGroupNCCL keeps
-    the same lock per communicator)."""
+    the same lock per communicator). Until then nothing releases it: only a
+    non-blocking communicator (``ncclConfig_t.blocking = 0``) lets
+    ncclCommAbort end a call in progress, and CuPy 14's ``NcclConfig`` sets
+    ``splitShare`` alone; that thread's communicator, and the kernels queued
+    on it, stay until it comes out or the process ends (docs/gpu.md)."""
 
     def __init__(self, comm, on_abort: Callable[[], None]):
         self.comm = comm
