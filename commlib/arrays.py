@@ -235,11 +235,15 @@ def callers_stream(x: Any):
 
 def contiguous(native: Native):
     """``native.data`` as a C-contiguous array: itself when it already is,
-    else one copy (the only copy commlib makes of an input)."""
+    else one copy (the only copy commlib makes of an input), in memory from
+    the owner's allocator (torch's for torch: a CUDA graph capture may not
+    allocate from CuPy's pool)."""
     data = native.data
     if data.flags.c_contiguous:
         return data
-    return native.xp.ascontiguousarray(data)
+    copy = native.empty(data.shape, data.dtype)
+    copy[...] = data
+    return copy
 
 
 def writable(data) -> bool:

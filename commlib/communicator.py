@@ -495,10 +495,17 @@ class Communicator:
             if n.data.ndim == 0 or n.data.shape[0] % size:
                 raise ValueError(f"alltoall_many cuts axis 0 into {size} equal chunks; got an "
                                  f"array of shape {tuple(n.data.shape)}")
-        xp = natives[0].xp
         parts = [byte_view(contiguous(n)).reshape(size, -1) for n in natives]
-        packed = parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=1)
-        if isinstance(backend, NcclBackend):  # a captured concatenate reads them
+        if len(parts) == 1:
+            packed = parts[0]
+        else:
+            # from the owner's allocator (torch's, for torch: a capture may not cudaMalloc)
+            packed = natives[0].empty((size, sum(part.shape[1] for part in parts)), np.uint8)
+            offset = 0
+            for part in parts:
+                packed[:, offset:offset + part.shape[1]] = part
+                offset += part.shape[1]
+        if isinstance(backend, NcclBackend):  # the captured packing copies read them
             backend.hold_if_captured(*parts)
         out = natives[0].empty(packed.shape, np.uint8)
         backend.alltoall(packed, out)
