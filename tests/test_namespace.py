@@ -42,3 +42,23 @@ def test_sum_rows_in_torch_matches_numpy():
     torch_sum = sum_rows(torch.from_numpy(values).bfloat16(), torch.from_numpy(index), 4,
                          dtype=torch.float32)
     assert np.allclose(torch_sum.numpy(), numpy_sum, atol=0.5)  # bfloat16 inputs
+
+
+def test_sum_rows_in_torch_slices_adds_the_terms_of_one_index_add(monkeypatch):
+    """On the CPU torch's terms are made a few rows at a time (no temporary
+    the size of all of them); a row's terms fall in several slices, and the
+    sums are still one ``index_add_`` of every term made at once, bit for
+    bit (gathered, converted from bfloat16, scaled)."""
+    torch = requires.module("torch")
+    from commlib import namespace
+
+    monkeypatch.setattr(namespace, "_SLICE_BYTES", 3 * 5 * 4)  # 3 float32 rows of 5
+    rng = np.random.default_rng(2)
+    index = torch.from_numpy(rng.integers(0, 4, 41))
+    values = torch.from_numpy(rng.standard_normal((41, 5)).astype(np.float32)).bfloat16()
+    picked = torch.from_numpy(rng.permutation(41))
+    scale = torch.from_numpy(rng.random(41).astype(np.float32))
+    terms = values.index_select(0, picked).float() * scale[:, None]
+    expected = torch.zeros(4, 5).index_add_(0, index, terms)
+    out = sum_rows(values, index, 4, scale=scale, rows=picked, dtype=torch.float32)
+    assert torch.equal(out, expected)
