@@ -194,6 +194,13 @@ class DecodeCache:
         made.count.fill_(held)
         return made
 
+    def reset(self) -> None:
+        """Empty, in place (the buffers keep their addresses: a captured
+        step replays over the emptied cache)."""
+        self.positions.fill_(-1)
+        self.count.zero_()
+        self.overflowed.zero_()
+
     def advance(self, positions: torch.Tensor) -> None:
         """The step's new tokens at ``positions`` [t] (int64, on the
         device, the same on every rank): where this rank keeps each."""
