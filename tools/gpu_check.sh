@@ -37,8 +37,9 @@
 #   stall stall_nccl graph
 #                a deliberately stalled transfer at 2 ranks (staged, then
 #                NCCL: the in-flight deadline of a connected communicator),
-#                then the CUDA-graph capture and replay of a fixed-capacity MoE
-#                pair, last: both can leave a GPU in a state the other steps
+#                then the CUDA-graph captures and replays (NCCL collectives, a
+#                fixed-capacity MoE pair, a decode step over the sharded KV
+#                cache), last: both can leave a GPU in a state the other steps
 #                should not meet
 # $OUT gets summary.txt (what this prints), gpu_check.json and logs.tgz (every
 # step's log and junit reports, per rank), rewritten after each step so that a
@@ -207,7 +208,7 @@ step hf_train 30 $PY examples/hf_train.py --model qwen3_moe --device $device --d
 mpi_step stall 2 20 -m gpu -k never_arrives tests/mpi/test_gpu_faults.py
 [[ -n $peers ]] && with_nccl mpi_step stall_nccl 2 25 -m gpu -k never_arrives \
     tests/mpi/test_gpu_faults.py
-pytest_step graph 20 -m gpu -k cuda_graph tests/test_gpu_nccl.py
+pytest_step graph 30 -m gpu -k cuda_graph tests/test_gpu_nccl.py tests/test_gpu_graphs.py
 say "$SECONDS s in all ($MODE); $( ((status == 0)) && echo "every step passed" || echo \
     "some steps FAILED (above)"); logs in $OUT/logs.tgz"
 exit $status
