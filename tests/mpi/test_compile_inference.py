@@ -50,8 +50,19 @@ def reference(q, k, v, q_positions, k_positions, causal=True, window=None):
                                   mask)[0]
 
 
-def explained(fn, *args):
-    return torch._dynamo.explain(fn)(*args).graph_break_count
+def compiles_as_eager(comm, op, args, want, **settings):
+    """``op`` on ``args`` (q, k, v, q_positions, k_positions): no break under
+    explain, compiled equals eager bit for bit, eager equals ``want``, on
+    every rank."""
+    def step(q, k, v, q_positions, k_positions):
+        return op(q, k, v, comm, q_positions=q_positions, k_positions=k_positions,
+                  causal=True, **settings)
+    breaks = torch._dynamo.explain(step)(*args).graph_break_count
+    compiled = torch.compile(step, fullgraph=True)(*args)
+    eager = step(*args)
+    error = relative_error(eager, want)
+    assert all_ranks(breaks == 0 and torch.equal(compiled, eager) and error < 1e-5), \
+        (breaks, error)
 
 
 @pytest.mark.parametrize("window", [None, (5, 0)])
@@ -60,17 +71,9 @@ def test_decode_attention_compiles_without_a_break_and_equals_eager(comm, window
     q, k, v = whole(25, seed=1)
     mine = np.flatnonzero(np.arange(25) % comm.size == comm.rank)
     args = (q[:, 23:], k[:, mine], v[:, mine], torch.tensor([23, 24]), torch.from_numpy(mine))
-
-    def step(q, k, v, q_positions, k_positions):
-        return ct.decode_attention(q, k, v, comm, q_positions=q_positions,
-                                   k_positions=k_positions, causal=True, window=window)
-    breaks = explained(step, *args)
-    compiled = torch.compile(step, fullgraph=True)(*args)
-    eager = step(*args)
-    want = reference(q[:, 23:], k, v, [23, 24], np.arange(25), window=window)
-    assert all_ranks(breaks == 0 and torch.equal(compiled, eager)
-                     and relative_error(eager, want) < 1e-5), (breaks,
-                                                               relative_error(eager, want))
+    compiles_as_eager(comm, ct.decode_attention, args,
+                      reference(q[:, 23:], k, v, [23, 24], np.arange(25), window=window),
+                      window=window)
 
 
 @pytest.mark.parametrize("method", ["pass_q", "pass_kv"])
@@ -80,17 +83,8 @@ def test_chunk_attention_compiles_without_a_break_and_equals_eager(comm, method)
     mine = np.flatnonzero(np.arange(23) % comm.size == comm.rank)
     new = mine[mine >= 14]
     args = (q[:, new], k[:, mine], v[:, mine], torch.from_numpy(new), torch.from_numpy(mine))
-
-    def step(q, k, v, q_positions, k_positions):
-        return ct.chunk_attention(q, k, v, comm, q_positions=q_positions,
-                                  k_positions=k_positions, causal=True, method=method)
-    breaks = explained(step, *args)
-    compiled = torch.compile(step, fullgraph=True)(*args)
-    eager = step(*args)
-    want = reference(q[:, new], k, v, new, np.arange(23))
-    assert all_ranks(breaks == 0 and torch.equal(compiled, eager)
-                     and relative_error(eager, want) < 1e-5), (breaks,
-                                                               relative_error(eager, want))
+    compiles_as_eager(comm, ct.chunk_attention, args,
+                      reference(q[:, new], k, v, new, np.arange(23)), method=method)
 
 
 def test_a_decode_step_is_traced_once_over_ten_steps_as_the_cache_grows(comm):
