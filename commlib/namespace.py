@@ -25,8 +25,17 @@ FRAMEWORKS = ("numpy", "cupy", "torch", "jax")
 
 
 def namespace(*arrays: Any) -> Any:
-    """The array-API namespace of ``arrays`` (one framework for all)."""
-    return compat.array_namespace(*arrays)
+    """The array-API namespace of ``arrays`` (one framework for all): it
+    depends on their types alone, so it is looked up once per combination
+    (array-api-compat's answer costs microseconds, and a call asks often)."""
+    types = tuple(map(type, arrays))
+    found = _NAMESPACES.get(types)
+    if found is None:
+        found = _NAMESPACES[types] = compat.array_namespace(*arrays)
+    return found
+
+
+_NAMESPACES: dict = {}
 
 
 def framework(x: Any) -> str:
