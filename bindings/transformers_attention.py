@@ -66,6 +66,8 @@ UNSUPPORTED = {
 
 # attend(q, k, v, causal=, softmax_scale=, cu_seqlens=, window=) on [b, s_local, h, d] shards
 Attend = Callable[..., torch.Tensor]
+# packed documents' global offsets: host ints, a host tensor, or None (one sequence)
+Documents = Union[None, List[int], torch.Tensor]
 
 
 def register_attention(comm, ulysses_size: Optional[int] = None) -> None:
@@ -109,18 +111,24 @@ def _hybrid(comm, ulysses_size: Optional[int]) -> Attend:
     layer)."""
     planned: Dict[Tuple[Any, ...], hybrid.Plan] = {}
 
+    # a constant to torch.compile: run (and the fabric probed) when traced,
+    # not traced into (the probe's MPI calls would break the graph)
+    @torch.compiler.assume_constant_result
+    def choose(*shape: Any) -> Tuple[int, str]:
+        if shape not in planned:
+            s_local, heads, kv_heads, head_dim, itemsize, causal = shape
+            # priced in the layout it shards in: a contiguous causal ring costs more
+            planned[shape] = hybrid.plan(comm, s_local * comm.size, heads, kv_heads,
+                                         head_dim, itemsize, causal=causal,
+                                         layout=LAYOUTS["commlib_hybrid"])
+        return planned[shape].ulysses_size, planned[shape].method
+
     def attend(q, k, v, **settings):
         (_, s_local, heads, head_dim), kv_heads = q.shape, k.shape[2]
         degree, method = ulysses_size, "ring"
         if degree is None:
-            causal = settings["causal"]
-            shape = (s_local, heads, kv_heads, head_dim, q.element_size(), causal)
-            if shape not in planned:
-                # priced in the layout it shards in: a contiguous causal ring costs more
-                planned[shape] = hybrid.plan(comm, s_local * comm.size, heads, kv_heads,
-                                             head_dim, q.element_size(), causal=causal,
-                                             layout=LAYOUTS["commlib_hybrid"])
-            degree, method = planned[shape].ulysses_size, planned[shape].method
+            degree, method = choose(s_local, heads, kv_heads, head_dim, q.element_size(),
+                                    settings["causal"])
         _check_ulysses_heads("commlib_hybrid", heads, kv_heads, degree)
         return hybrid_attention(q, k, v, comm, degree, layout=LAYOUTS["commlib_hybrid"],
                                 method=method, **settings)
@@ -168,12 +176,13 @@ def _attention_function(name: str, attend: Attend, comm) -> Callable:
                   **kwargs: Any) -> Tuple[torch.Tensor, None]:
         check_call(name, attention_mask, dropout, kwargs)
         cu_seqlens = _documents(name, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
-        global_length = cu_seqlens[-1] if cu_seqlens is not None else query.shape[2] * world_size
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         checked(kwargs.get("position_ids"), cu_seqlens, query.shape[2])
+        # the shards' (padded) length: a window as long covers every document too
         out = attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                      causal=causal, softmax_scale=scaling, cu_seqlens=cu_seqlens,
-                     window=window_of(name, sliding_window, global_length, causal))
+                     window=window_of(name, sliding_window, query.shape[2] * world_size,
+                                      causal))
         return out, None
 
     attention.__name__ = attention.__qualname__ = name
@@ -191,13 +200,18 @@ class _PositionCheck:
         self.name, self.layout, self.comm = name, layout, comm
         self.last: Any = None
 
-    def __call__(self, position_ids: Optional[torch.Tensor], cu_seqlens: Optional[List[int]],
+    def __call__(self, position_ids: Optional[torch.Tensor], cu_seqlens: Documents,
                  local_length: int) -> None:
-        if position_ids is None or position_ids is self.last:
+        # under torch.compile it would read the positions on the host, a
+        # graph break per layer: a compiled step trusts shard_batch (an eager
+        # step first checks the batch)
+        if torch.compiler.is_compiling() or position_ids is None or position_ids is self.last:
             return
         self.last = position_ids
         problem = None
         try:
+            if isinstance(cu_seqlens, torch.Tensor):
+                cu_seqlens = cu_seqlens.tolist()
             packing = packing_for(cu_seqlens, self.layout, self.comm.size, local_length)
             want = torch.as_tensor(positions_of(packing, self.comm.rank))
             given = position_ids.detach().reshape(-1, local_length)[0].cpu()
@@ -236,18 +250,28 @@ def check_call(name: str, attention_mask: Optional[torch.Tensor], dropout: float
             raise ValueError(f"{name} does not implement {what} ({key}= was given)")
 
 
-def _documents(name: str, cu_seq_lens_q: Any, cu_seq_lens_k: Any) -> Optional[List[int]]:
-    """The packed documents' global offsets as host ints (commlib decides on
-    the host which blocks to compute), or None for one unpadded sequence.
-    Self-attention over one packed sequence: queries and keys share them."""
-    offsets = [None if cu is None else torch.as_tensor(cu).tolist()
-               for cu in (cu_seq_lens_q, cu_seq_lens_k)]
-    if offsets[0] != offsets[1]:
-        raise ValueError(f"{name}: cu_seq_lens_q {reprlib.repr(offsets[0])} and cu_seq_lens_k "
-                         f"{reprlib.repr(offsets[1])} "
+def _documents(name: str, cu_seq_lens_q: Any, cu_seq_lens_k: Any) -> Documents:
+    """The packed documents' global offsets, or None for one unpadded
+    sequence. A tensor stays one, on the host: the attention op reads it
+    when it runs, so a compiled model neither breaks its graph at the
+    offsets nor retraces for other documents. Self-attention over one
+    packed sequence: queries and keys share them (compared when they are
+    two objects; shard_batch gives one)."""
+    if cu_seq_lens_q is None and cu_seq_lens_k is None:
+        return None
+    if cu_seq_lens_q is not cu_seq_lens_k and (
+            cu_seq_lens_q is None or cu_seq_lens_k is None
+            or not torch.equal(torch.as_tensor(cu_seq_lens_q).cpu(),
+                               torch.as_tensor(cu_seq_lens_k).cpu())):
+        shown = [None if cu is None else torch.as_tensor(cu).tolist()
+                 for cu in (cu_seq_lens_q, cu_seq_lens_k)]
+        raise ValueError(f"{name}: cu_seq_lens_q {reprlib.repr(shown[0])} and cu_seq_lens_k "
+                         f"{reprlib.repr(shown[1])} "
                          f"differ; commlib attends within the documents of one packed sequence, "
                          f"whose queries and keys share the same offsets")
-    return offsets[0]
+    if isinstance(cu_seq_lens_q, torch.Tensor):
+        return cu_seq_lens_q.cpu()
+    return [int(offset) for offset in cu_seq_lens_q]
 
 
 def window_of(name: str, sliding_window: Optional[int], global_length: int,

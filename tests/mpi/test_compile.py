@@ -1,0 +1,467 @@
+"""torch.compile and jax.jit over commlib: the torch ops (ring, Ulysses and
+hybrid attention in every layout and mask, the Ulysses relayouts), a Llama
+and a Qwen3-MoE decoder block and whole tiny models over the transformers
+binding trace with no graph break, forward and backward; compiled equals
+eager; and ten calls with fresh but equal masks and new values of the same
+shapes compile once. A jitted JAX attention step and MoE dispatch/combine
+trace once across ten calls.
+
+Backends: ``aot_eager`` (dynamo's graph, AOT autograd's forward and backward
+graphs, run by the same kernels eager runs: compiled equals eager bitwise)
+for most cases; inductor (its own fused kernels: within float32 rounding)
+in the full tier, where its C++ compile time is affordable."""
+
+import copy
+import traceback
+
+import numpy as np
+import pytest
+
+from commlib import ring
+from commlib.common_masks import block_diagonal, prefix_lm
+
+import requires
+from conftest import all_ranks
+
+# an even and an odd ring (zigzag's chunk count, Ulysses' uneven heads); the
+# hybrid's ulysses_size at 2 and 3 ranks is 1 or every rank (its 2 x 2 at 4
+# ranks is test_bindings_torch's, and compiles through the same op)
+WORLD_SIZES = (2, 3)
+
+torch = requires.module("torch")
+ct = requires.module("commlib.bindings.torch")
+from torch._dynamo.backends.debugging import aot_eager  # noqa: E402
+
+SEQ, HEADS, KV_HEADS, DIM = 24, 6, 3, 8  # 2P divides SEQ at 2 and 3 ranks
+CALLS = 10
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Every test compiles from nothing: dynamo's cache of earlier tests'
+    graphs would hide a compile (and its recompile limit a retrace)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class Counting:
+    """A backend that counts the graphs dynamo hands it, then runs them
+    through ``aot_eager`` (forward and backward graphs, eager's kernels)."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, graph, example_inputs):
+        self.graphs += 1
+        return aot_eager(graph, example_inputs)
+
+
+def breaks(function, *args, **kwargs):
+    """``torch._dynamo.explain``'s graph break count and reasons."""
+    explained = torch._dynamo.explain(function)(*args, **kwargs)
+    torch._dynamo.reset()
+    return explained.graph_break_count, [str(r.reason)[:300] for r in explained.break_reasons]
+
+
+def run(step, inputs, *extra):
+    """step's loss and the gradients of ``inputs`` (fresh leaves)."""
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    loss = step(*leaves, *extra)
+    loss.backward()
+    return loss.detach(), [x.grad for x in leaves]
+
+
+def identical(a, b):
+    """Bitwise: the loss and every gradient."""
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    return torch.equal(loss_a, loss_b) and all(torch.equal(x, y) for x, y in zip(grads_a, grads_b))
+
+
+def largest_error(a, b):
+    """The largest error of the loss and of any gradient, relative to the
+    largest magnitude of eager's (``b``) value."""
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    return max(float((x - y).abs().max()) / max(float(y.abs().max()), 1e-30)
+               for x, y in zip([loss_a, *grads_a], [loss_b, *grads_b]))
+
+
+# -- the ops alone -------------------------------------------------------------------
+
+DOCUMENTS = [0, 5, 13, SEQ]
+
+
+def _maskings():
+    """name -> (layout, fresh options): each call makes new but equal
+    objects (a new offsets tensor, a new Mask), as a training loop that
+    builds them per batch does."""
+    return {
+        "causal": ("zigzag", lambda: dict(causal=True)),
+        "cu_seqlens": ("zigzag", lambda: dict(causal=True,
+                                              cu_seqlens=torch.tensor(DOCUMENTS))),
+        "window": ("contiguous", lambda: dict(causal=True, window=(5, 0))),
+        "mask": ("balanced", lambda: dict(causal=False, mask=prefix_lm(SEQ, 8))),
+        "documents-mask": ("balanced", lambda: dict(causal=False,
+                                                    mask=block_diagonal(SEQ, 4, causal=True))),
+    }
+
+
+def _attend(comm, algorithm):
+    if algorithm == "ring":
+        return lambda q, k, v, **o: ct.ring_attention(q, k, v, comm, **o)
+    if algorithm == "ulysses":
+        return lambda q, k, v, **o: ct.ulysses_attention(q, k, v, comm, **o)
+    degree = 1 if algorithm == "hybrid-ring" else comm.size  # a ring of 1-rank groups, or one group
+    return lambda q, k, v, **o: ct.hybrid_attention(q, k, v, comm, degree, **o)
+
+
+def _shards(comm, layout, options, seed):
+    """q, k, v and a loss probe: this rank's shards of seeded global tensors."""
+    gen = torch.Generator().manual_seed(seed)
+    full = [torch.randn(1, SEQ, h, DIM, generator=gen)
+            for h in (HEADS, KV_HEADS, KV_HEADS, HEADS)]
+    placed = {key: options[key] for key in ("cu_seqlens", "mask") if key in options}
+    if "cu_seqlens" in placed:
+        placed["cu_seqlens"] = DOCUMENTS
+    return [ring.shard_sequence(x, comm, layout=layout, **placed) for x in full]
+
+
+ATTENTION_CASES = [("ring", masking) for masking in _maskings()] + [
+    ("ulysses", "causal"), ("ulysses", "cu_seqlens"), ("ulysses", "window"),
+    ("ulysses", "mask"), ("hybrid-ring", "causal"), ("hybrid-ring", "documents-mask"),
+    ("hybrid-ulysses", "cu_seqlens"), ("hybrid-ulysses", "window")]
+
+
+@pytest.mark.quick_sample(3)
+@pytest.mark.parametrize("algorithm, masking", ATTENTION_CASES)
+def test_attention_compiles_whole_once_and_equals_eager(comm, algorithm, masking):
+    """No graph break (forward; the backward is AOT autograd's graph of the
+    op's backward op, run here); compiled loss and gradients equal eager's
+    bitwise; ten calls, each with a fresh equal mask (or new offsets tensor)
+    and new values, compile once."""
+    layout, options = _maskings()[masking]
+    attend = _attend(comm, algorithm)
+
+    def step(q, k, v, probe, settings):
+        return (attend(q, k, v, layout=layout, **settings) * probe).sum()
+
+    count, reasons = breaks(step, *_shards(comm, layout, options(), 0), options())
+    counting = Counting()
+    compiled = torch.compile(step, backend=counting, fullgraph=True)
+    same = []
+    for call in range(CALLS):
+        *inputs, probe = _shards(comm, layout, options(), call)
+        same.append(identical(run(compiled, inputs, probe, options()),
+                              run(step, inputs, probe, options())))
+    assert all_ranks(count == 0), reasons
+    assert all_ranks(all(same)), same
+    assert all_ranks(counting.graphs == 1), f"{counting.graphs} graphs for {CALLS} calls"
+
+
+def test_another_mask_is_another_graph_not_a_stale_one(comm):
+    """The graph is specialised on the mask's name: a mask of other content
+    retraces (and gives that mask's attention), an equal one does not."""
+    attend = _attend(comm, "ring")
+
+    def step(q, k, v, probe, mask):
+        return (attend(q, k, v, layout="contiguous", causal=False, mask=mask) * probe).sum()
+
+    counting = Counting()
+    compiled = torch.compile(step, backend=counting, fullgraph=True)
+    *inputs, probe = _shards(comm, "contiguous", {}, 1)
+    results = []
+    for prefix in (8, 8, 16, 16, 8):
+        mask = prefix_lm(SEQ, prefix)
+        results.append(identical(run(compiled, inputs, probe, mask),
+                                 run(step, inputs, probe, mask)))
+    first, other = run(step, inputs, probe, prefix_lm(SEQ, 8)), \
+        run(step, inputs, probe, prefix_lm(SEQ, 16))
+    # the masks differ in what they give (on some rank: the last one's queries see alike)
+    assert not all_ranks(torch.equal(first[0], other[0]))
+    assert all_ranks(all(results)), results
+    assert all_ranks(counting.graphs == 2), f"{counting.graphs} graphs for 2 masks"
+
+
+@pytest.mark.parametrize("heads, num_heads", [(HEADS, None), (KV_HEADS, HEADS)],
+                         ids=["query", "kv"])
+def test_relayouts_compile_whole_once_and_equal_eager(comm, heads, num_heads):
+    """seq_to_head, a pointwise op, head_to_seq (each the other's backward);
+    kv: the kv heads of a GQA model, laid out for its query heads (split
+    unevenly, or replicated, where the ranks outnumber them)."""
+    def step(x, probe):
+        heads = ct.seq_to_head(x, comm, num_heads)
+        back = ct.head_to_seq(heads.sin(), comm, x.shape[2], num_heads)
+        return (back * probe).sum()
+
+    def inputs(seed):
+        gen = torch.Generator().manual_seed(seed)
+        return [torch.randn(2, SEQ // comm.size, heads, DIM, generator=gen) for _ in range(2)]
+
+    count, reasons = breaks(step, *inputs(0))
+    counting = Counting()
+    compiled = torch.compile(step, backend=counting, fullgraph=True)
+    same = [identical(run(compiled, [x], probe), run(step, [x], probe))
+            for x, probe in (inputs(call) for call in range(CALLS))]
+    assert all_ranks(count == 0), reasons
+    assert all_ranks(all(same)), same
+    assert all_ranks(counting.graphs == 1), f"{counting.graphs} graphs for {CALLS} calls"
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("algorithm", ["ring", "ulysses"])
+def test_inductor_equals_eager_within_float32_rounding(comm, algorithm):
+    """Inductor's own kernels around the op (the op itself is not traced
+    into): loss and gradients within float32 rounding of eager's."""
+    layout, options = _maskings()["cu_seqlens"]
+    attend = _attend(comm, algorithm)
+
+    def step(q, k, v, probe, settings):
+        out = attend(q.sin(), k.cos(), v * 2, layout=layout, **settings)
+        return (out.square() * probe).sum()
+
+    compiled = torch.compile(step, fullgraph=True)
+    *inputs, probe = _shards(comm, layout, options(), 3)
+    (loss, grads), (want, want_grads) = (run(compiled, inputs, probe, options()),
+                                        run(step, inputs, probe, options()))
+    errors = [float((a - b).abs().max()) / float(b.abs().max())
+              for a, b in zip([loss, *grads], [want, *want_grads])]
+    assert all_ranks(max(errors) <= 1e-4), errors  # the loss: a sum that cancels
+
+
+# -- transformers: decoder blocks and whole models -------------------------------------
+
+transformers = requires.module("transformers")
+hf = requires.module("commlib.bindings.transformers")
+
+VOCAB, LOCAL = 96, 8  # LOCAL tokens per rank
+TINY = dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=HEADS,
+            num_key_value_heads=KV_HEADS, head_dim=DIM, vocab_size=VOCAB,
+            max_position_embeddings=64, attention_dropout=0.0)
+PACKED = (5, 2, 9)  # documents of a packed row (padded by shard_batch to the layout)
+
+
+def _config(family):
+    if family == "llama":
+        return transformers.LlamaConfig(**TINY, intermediate_size=64)
+    return transformers.Qwen3MoeConfig(**TINY, num_experts=6, num_experts_per_tok=2,
+                                       moe_intermediate_size=16, intermediate_size=64,
+                                       norm_topk_prob=True, output_router_logits=False)
+
+
+def _batch(comm, implementation, packed=False):
+    """shard_batch's shard of a seeded global row (packed: documents of
+    PACKED, position ids restarting at 0)."""
+    gen = torch.Generator().manual_seed(11)
+    if not packed:
+        return hf.shard_batch({"input_ids": torch.randint(VOCAB, (1, LOCAL * comm.size),
+                                                          generator=gen)},
+                              comm, attn_implementation=implementation)
+    positions = torch.cat([torch.arange(n) for n in PACKED])[None]
+    return hf.shard_batch({"input_ids": torch.randint(VOCAB, (1, sum(PACKED)), generator=gen),
+                           "position_ids": positions}, comm, attn_implementation=implementation)
+
+
+def _block(comm, family, implementation, expert_parallel=False):
+    """A seeded decoder layer of ``family`` attending with ``implementation``,
+    its rotary embedding, and a step: the layer on hidden states of the
+    shard's positions (the batch's documents forwarded as the model does),
+    summed against a probe."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer
+
+    hf.register(comm)
+    config = _config(family)
+    config._attn_implementation = implementation
+    config._experts_implementation = "grouped_mm"  # traceable (eager loops over experts hit)
+    torch.manual_seed(0)
+    layer = (LlamaDecoderLayer if family == "llama" else Qwen3MoeDecoderLayer)(config, 0)
+    with torch.no_grad():  # a layer alone is not initialised (its experts: torch.empty)
+        for parameter in layer.parameters():
+            parameter.normal_(std=0.1)
+    if expert_parallel:
+        hf.expert_parallel(layer, comm)
+    rope = LlamaRotaryEmbedding(config)
+
+    def step(hidden, probe, batch):
+        documents = {key: batch[key] for key in ("cu_seq_lens_q", "cu_seq_lens_k")}
+        position = batch["position_ids"]
+        out = layer(hidden, attention_mask=None, position_ids=position,
+                    position_embeddings=rope(hidden, position), **documents)
+        return ((out[0] if isinstance(out, tuple) else out) * probe).sum()
+    return layer, step
+
+
+def _hidden(batch, seed):
+    gen = torch.Generator().manual_seed(seed)
+    shape = batch["input_ids"].shape + (TINY["hidden_size"],)
+    return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+
+
+def _block_checks(comm, step, layer, batch):
+    """(breaks, reasons), compiled against eager (the largest error of the
+    loss, input and parameter gradients) for three calls, and the graph
+    count."""
+    hidden, probe = _hidden(batch, 0)
+    count, reasons = breaks(step, hidden, probe, batch)
+    counting = Counting()
+    compiled = torch.compile(step, backend=counting, fullgraph=True)
+    same = []
+    for call in range(3):
+        hidden, probe = _hidden(batch, call)
+        results = []
+        for function in (compiled, step):
+            layer.zero_grad()
+            loss, (grad,) = run(function, [hidden], probe, batch)
+            results.append((loss, [grad] + [p.grad.clone() for p in layer.parameters()
+                                            if p.grad is not None]))
+        same.append(largest_error(*results))
+    return count, reasons, same, counting.graphs
+
+
+BLOCK_ROUNDING = 1e-5
+BLOCKS = [("llama", "commlib_ring", False), ("llama", "commlib_ulysses", False),
+          ("llama", "commlib_hybrid", False), ("llama", "commlib_ring_docs", True),
+          ("qwen3_moe", "commlib_ring", False), ("qwen3_moe", "commlib_hybrid", True)]
+
+
+@pytest.mark.quick_sample(1)
+@pytest.mark.parametrize("family, implementation, packed", BLOCKS)
+def test_decoder_block_compiles_whole_and_equals_eager(comm, family, implementation, packed):
+    """transformers' decoder layer with commlib attention (Qwen3-MoE's
+    experts eager here, every rank holding them), fullgraph: no break
+    (the attention read the packed documents' offsets on the host, then
+    checked the positions there: a break at each), loss and gradients of
+    the hidden states and every parameter equal eager's, one graph. The
+    hybrid's planner (a collective probe) runs when traced, a constant."""
+    layer, step = _block(comm, family, implementation)
+    count, reasons, errors, graphs = _block_checks(comm, step, layer,
+                                                   _batch(comm, implementation, packed))
+    assert all_ranks(count == 0), reasons
+    # Llama: bitwise; Qwen3-MoE's grouped_mm experts differ in float32 rounding
+    assert all_ranks(max(errors) <= (0.0 if family == "llama" else BLOCK_ROUNDING)), errors
+    assert all_ranks(graphs == 1), f"{graphs} graphs for 3 calls"
+
+
+class MoEDispatchBreak(Exception):
+    """The expert-parallel MoE dispatch is not yet traceable (not a custom op)."""
+
+
+def _at_moe_dispatch(text):
+    return "torch_moe.py" in text or "commlib/moe/" in text or "transformers_experts.py" in text
+
+
+@pytest.mark.full
+@pytest.mark.xfail(strict=True, raises=MoEDispatchBreak,
+                   reason="the expert-parallel MoE dispatch/combine is not a custom op yet: "
+                          "dynamo traces into commlib.moe (NumPy on the counts) and fails there")
+def test_qwen3_moe_block_with_expert_parallel_compiles_whole(comm):
+    """The Qwen3-MoE block with its experts over ``expert_parallel``: its
+    attention compiles whole (test above); a failure anywhere but the MoE
+    dispatch fails this test (not the xfail)."""
+    layer, step = _block(comm, "qwen3_moe", "commlib_ring", expert_parallel=True)
+    batch = _batch(comm, "commlib_ring")
+    try:
+        count, reasons, errors, graphs = _block_checks(comm, step, layer, batch)
+    except Exception:  # noqa: BLE001 - classified below, on every rank
+        trace = traceback.format_exc()
+        if all_ranks(_at_moe_dispatch(trace)):
+            raise MoEDispatchBreak(trace[-2000:]) from None
+        raise
+    if count and all_ranks(all(_at_moe_dispatch(reason) for reason in reasons)):
+        raise MoEDispatchBreak(reasons)
+    assert all_ranks(count == 0), reasons
+    assert all_ranks(max(errors) <= BLOCK_ROUNDING), errors
+
+
+MODELS = [("llama", "commlib_ring"), ("llama", "commlib_hybrid"), ("qwen3_moe", "commlib_ulysses")]
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("family, implementation", MODELS)
+def test_compiled_model_equals_eager(comm, family, implementation):
+    """``torch.compile(model)`` of a tiny causal LM on shard_batch's shard:
+    the eager loss and every gradient, no graph break (Qwen3-MoE's experts
+    eager: every rank holds them)."""
+    hf.register(comm)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        _config(family), attn_implementation=implementation, dtype=torch.float32)
+    twin = copy.deepcopy(model)
+    batch = _batch(comm, model)
+    count, reasons = breaks(lambda **b: model(**b).loss, **batch)
+    compiled = torch.compile(twin, backend=Counting(), fullgraph=True)
+    results = []
+    for each in (compiled, model):
+        loss = each(**batch).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in each.parameters()]))
+    assert all_ranks(count == 0), reasons
+    assert all_ranks(identical(*results))
+
+
+# -- JAX: one trace for ten calls -------------------------------------------------------
+
+jax = requires.module("jax")
+jnp = jax.numpy
+cj = requires.module("commlib.bindings.jax")
+
+
+@pytest.mark.parametrize("kind", ["ring", "ulysses"])
+def test_jitted_attention_step_traces_once(comm, kind):
+    """A jitted value_and_grad step with a mask (static: a fresh equal Mask
+    hashes and compares equal), ten calls with new values: one trace."""
+    attend = {"ring": cj.ring_attention, "ulysses": cj.ulysses_attention}[kind]
+    layout = "balanced" if kind == "ring" else "contiguous"
+    traces = []
+
+    def loss(q, k, v, probe, mask):
+        traces.append(mask)
+        out = attend(q, k, v, comm, layout=layout, causal=False, mask=mask)
+        return (out * probe).sum()
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=4)
+    finite = []
+    for call in range(CALLS):
+        mask = prefix_lm(SEQ, 8)
+        rng = np.random.default_rng(call)
+        shards = [jnp.asarray(ring.shard_sequence(
+            rng.standard_normal((1, SEQ, h, DIM)).astype(np.float32), comm, layout=layout,
+            mask=mask)) for h in (HEADS, KV_HEADS, KV_HEADS, HEADS)]
+        value, grads = step(*shards, mask)
+        finite.append(bool(np.isfinite(float(value))) and all(
+            bool(np.isfinite(np.asarray(g)).all()) for g in grads))
+    assert all_ranks(all(finite))
+    assert all_ranks(len(traces) == 1 and step._cache_size() == 1), \
+        f"{len(traces)} traces, {step._cache_size()} programs"
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.25], ids=["no-drops", "fixed-capacity"])
+def test_jitted_moe_dispatch_combine_traces_once(comm, capacity_factor):
+    """Dispatch, the experts, combine and their gradients in one jitted step;
+    ten calls with new tokens and new routing (same shapes): one trace."""
+    experts, tokens, hidden, k = 2 * comm.size, 12, 8, 2
+    dispatcher = cj.Dispatcher(comm, experts, capacity_factor=capacity_factor)
+    maps = jnp.asarray(np.random.default_rng(7).standard_normal(
+        (dispatcher.local_experts, hidden, hidden)).astype(np.float32))
+    traces = []
+
+    def loss(x, chosen, weights, maps):
+        traces.append(1)
+        expert_x, handle = dispatcher.dispatch(x, chosen, weights)
+        y = dispatcher.combine(jnp.einsum("esh,ehg->esg", expert_x, maps), handle)
+        return (y * y).sum()
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 2, 3)))
+    finite = []
+    for call in range(CALLS):
+        rng = np.random.default_rng(100 * call + comm.rank)
+        x = jnp.asarray(rng.standard_normal((tokens, hidden)).astype(np.float32))
+        chosen = jnp.asarray(np.argsort(-rng.standard_normal((tokens, experts)),
+                                        axis=1)[:, :k].astype(np.int32))
+        weights = jnp.asarray(rng.random((tokens, k)).astype(np.float32) + 0.1)
+        value, grads = step(x, chosen, weights, maps)
+        finite.append(bool(np.isfinite(float(value))) and all(
+            bool(np.isfinite(np.asarray(g)).all()) for g in grads))
+    assert all_ranks(all(finite))
+    assert all_ranks(len(traces) == 1 and step._cache_size() == 1), \
+        f"{len(traces)} traces, {step._cache_size()} programs"
