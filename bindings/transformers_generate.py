@@ -57,6 +57,7 @@ from .transformers_attention import (
     window_of,
 )
 from .transformers_batch import shard_batch
+from .transformers_experts import IMPLEMENTATION as EXPERTS
 from .transformers_experts import replicated_tokens
 
 __all__ = ["generate", "GENERATION"]
@@ -376,6 +377,11 @@ def _decode_attention(decoding: _Decoding, module: torch.nn.Module, query: torch
                                  window=window, softmax_scale=scaling)
 
 
+def _expert_parallel(model: torch.nn.Module) -> bool:
+    return any(getattr(getattr(module, "config", None), "_experts_implementation", None)
+               == EXPERTS for module in model.modules())
+
+
 class _CompiledDecode:
     """The model on one replicated token, compiled once for the call, over
     a DecodeCache made from the sharded cache (room for every token the
@@ -393,7 +399,10 @@ class _CompiledDecode:
         decoding.cache = DecodeCache.from_sharded(cache, comm, room, like=like)
         decoding.positions = torch.zeros(1, dtype=torch.int64, device=device)
         self.tokens = torch.zeros((batch, 1), dtype=torch.int64, device=device)
-        self.step = torch.compile(self._step, fullgraph=True)
+        # an expert-parallel model's experts break the graph (they read
+        # whether tokens are replicated from a ContextVar, which dynamo does
+        # not trace): compiled around them
+        self.step = torch.compile(self._step, fullgraph=not _expert_parallel(model))
 
     def _step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         self.decoding.cache.advance(positions)
