@@ -39,8 +39,27 @@ def describe(op: str, facts: Sequence[Any], context: Context) -> str:
 
 
 def signature(op: str, facts: Sequence[Any], context: Context) -> int:
-    """A stable non-negative hash of the fingerprint, the same in every process."""
-    return zlib.crc32(describe(op, facts, context).encode())
+    """A stable non-negative hash of the fingerprint, the same in every process.
+    Remembered for facts of exact type str, int, bool or None (whose equal
+    values print alike; 1 == 1.0 == True do not) and the same context
+    object: a decode loop agrees on the same facts every step, and
+    formatting them each time cost more than the exchange's Python (issue 37)."""
+    if not all(type(fact) in _PLAIN for fact in facts):
+        return zlib.crc32(describe(op, facts, context).encode())
+    key = (op, tuple(map(type, facts)), tuple(facts), id(context))
+    held = _SIGNATURES.get(key)
+    if held is not None and held[0] is context:
+        return held[1]
+    if len(_SIGNATURES) >= _MOST_SIGNATURES:
+        _SIGNATURES.clear()
+    value = zlib.crc32(describe(op, facts, context).encode())
+    _SIGNATURES[key] = (context, value)  # the context held: its id names no other
+    return value
+
+
+_PLAIN = (str, int, bool, type(None))
+_SIGNATURES: dict = {}
+_MOST_SIGNATURES = 4096  # distinct fingerprints remembered before starting over
 
 
 REJECTED = -1  # sent instead of a (non-negative) signature by a rank with bad input

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any, List, Optional, Protocol, Tuple, runtime_checkable
 
+import numpy as np
+
 from ..namespace import device, dtype_name, framework, framework_of
 from .quantize import quantize_fp8
 from .stats import DispatchStats
@@ -123,7 +125,17 @@ def capacity(tokens: int, k: int, num_experts: int, capacity_factor: Optional[fl
 
 def require_one_place(named: List[Tuple[str, Any]]) -> None:
     """Raise ValueError unless the arrays are of one framework, on one
-    device: commlib computes where the data lives and never moves it."""
+    device: commlib computes where the data lives and never moves it.
+    NumPy arrays, or torch tensors on one device, pass without asking the
+    array API helpers (at decode sizes every call shows; issue 37)."""
+    kind = type(named[0][1])
+    if all(type(a) is kind for _, a in named):
+        if kind is np.ndarray:
+            return
+        if kind.__module__.startswith("torch") and hasattr(named[0][1], "is_sparse"):
+            where = named[0][1].device
+            if all(a.device == where for _, a in named):
+                return
     places = [(framework(a), str(device(a))) for _, a in named]
     if len(set(places)) > 1:
         found = ", ".join(f"{name} {kind} on {where}" for (name, _), (kind, where)

@@ -4,7 +4,9 @@ that should exist before a training run starts, not after it slows down."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Tuple
 
 import numpy as np
 
@@ -47,11 +49,9 @@ class DispatchStats:
         local = np.concatenate([kept, dropped, traffic.reshape(-1), [invalid]]).astype(np.int64)
         total = np.asarray(comm.allreduce(local))
         matrix = total[2 * experts:-1].reshape(size, size)
-        nodes = np.array([comm.topology.node_of(r) for r in range(size)])
-        across = nodes[:, None] != nodes[None, :]
-        elsewhere = ~np.eye(size, dtype=bool)
+        across, within = _node_masks(tuple(comm.topology.node_of_rank))
         return cls(total[:experts], total[experts:2 * experts], matrix,
-                   int(matrix[across].sum()), int(matrix[~across & elsewhere].sum()),
+                   int(matrix[across].sum()), int(matrix[within].sum()),
                    int(total[-1]))
 
     def __add__(self, other: "DispatchStats") -> "DispatchStats":
@@ -60,3 +60,13 @@ class DispatchStats:
                              self.inter_node_bytes + other.inter_node_bytes,
                              self.intra_node_bytes + other.intra_node_bytes,
                              self.invalid + other.invalid)
+
+
+@functools.lru_cache(maxsize=64)
+def _node_masks(node_of_rank: Tuple[int, ...]) -> Tuple[np.ndarray, np.ndarray]:
+    """[P, P] masks of the rank pairs on different nodes and of the distinct
+    pairs on one node: made once per topology, not per dispatch (a Python
+    loop over the ranks; issue 37)."""
+    nodes = np.array(node_of_rank)
+    across = nodes[:, None] != nodes[None, :]
+    return across, ~across & ~np.eye(nodes.size, dtype=bool)
