@@ -15,10 +15,11 @@ identity experts. ``modes``: FP8 against the input dtype, the fixed capacity
 against the counted dispatch (DeepSeek-V3's 7168 hidden, top-8 of 64, torch
 bfloat16). ``latency``: the fixed cost of ``alltoall``/``alltoallv`` against
 mpi4py's ``Alltoall`` and count exchange + ``Alltoallv``. ``decode``: a
-dispatch + combine pair of 1 to 128 tokens against the bare mpi4py
-exchange of the same bytes. ``overlap``: two micro-batches with an expert
-MLP between dispatch and combine, sequential against overlapped with the
-async handles: how much of the communication the overlap hides.
+dispatch + combine pair of 1 to 512 tokens, counted and fixed, torch and
+NumPy, against the bare mpi4py exchange of the same bytes. ``overlap``:
+two micro-batches with an expert MLP between dispatch and combine,
+sequential against overlapped with the async handles: how much of the
+communication the overlap hides.
 ``frameworks``: one line per framework's MoE path (NumPy, torch, JAX under
 jit, CuPy where CUDA is) for the same problem, against the bare mpi4py
 exchange of the same bytes.
@@ -479,19 +480,25 @@ def latency(sizes: str, repeat: int, iters: int, json_path: Optional[str]) -> No
 
 
 @main.command()
-@click.option("--tokens", default="1,8,32,128", show_default=True,
+@click.option("--tokens", default="1,8,64,512", show_default=True,
               help="Tokens per rank, comma-separated.")
 @click.option("--hidden", default=7168, show_default=True)
-@click.option("--experts", "num_experts", default=64, show_default=True)
+@click.option("--experts", "num_experts", default=16, show_default=True)
 @click.option("--topk", default=8, show_default=True)
 @click.option("--repeat", default=20, show_default=True, help="Pairs per timed unit.")
 @click.option("--iters", default=9, show_default=True)
 @_json_option
 def decode(tokens: str, hidden: int, num_experts: int, topk: int, repeat: int, iters: int,
            json_path: Optional[str]) -> None:
-    """A decode step's dispatch + combine (torch bfloat16) against the bare
-    mpi4py exchange of the same bytes there and back: a count exchange and
-    ``Alltoallv`` each way, nothing else."""
+    """A decode step's dispatch + combine of bfloat16 rows, counted and under
+    a fixed capacity, through the torch Dispatcher and the core on NumPy
+    arrays, against the bare mpi4py exchange of the same bytes there and
+    back (a count exchange and ``Alltoallv`` each way, nothing else), all
+    interleaved in one process (issue 37)."""
+    import ml_dtypes
+    import torch
+
+    from commlib.bindings.torch import Dispatcher as TorchDispatcher
     world = MPI.COMM_WORLD
     comm = commlib.init(backend="mpi", abort_on_error=True)
     raw = world.Dup()
@@ -501,15 +508,24 @@ def decode(tokens: str, hidden: int, num_experts: int, topk: int, repeat: int, i
     rows = []
     for count in (int(t) for t in tokens.split(",")):
         x, experts, weights = _torch_routing(comm, count, hidden, num_experts, topk, seed=1)
-        counted = moe.Dispatcher(comm, num_experts)
-        fixed = moe.Dispatcher(comm, num_experts, max_tokens_per_rank=count)
-        _, handle = counted.dispatch(x, experts, weights)
-        there = handle.hops[0].send_counts.astype(np.int64)
+        nx = x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        ne, nw = experts.numpy(), weights.numpy()
+        made = {"torch": lambda **kw: TorchDispatcher(comm, num_experts, **kw),
+                "NumPy": lambda **kw: moe.Dispatcher(comm, num_experts, **kw)}
+        args = {"torch": (x, experts, weights), "NumPy": (nx, ne, nw)}
+        _, handle = moe.Dispatcher(comm, num_experts).dispatch(nx, ne, nw)
+        there = handle.route.send_counts.astype(np.int64)  # flat: one hop
         row_bytes = hidden * 2 + 8 * topk
-        bare = _there_and_back(raw, np.zeros((int(there.sum()), row_bytes), np.uint8), there)
-        contenders = {"mpi4py bare exchange": _loop(bare, repeat),
-                      "commlib counted": _loop(_pair(counted, x, experts, weights), repeat),
-                      "commlib fixed": _loop(_pair(fixed, x, experts, weights), repeat)}
+        bare = _there_and_back(raw, np.zeros((int(there.sum()), row_bytes), np.uint8), there,
+                               back_bytes=hidden * 2)
+        contenders = {"mpi4py bare exchange": _loop(bare, repeat)}
+        fixed_ones = []
+        for name in ("torch", "NumPy"):
+            for mode, kw in (("counted", {}), ("fixed", {"max_tokens_per_rank": count})):
+                d = made[name](**kw)
+                if kw:
+                    fixed_ones.append(d)
+                contenders[f"{name} {mode}"] = _loop(_pair(d, *args[name]), repeat)
         times = {name: float(np.median(t)) / repeat * 1e6
                  for name, t in interleaved(world, contenders, iters).items()}
         say(f"-- {count} tokens per rank")
@@ -518,7 +534,8 @@ def decode(tokens: str, hidden: int, num_experts: int, topk: int, repeat: int, i
             rows.append({"tokens": count, "contender": name, "us_per_pair": micros,
                          "ratio_to_bare": ratio})
             say(f"{name:>22}: {micros:9.1f} us per pair ({ratio:.2f}x bare)", flush=True)
-        fixed.collect_stats()
+        for d in fixed_ones:
+            d.collect_stats()
     _report(say, rows, json_path, comm.rank)
     raw.Free()
     comm.free()
