@@ -14,6 +14,7 @@ has no bfloat16 (transfers move bytes; reductions read ``Native.dtype``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import sys
 from dataclasses import dataclass
@@ -70,8 +71,10 @@ class Native:
         return self.allocate(tuple(shape), dtype)
 
 
+@functools.lru_cache(maxsize=None)
 def _ml_dtypes_twins() -> Dict[str, Tuple[np.dtype, np.dtype]]:
-    """name -> (logical ml_dtypes dtype, same-sized integer storage dtype)."""
+    """name -> (logical ml_dtypes dtype, same-sized integer storage dtype);
+    made once (6 us: every torch tensor handed to a collective asks)."""
     import ml_dtypes
     names = ["bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"]
     twins = {}

@@ -78,9 +78,14 @@ def kv_heads_for(rank: int, kv_heads: int, size: int,
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=256)
 def _owned(heads: int, size: int, query_heads: Optional[int]) -> Tuple[np.ndarray, ...]:
-    """Every rank's ``kv_heads_for``."""
-    return tuple(kv_heads_for(p, heads, size, query_heads) for p in range(size))
+    """Every rank's ``kv_heads_for``; made once per shape (every relayout
+    asks), read-only since it is shared."""
+    owned = tuple(kv_heads_for(p, heads, size, query_heads) for p in range(size))
+    for mine in owned:
+        mine.setflags(write=False)
+    return owned
 
 
 def padded_heads(heads: int, size: int, query_heads: Optional[int] = None) -> int:
