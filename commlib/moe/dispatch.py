@@ -358,9 +358,7 @@ class Dispatcher:
         row_bytes = int(wire.payload.shape[1])
         layout = self._fixed_layout(meta, k, row_bytes)
         maps = self._device_maps(meta)
-        blank = as_bytes(xp.concat([xp.full((1, k), -1.0, dtype=xp.float32, device=device(meta)),
-                                    xp.zeros((1, k), dtype=xp.float32, device=device(meta))],
-                                   axis=1))
+        blank = self._blank(meta, k)
 
         def rows_of(meta: Any, payload: Any, send_rows: Any, sources: int) -> Any:
             empty = (send_rows >= sources)[:, None]
@@ -371,10 +369,11 @@ class Dispatcher:
         first_rows, lost, sent = _slots(plan.keys, plan.first, tokens, caps, starts, total)
         first = Hop(first_rows, host_caps, host_caps, tokens)
         overflow = self._overflowed(plan, lost, maps[0])
-        kept = xp.where(overflow, -1, plan.ids)
-        counts = [bincount(kept, self.num_experts),
-                  bincount(xp.where(overflow, plan.ids, -1), self.num_experts)
-                  + (plan.dropped if plan.dropped is not None else 0),
+        count = self.num_experts
+        # kept in [0, E), overflowed in [E, 2E): one count of both
+        both = bincount(xp.where(overflow & (plan.ids >= 0), plan.ids + count, plan.ids),
+                        2 * count)
+        counts = [both[:count], both[count:] + (plan.dropped if plan.dropped is not None else 0),
                   plan.invalid, sent * row_bytes]
 
         if self.hierarchical:
@@ -588,6 +587,17 @@ class Dispatcher:
                 lambda host: xp.asarray(host, dtype=index_dtype(like), device=device(like)))
         return self._on_device[full_key]
 
+    def _blank(self, like: Any, k: int) -> Any:
+        """An empty slot's routing metadata as bytes beside ``like``: ids -1,
+        weights 0 (made once per device, not per dispatch)."""
+        key = (framework(like), str(device(like)), "blank", k)
+        if key not in self._on_device:
+            xp = namespace(like)
+            host = np.concatenate([np.full((1, k), -1.0, np.float32),
+                                   np.zeros((1, k), np.float32)], axis=1)
+            self._on_device[key] = xp.asarray(host.view(np.uint8), device=device(like))
+        return self._on_device[key]
+
     def _device_maps(self, like: Any) -> List[Any]:
         """The hop maps beside ``like``."""
         return self._beside(like, ("maps",), lambda put: [put(m) for m in self._hop_maps])
@@ -668,11 +678,12 @@ class Dispatcher:
         rows = xp.arange(local * slots, dtype=kind, device=where)
         slot_rows = xpx.at(xp.full(pairs + 1, local * slots, dtype=kind, device=where))[pair] \
             .set(rows)[:pairs]
+        # rows per local expert in [0, L), no slot per global expert in [L, L + E): one count
+        both = bincount(xp.where(fits, grouped, xp.where(
+            served, grouped + self.comm.rank * local + local, -1)), local + self.num_experts)
         return (xp.where(padding, received, pair // max(k, 1)),
                 xp.where(padding, 0, pair % max(k, 1)), pair, slot_rows,
-                bincount(xp.where(fits, grouped, -1), local),
-                bincount(xp.where(served & ~fits, grouped + self.comm.rank * local, -1),
-                         self.num_experts))
+                both[:local], both[local:])
 
     def _overflowed(self, plan: _Plan, lost: Any, destination: Any) -> Any:
         """[T, k]: the assignments whose (destination, token) copy found no
