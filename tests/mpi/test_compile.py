@@ -465,3 +465,112 @@ def test_jitted_moe_dispatch_combine_traces_once(comm, capacity_factor):
     assert all_ranks(all(finite))
     assert all_ranks(len(traces) == 1 and step._cache_size() == 1), \
         f"{len(traces)} traces, {step._cache_size()} programs"
+
+
+# -- torch MoE dispatch/combine as ops --------------------------------------------------
+
+MOE_TOKENS, MOE_HIDDEN, MOE_K = 6, 8, 2
+
+
+def _moe_step(dispatcher, maps):
+    """A norm, dispatch, a per-expert map, combine: the loss of x, weights
+    and maps (the norm first, so that a break at the dispatch has a graph
+    before it, which ``explain`` counts)."""
+
+    def step(x, weights, maps, chosen):
+        expert_x, handle = dispatcher.dispatch(torch.nn.functional.rms_norm(x, x.shape[1:]),
+                                               chosen, weights)
+        if expert_x.ndim == 3:  # fixed capacity: [local experts, slots, H]
+            expert_y = torch.tanh(torch.bmm(expert_x, maps))
+        else:  # counted: every row through the first map
+            expert_y = torch.tanh(expert_x @ maps[0])
+        return dispatcher.combine(expert_y, handle).square().sum()
+    return step
+
+
+def _moe_inputs(comm, dispatcher, call):
+    generator = torch.Generator().manual_seed(100 * call + comm.rank)
+    x = torch.randn(MOE_TOKENS, MOE_HIDDEN, generator=generator)
+    weights = torch.rand(MOE_TOKENS, MOE_K, generator=generator) + 0.1
+    chosen = torch.argsort(torch.randn(MOE_TOKENS, dispatcher.core.num_experts,
+                                       generator=generator), dim=1)[:, :MOE_K]
+    return [x, weights], chosen
+
+
+def _moe_maps(dispatcher):
+    generator = torch.Generator().manual_seed(7)
+    return torch.randn(dispatcher.core.local_experts, MOE_HIDDEN, MOE_HIDDEN,
+                       generator=generator) / MOE_HIDDEN ** 0.5
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.5])
+def test_moe_fixed_capacity_compiles_whole_and_equals_eager(comm, capacity_factor):
+    """The fixed-capacity dispatch and combine (``commlib::moe_dispatch`` /
+    ``moe_combine`` and their backward ops): no graph break, the loss and
+    the gradients of x, the weights and the experts' maps equal eager
+    bitwise, and ten calls with new tokens and routing run one graph (the
+    routing state travels as a key tensor made when the op runs, never a
+    constant of the graph); no dispatch handle outlives its graph's use."""
+    from commlib.bindings import torch_moe
+    dispatcher = ct.Dispatcher(comm, 2 * comm.size, max_tokens_per_rank=MOE_TOKENS,
+                               capacity_factor=capacity_factor)
+    maps = _moe_maps(dispatcher)
+    step = _moe_step(dispatcher, maps)
+    inputs, chosen = _moe_inputs(comm, dispatcher, 0)
+    count, reasons = breaks(step, *inputs, maps, chosen)
+    counting = Counting()
+    compiled = torch.compile(step, backend=counting, fullgraph=True)
+    same = []
+    for call in range(CALLS):
+        inputs, chosen = _moe_inputs(comm, dispatcher, call)
+        results = [run(function, inputs + [maps], chosen) for function in (compiled, step)]
+        same.append(identical(*results))
+    import gc
+    gc.collect()
+    assert all_ranks(count == 0), reasons
+    assert all_ranks(all(same)), same
+    assert all_ranks(counting.graphs == 1), f"{counting.graphs} graphs for {CALLS} calls"
+    assert all_ranks(not torch_moe._held), f"{len(torch_moe._held)} dispatch handles kept"
+
+
+def test_moe_fixed_capacity_under_inductor(comm):
+    """Inductor's own kernels around the ops: within float32 rounding of
+    eager, no break."""
+    dispatcher = ct.Dispatcher(comm, 2 * comm.size, max_tokens_per_rank=MOE_TOKENS)
+    maps = _moe_maps(dispatcher)
+    step = _moe_step(dispatcher, maps)
+    compiled = torch.compile(step, fullgraph=True)
+    errors = []
+    for call in range(2):
+        inputs, chosen = _moe_inputs(comm, dispatcher, call)
+        (loss_a, grads_a), (loss_b, grads_b) = [run(function, inputs + [maps], chosen)
+                                                for function in (compiled, step)]
+        errors.append(max([float((loss_a - loss_b).abs() / loss_b.abs())]
+                          + [float((a - b).abs().max()) for a, b in zip(grads_a, grads_b)]))
+    assert all_ranks(max(errors) <= 1e-5), errors
+
+
+def test_moe_counted_dispatch_breaks_once(comm):
+    """The counted dispatch's rows are known only after a host read: one
+    graph break, at the dispatch (its combine and both backwards are ops),
+    and compiled equals eager bitwise; with
+    ``capture_dynamic_output_shape_ops`` the op is traced, its rows an
+    unbacked size: no break, still equal."""
+    dispatcher = ct.Dispatcher(comm, 2 * comm.size, capacity_factor=1.5)
+    maps = _moe_maps(dispatcher)
+    step = _moe_step(dispatcher, maps)
+    counts, same = [], []
+    for capture in (False, True):
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=capture):
+            inputs, chosen = _moe_inputs(comm, dispatcher, 0)
+            counts.append(breaks(step, *inputs, maps, chosen))
+            compiled = torch.compile(step, backend=Counting())
+            for call in range(3):
+                inputs, chosen = _moe_inputs(comm, dispatcher, call)
+                same.append(identical(*[run(function, inputs + [maps], chosen)
+                                        for function in (compiled, step)]))
+            torch._dynamo.reset()
+    (eager_count, eager_reasons), (traced_count, traced_reasons) = counts
+    assert all_ranks(eager_count == 1 and "disable" in eager_reasons[0].lower()), eager_reasons
+    assert all_ranks(traced_count == 0), traced_reasons
+    assert all_ranks(all(same)), same
