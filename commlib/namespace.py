@@ -39,7 +39,21 @@ _NAMESPACES: dict = {}
 
 
 def framework(x: Any) -> str:
-    """"numpy", "cupy", "torch" or "jax"."""
+    """"numpy", "cupy", "torch" or "jax": by type, remembered per type (the
+    array-api-compat checks cost microseconds; issue 37)."""
+    kind = type(x)
+    if kind is np.ndarray and x.dtype.kind == "V":  # JAX's float0 zero gradients: by dtype
+        return _framework(x)
+    found = _FRAMEWORK_OF_TYPE.get(kind)
+    if found is None:
+        found = _FRAMEWORK_OF_TYPE[kind] = _framework(x)
+    return found
+
+
+_FRAMEWORK_OF_TYPE: dict = {}
+
+
+def _framework(x: Any) -> str:
     if compat.is_torch_array(x):
         return "torch"
     if compat.is_jax_array(x):
@@ -358,12 +372,30 @@ def from_bytes(raw: Any, dtype: Any, row_shape: Tuple[int, ...]) -> Any:
 
 def index_dtype(x: Any) -> Any:
     """The integer dtype x's framework indexes with: int64, except JAX
-    without x64, where asking for int64 truncates to int32 with a warning."""
+    without x64, where asking for int64 truncates to int32 with a warning.
+    NumPy's and a plain torch tensor's answered directly (asked a thousand
+    times a decode-sized MoE pair; issue 37); JAX's depends on x64, asked."""
+    kind = type(x)
+    if kind is np.ndarray:
+        return _NUMPY_INT64
+    if kind.__module__ == "torch" and kind.__name__ == "Tensor":
+        import torch
+        return torch.int64
     return namespace(x).__array_namespace_info__().default_dtypes()["indexing"]
 
 
+_NUMPY_INT64 = np.dtype(np.int64)
+
+
 def device(x: Any) -> Any:
-    """The device ``x`` lives on, to allocate beside it."""
+    """The device ``x`` lives on, to allocate beside it. A NumPy array's and a
+    plain torch tensor's are read directly (array-api-compat's answer costs
+    microseconds, and a decode-sized MoE pair asks 24 times; issue 37)."""
+    kind = type(x)
+    if kind is np.ndarray:
+        return "cpu"
+    if kind.__module__ == "torch" and kind.__name__ == "Tensor":
+        return x.device
     return compat.device(x)
 
 
