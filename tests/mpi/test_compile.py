@@ -343,21 +343,25 @@ def test_decoder_block_compiles_whole_and_equals_eager(comm, family, implementat
 
 
 class MoEDispatchBreak(Exception):
-    """The expert-parallel MoE dispatch is not yet traceable (not a custom op)."""
+    """The transformers experts forward over the counted dispatch is not
+    yet traceable (the dispatch and combine ops are: tests below)."""
 
 
 def _at_moe_dispatch(text):
-    return "torch_moe.py" in text or "commlib/moe/" in text or "transformers_experts.py" in text
+    return "torch_moe.py" in text or "transformers_experts.py" in text
 
 
 @pytest.mark.full
 @pytest.mark.xfail(strict=True, raises=MoEDispatchBreak,
-                   reason="the expert-parallel MoE dispatch/combine is not a custom op yet: "
-                          "dynamo traces into commlib.moe (NumPy on the counts) and fails there")
+                   reason="the dispatch and combine are ops (no break under a fixed capacity), "
+                          "but the transformers experts forward breaks: ContextVar.get "
+                          "(replicated_tokens), the counted dispatch (rows read on the host) "
+                          "and tokens_per_expert.tolist() for its split")
 def test_qwen3_moe_block_with_expert_parallel_compiles_whole(comm):
     """The Qwen3-MoE block with its experts over ``expert_parallel``: its
-    attention compiles whole (test above); a failure anywhere but the MoE
-    dispatch fails this test (not the xfail)."""
+    attention compiles whole (test above); a failure anywhere but the
+    experts forward and its counted dispatch fails this test (not the
+    xfail). The MoE ops alone: test_moe_fixed_capacity_compiles_whole...."""
     layer, step = _block(comm, "qwen3_moe", "commlib_ring", expert_parallel=True)
     batch = _batch(comm, "commlib_ring")
     try:
