@@ -185,14 +185,17 @@ class Communicator:
         if self._check:
             consistency.agree(self._host, op, facts, self._context)
 
-    def agree(self, op: str, *facts: Any, problem: Optional[Exception] = None) -> None:
+    def agree(self, op: str, *facts: Any, problem: Optional[Exception] = None,
+              summed: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
         """Check now, whatever ``COMMLIB_CHECK`` says, that every rank calls
         ``op`` with the same ``facts`` (and registered parameters) and that
         no rank had a ``problem`` with its own input; otherwise raise
         ``CollectiveMismatchError`` on every rank. For algorithms, before a
-        long computation whose collectives would otherwise hang or mismatch."""
+        long computation whose collectives would otherwise hang or mismatch.
+        ``summed``: int64 counts (one length everywhere) returned summed
+        over the ranks, in the same exchange."""
         self._watchdog.begin(op)
-        consistency.agree(self._host, op, facts, self._context, problem)
+        return consistency.agree(self._host, op, facts, self._context, problem, summed)
 
     def _backend_for(self, *natives: Native) -> Backend:
         """The transport for these arrays; they must all live on one side

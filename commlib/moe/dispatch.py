@@ -284,16 +284,26 @@ class Dispatcher:
                 counts = self._host_counts(plan)
                 problem = contract.range_problem(self.num_experts, *counts.id_range)
         facts = self._facts(x, experts, quantize, dequantize) if problem is None else ()
-        self.comm.agree("moe.dispatch", *facts, problem=problem)
-        wire = self._wire(x, quantize, dequantize)
+        wire = self._wire(x, quantize, dequantize) if problem is None else None
+        if self.max_tokens_per_rank is None and not self.hierarchical:
+            # flat counted: the stats' sum rides the agreement (no allreduce of their own)
+            size, count = self.comm.size, self.num_experts
+            local = np.zeros(2 * count + size * size + 1, np.int64)
+            if problem is None:
+                traffic = np.zeros((size, size), np.int64)
+                traffic[self.comm.rank] = counts.send[0] * int(wire.payload.shape[1])
+                local = DispatchStats.local(counts.requested, counts.dropped, traffic)
+            total = self.comm.agree("moe.dispatch", *facts, problem=problem, summed=local)
+        else:
+            total = self.comm.agree("moe.dispatch", *facts, problem=problem)
         xp = namespace(x)
         meta = as_bytes(xp.concat([xp.astype(plan.ids, xp.float32), plan.gate], axis=1))
         if self.max_tokens_per_rank is None:
-            return self._dispatch_counted(plan, counts, meta, wire)
+            return self._dispatch_counted(plan, counts, meta, wire, total)
         return self._dispatch_fixed(plan, meta, wire)
 
     def _dispatch_counted(self, plan: _Plan, counts: _Counts, meta: Any,
-                          wire: _Wire) -> PendingMoE:
+                          wire: _Wire, total: Optional[np.ndarray] = None) -> PendingMoE:
         """Counts known on the host: each hop's rows are exactly the copies,
         and each chunk's rows are placed in expert_x as the chunk lands."""
         xp = namespace(meta)
@@ -309,7 +319,10 @@ class Dispatcher:
                                        + chunked.forwarded.sum(axis=0)) * row_bytes
         else:
             traffic[self.comm.rank] = counts.send[0] * row_bytes
-        stats = DispatchStats.gather(self.comm, counts.requested, counts.dropped, traffic)
+        if total is None:
+            stats = DispatchStats.gather(self.comm, counts.requested, counts.dropped, traffic)
+        else:  # summed by the agreement (dispatch_async counted the same traffic)
+            stats = DispatchStats.from_total(self.comm, total, self.num_experts)
         self.stats = self.stats + stats
         first_expert = self.comm.rank * self.local_experts
         per_expert = stats.tokens_per_expert[first_expert:first_expert

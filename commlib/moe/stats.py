@@ -45,9 +45,20 @@ class DispatchStats:
                traffic: np.ndarray, invalid: int = 0) -> "DispatchStats":
         """Sum every rank's part (one small allreduce) and split the traffic
         by the topology."""
-        experts, size = kept.size, comm.size
-        local = np.concatenate([kept, dropped, traffic.reshape(-1), [invalid]]).astype(np.int64)
-        total = np.asarray(comm.allreduce(local))
+        return cls.from_total(comm, np.asarray(comm.allreduce(
+            cls.local(kept, dropped, traffic, invalid))), kept.size)
+
+    @staticmethod
+    def local(kept: np.ndarray, dropped: np.ndarray, traffic: np.ndarray,
+              invalid: int = 0) -> np.ndarray:
+        """This rank's part, as the int64 vector the ranks sum."""
+        return np.concatenate([kept, dropped, traffic.reshape(-1), [invalid]]).astype(np.int64)
+
+    @classmethod
+    def from_total(cls, comm, total: np.ndarray, experts: int) -> "DispatchStats":
+        """The stats from the ranks' summed ``local`` vectors (summed by
+        ``gather``'s allreduce, or riding a dispatch's agreement)."""
+        size = comm.size
         matrix = total[2 * experts:-1].reshape(size, size)
         across, within = _node_masks(tuple(comm.topology.node_of_rank))
         return cls(total[:experts], total[experts:2 * experts], matrix,
