@@ -476,14 +476,15 @@ def test_jitted_moe_dispatch_combine_traces_once(comm, capacity_factor):
 MOE_TOKENS, MOE_HIDDEN, MOE_K = 6, 8, 2
 
 
-def _moe_step(dispatcher, maps):
+def _moe_step(dispatcher, maps, quantize=None):
     """A norm, dispatch, a per-expert map, combine: the loss of x, weights
     and maps (the norm first, so that a break at the dispatch has a graph
     before it, which ``explain`` counts)."""
 
     def step(x, weights, maps, chosen):
         expert_x, handle = dispatcher.dispatch(torch.nn.functional.rms_norm(x, x.shape[1:]),
-                                               chosen, weights)
+                                               chosen, weights, quantize=quantize,
+                                               dequantize=quantize is not None)
         if expert_x.ndim == 3:  # fixed capacity: [local experts, slots, H]
             expert_y = torch.tanh(torch.bmm(expert_x, maps))
         else:  # counted: every row through the first map
@@ -507,19 +508,22 @@ def _moe_maps(dispatcher):
                        generator=generator) / MOE_HIDDEN ** 0.5
 
 
-@pytest.mark.parametrize("capacity_factor", [None, 1.5])
-def test_moe_fixed_capacity_compiles_whole_and_equals_eager(comm, capacity_factor):
+@pytest.mark.parametrize("capacity_factor, hierarchical, quantize",
+                         [(None, False, None), (1.5, False, None), (None, True, "fp8")])
+def test_moe_fixed_capacity_compiles_whole_and_equals_eager(comm, capacity_factor, hierarchical,
+                                                            quantize):
     """The fixed-capacity dispatch and combine (``commlib::moe_dispatch`` /
-    ``moe_combine`` and their backward ops): no graph break, the loss and
+    ``moe_combine`` and their backward ops; flat, two-hop with FP8 rows
+    dequantized): no graph break, the loss and
     the gradients of x, the weights and the experts' maps equal eager
     bitwise, and ten calls with new tokens and routing run one graph (the
     routing state travels as a key tensor made when the op runs, never a
     constant of the graph); no dispatch handle outlives its graph's use."""
     from commlib.bindings import torch_moe
     dispatcher = ct.Dispatcher(comm, 2 * comm.size, max_tokens_per_rank=MOE_TOKENS,
-                               capacity_factor=capacity_factor)
+                               capacity_factor=capacity_factor, hierarchical=hierarchical)
     maps = _moe_maps(dispatcher)
-    step = _moe_step(dispatcher, maps)
+    step = _moe_step(dispatcher, maps, quantize)
     inputs, chosen = _moe_inputs(comm, dispatcher, 0)
     count, reasons = breaks(step, *inputs, maps, chosen)
     counting = Counting()
