@@ -304,6 +304,7 @@ class Dispatcher:
             return self.dispatch_async(x, experts, weights, quantize=quantize,
                                        dequantize=dequantize).wait()
         run = moe_dispatch if self.core.max_tokens_per_rank is not None \
+            or not torch.compiler.is_compiling() \
             or torch._dynamo.config.capture_dynamic_output_shape_ops else _counted_dispatch
         expert_x, counts, key = run(x, experts, weights, self.handle, quantize)
         return expert_x, TorchHandle(key, weights, counts)
