@@ -3,8 +3,9 @@ hybrid attention in every layout and mask, the Ulysses relayouts), a Llama
 and a Qwen3-MoE decoder block and whole tiny models over the transformers
 binding trace with no graph break, forward and backward; compiled equals
 eager; and ten calls with fresh but equal masks and new values of the same
-shapes compile once. A jitted JAX attention step and MoE dispatch/combine
-trace once across ten calls.
+shapes compile once. The torch MoE dispatch/combine ops compile whole
+under a fixed capacity (the counted dispatch: one break). A jitted JAX
+attention step and MoE dispatch/combine trace once across ten calls.
 
 Backends: ``aot_eager`` (dynamo's graph, AOT autograd's forward and backward
 graphs, run by the same kernels eager runs: compiled equals eager bitwise)
@@ -582,3 +583,36 @@ def test_moe_counted_dispatch_breaks_once(comm):
     assert all_ranks(eager_count == 1 and "disable" in eager_reasons[0].lower()), eager_reasons
     assert all_ranks(traced_count == 0), traced_reasons
     assert all_ranks(all(same)), same
+
+
+def test_moe_micro_batches_in_flight_find_their_own_handles(comm):
+    """Two dispatches in flight in one compiled step, combined in the other
+    order (their backwards run in yet another): each combine and backward
+    uses its own dispatch's routing (the key tensor, not a slot of the
+    Dispatcher), so compiled equals eager bitwise, and equals two separate
+    steps."""
+    dispatcher = ct.Dispatcher(comm, 2 * comm.size, max_tokens_per_rank=MOE_TOKENS)
+    maps = _moe_maps(dispatcher)
+    single = _moe_step(dispatcher, maps)
+
+    def pair(x_a, w_a, x_b, w_b, maps, chosen_a, chosen_b):
+        ex_a, h_a = dispatcher.dispatch(x_a, chosen_a, w_a)
+        ex_b, h_b = dispatcher.dispatch(x_b, chosen_b, w_b)
+        y_b = dispatcher.combine(torch.tanh(torch.bmm(ex_b, maps)), h_b)
+        y_a = dispatcher.combine(torch.tanh(torch.bmm(ex_a, maps)), h_a)
+        return y_a.square().sum() + 2 * y_b.square().sum()
+
+    def normed(x):
+        return torch.nn.functional.rms_norm(x, x.shape[1:])
+    (x_a, w_a), chosen_a = _moe_inputs(comm, dispatcher, 1)
+    (x_b, w_b), chosen_b = _moe_inputs(comm, dispatcher, 2)
+    compiled = torch.compile(pair, backend=Counting(), fullgraph=True)
+    results = [run(function, [normed(x_a), w_a, normed(x_b), w_b, maps], chosen_a, chosen_b)
+               for function in (compiled, pair)]
+    loss_a, grads_a = run(single, [x_a, w_a, maps], chosen_a)
+    loss_b, grads_b = run(single, [x_b, w_b, maps], chosen_b)
+    (_, (_, gw_a, _, gw_b, _)) = results[0]
+    assert all_ranks(identical(*results))
+    assert all_ranks(torch.allclose(results[0][0], loss_a + 2 * loss_b, rtol=1e-6))
+    assert all_ranks(torch.allclose(gw_a, grads_a[1], rtol=1e-5)
+                     and torch.allclose(gw_b, 2 * grads_b[1], rtol=1e-5))
