@@ -16,7 +16,6 @@ out of the data-parallel gradient sum.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Iterator, List, Optional
 
 import torch
@@ -34,8 +33,10 @@ __all__ = ["IMPLEMENTATION", "EXPERT_PARALLEL", "register_experts", "expert_para
 IMPLEMENTATION = "commlib_ep"
 EXPERT_PARALLEL = "_commlib_expert_parallel"  # on Parameters that hold this rank's experts only
 _DISPATCHER = "commlib_dispatcher"            # on experts modules made expert-parallel
-# whether the tokens of this forward are the same on every rank (replicated_tokens())
-_REPLICATED = contextvars.ContextVar("commlib_replicated_tokens", default=False)
+# whether the tokens of this forward are the same on every rank (replicated_tokens()):
+# a plain module flag, which torch.compile reads (and guards on) without a break;
+# a ContextVar's get() breaks the graph at every experts module
+_REPLICATED = {"tokens": False}
 # set on every instance by transformers' ``use_experts_implementation``, with
 # the decorator's defaults: a flag that a transformers version does not set yet
 # (5.17 has no has_post_expert_norm) is a feature it lacks, hence its default
@@ -82,7 +83,7 @@ def _experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_inde
         raise RuntimeError(f"{type(experts).__name__} uses experts implementation "
                            f"{IMPLEMENTATION!r} but holds all its experts: call "
                            f"expert_parallel(model, comm) instead of selecting it by name")
-    if _REPLICATED.get():
+    if _REPLICATED["tokens"]:
         decode = _decode_dispatcher(experts, dispatcher.core, hidden_states.shape[0])
         return replicated_moe(decode, hidden_states, top_k_index, top_k_weights,
                               lambda expert_x, handle: torch.stack([
@@ -90,8 +91,15 @@ def _experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_inde
                                   for index, rows in enumerate(expert_x)])
                               ).to(hidden_states.dtype)
     expert_x, handle = dispatcher.dispatch(hidden_states, top_k_index, top_k_weights)
-    groups = torch.split(expert_x, handle.tokens_per_expert.tolist())
-    expert_y = torch.cat([_expert_mlp(experts, index, rows) for index, rows in enumerate(groups)])
+    if dispatcher.core.max_tokens_per_rank is not None:
+        # [local experts, capacity, H]: static shapes, nothing read on the host
+        # (compiles whole); the padding rows are computed and ignored by combine
+        expert_y = torch.stack([_expert_mlp(experts, index, rows)
+                                for index, rows in enumerate(expert_x.unbind(0))])
+    else:
+        groups = torch.split(expert_x, handle.tokens_per_expert.tolist())
+        expert_y = torch.cat([_expert_mlp(experts, index, rows)
+                              for index, rows in enumerate(groups)])
     return dispatcher.combine(expert_y, handle).to(hidden_states.dtype)
 
 
@@ -101,11 +109,12 @@ def replicated_tokens() -> Iterator[None]:
     the same on every rank (decode under context parallelism): each rank
     dispatches its share (``commlib.moe.replicated``) with a fixed capacity
     (DeepEP's low-latency mode) and every rank gets every token's result."""
-    token = _REPLICATED.set(True)
+    before = _REPLICATED["tokens"]
+    _REPLICATED["tokens"] = True
     try:
         yield
     finally:
-        _REPLICATED.reset(token)
+        _REPLICATED["tokens"] = before
 
 
 def _decode_dispatcher(experts: nn.Module, core: CoreDispatcher, tokens: int) -> CoreDispatcher:
@@ -169,7 +178,7 @@ def _refusal(experts: nn.Module, size: int) -> Optional[str]:
     return None
 
 
-def _keep_local_experts(experts: nn.Module, comm) -> None:
+def _keep_local_experts(experts: nn.Module, comm, max_tokens_per_rank: Optional[int]) -> None:
     """Replace each expert parameter by this rank's slice, a copy of its own
     so that the full tensor's memory is freed, and attach the Dispatcher.
     ``num_experts`` stays global: the router's ids are global."""
@@ -182,15 +191,21 @@ def _keep_local_experts(experts: nn.Module, comm) -> None:
                                  requires_grad=full.requires_grad)
             setattr(shard, EXPERT_PARALLEL, True)
             setattr(experts, name, shard)
-    setattr(experts, _DISPATCHER, Dispatcher(comm, experts.num_experts))
+    setattr(experts, _DISPATCHER, Dispatcher(comm, experts.num_experts,
+                                             max_tokens_per_rank=max_tokens_per_rank))
 
 
-def expert_parallel(model: nn.Module, comm) -> nn.Module:
+def expert_parallel(model: nn.Module, comm, *,
+                    max_tokens_per_rank: Optional[int] = None) -> nn.Module:
     """Split every experts module of ``model`` over ``comm`` (collective):
     each rank keeps experts ``rank * E/P`` to ``(rank + 1) * E/P - 1``, their
     parameters marked ``_commlib_expert_parallel``, and the experts run
-    ``"commlib_ep"``. Call it before building the optimizer; ``state_dict()``
-    then holds this rank's experts. A model that cannot be split (E not a
+    ``"commlib_ep"``. ``max_tokens_per_rank``: the Dispatchers' fixed
+    capacity (no host read per forward: the model then compiles whole under
+    ``torch.compile(fullgraph=True)``; tokens past a capacity are dropped and
+    counted); default the counted mode (one graph break at each dispatch).
+    Call it before building the optimizer; ``state_dict()`` then holds this
+    rank's experts. A model that cannot be split (E not a
     multiple of the world size, an experts class whose features commlib_ep
     does not compute) raises ValueError on every rank, unchanged."""
     register_experts()
@@ -205,7 +220,7 @@ def expert_parallel(model: nn.Module, comm) -> nn.Module:
                *(f"{type(module).__name__}: {module.num_experts} experts" for module in experts),
                problem=problem)
     for module in experts:
-        _keep_local_experts(module, comm)
+        _keep_local_experts(module, comm, max_tokens_per_rank)
         # what the decorated forward reads; the setter reaches the config's sub-configs
         module.config._experts_implementation = IMPLEMENTATION
     return model

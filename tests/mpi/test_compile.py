@@ -13,7 +13,6 @@ for most cases; inductor (its own fused kernels: within float32 rounding)
 in the full tier, where its C++ compile time is affordable."""
 
 import copy
-import traceback
 
 import numpy as np
 import pytest
@@ -262,7 +261,7 @@ def _batch(comm, implementation, packed=False):
                            "position_ids": positions}, comm, attn_implementation=implementation)
 
 
-def _block(comm, family, implementation, expert_parallel=False):
+def _block(comm, family, implementation, expert_parallel=None):
     """A seeded decoder layer of ``family`` attending with ``implementation``,
     its rotary embedding, and a step: the layer on hidden states of the
     shard's positions (the batch's documents forwarded as the model does),
@@ -279,8 +278,8 @@ def _block(comm, family, implementation, expert_parallel=False):
     with torch.no_grad():  # a layer alone is not initialised (its experts: torch.empty)
         for parameter in layer.parameters():
             parameter.normal_(std=0.1)
-    if expert_parallel:
-        hf.expert_parallel(layer, comm)
+    if expert_parallel is not None:  # the Dispatchers' fixed capacity
+        hf.expert_parallel(layer, comm, max_tokens_per_rank=expert_parallel)
     rope = LlamaRotaryEmbedding(config)
 
     def step(hidden, probe, batch):
@@ -343,39 +342,19 @@ def test_decoder_block_compiles_whole_and_equals_eager(comm, family, implementat
     assert all_ranks(graphs == 1), f"{graphs} graphs for 3 calls"
 
 
-class MoEDispatchBreak(Exception):
-    """The transformers experts forward over the counted dispatch is not
-    yet traceable (the dispatch and combine ops are: tests below)."""
-
-
-def _at_moe_dispatch(text):
-    return "torch_moe.py" in text or "transformers_experts.py" in text
-
-
 @pytest.mark.full
-@pytest.mark.xfail(strict=True, raises=MoEDispatchBreak,
-                   reason="the dispatch and combine are ops (no break under a fixed capacity), "
-                          "but the transformers experts forward breaks: ContextVar.get "
-                          "(replicated_tokens), the counted dispatch (rows read on the host) "
-                          "and tokens_per_expert.tolist() for its split")
 def test_qwen3_moe_block_with_expert_parallel_compiles_whole(comm):
-    """The Qwen3-MoE block with its experts over ``expert_parallel``: its
-    attention compiles whole (test above); a failure anywhere but the
-    experts forward and its counted dispatch fails this test (not the
-    xfail). The MoE ops alone: test_moe_fixed_capacity_compiles_whole...."""
-    layer, step = _block(comm, "qwen3_moe", "commlib_ring", expert_parallel=True)
+    """The Qwen3-MoE block with its experts over ``expert_parallel`` at a
+    fixed capacity (no host read: the experts forward takes [local experts,
+    capacity, H]): no graph break, one graph, compiled equals eager. The
+    counted mode's one break at the dispatch: test_moe_counted_dispatch_breaks_once."""
     batch = _batch(comm, "commlib_ring")
-    try:
-        count, reasons, errors, graphs = _block_checks(comm, step, layer, batch)
-    except Exception:  # noqa: BLE001 - classified below, on every rank
-        trace = traceback.format_exc()
-        if all_ranks(_at_moe_dispatch(trace)):
-            raise MoEDispatchBreak(trace[-2000:]) from None
-        raise
-    if count and all_ranks(all(_at_moe_dispatch(reason) for reason in reasons)):
-        raise MoEDispatchBreak(reasons)
+    layer, step = _block(comm, "qwen3_moe", "commlib_ring",
+                         expert_parallel=batch["input_ids"].numel())
+    count, reasons, errors, graphs = _block_checks(comm, step, layer, batch)
     assert all_ranks(count == 0), reasons
     assert all_ranks(max(errors) <= BLOCK_ROUNDING), errors
+    assert all_ranks(graphs == 1), f"{graphs} graphs for 3 calls"
 
 
 MODELS = [("llama", "commlib_ring"), ("llama", "commlib_hybrid"), ("qwen3_moe", "commlib_ulysses")]
