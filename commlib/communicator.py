@@ -186,16 +186,16 @@ class Communicator:
             consistency.agree(self._host, op, facts, self._context)
 
     def agree(self, op: str, *facts: Any, problem: Optional[Exception] = None,
-              summed: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
+              carry: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
         """Check now, whatever ``COMMLIB_CHECK`` says, that every rank calls
         ``op`` with the same ``facts`` (and registered parameters) and that
         no rank had a ``problem`` with its own input; otherwise raise
         ``CollectiveMismatchError`` on every rank. For algorithms, before a
         long computation whose collectives would otherwise hang or mismatch.
-        ``summed``: int64 counts (one length everywhere) returned summed
-        over the ranks, in the same exchange."""
+        ``carry``: int64 rows [size, n] (n alike everywhere), row i to rank
+        i in the same exchange; returns the [size, n] rows received."""
         self._watchdog.begin(op)
-        return consistency.agree(self._host, op, facts, self._context, problem, summed)
+        return consistency.agree(self._host, op, facts, self._context, problem, carry)
 
     def _backend_for(self, *natives: Native) -> Backend:
         """The transport for these arrays; they must all live on one side

@@ -67,24 +67,24 @@ REJECTED = -1  # sent instead of a (non-negative) signature by a rank with bad i
 
 def agree(host, op: str, facts: Sequence[Any], context: Context,
           problem: Optional[Exception] = None,
-          summed: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
+          carry: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
     """Raise CollectiveMismatchError on every rank unless all ranks have the
     same fingerprint and none had a ``problem`` with its own input. One
-    all-to-all of one int64 per peer. ``summed`` (int64, one length on
-    every rank; its values unused where a rank has a problem) rides along
-    and comes back summed over the ranks: a count that would otherwise
-    need an allreduce of its own (issue 37)."""
+    all-to-all of one int64 per peer. ``carry`` (int64 [size, n], n the
+    same on every rank; unused where a rank has a problem) rides along, row
+    i to rank i, and the [size, n] rows received come back: counts that
+    would otherwise need an exchange of their own (issue 37)."""
     mine = REJECTED if problem is not None else signature(op, facts, context)
-    if summed is None:
+    if carry is None:
         received = host.exchange_int64(np.full((host.size, 1), mine, dtype=np.int64))[:, 0]
     else:
-        rows = np.empty((host.size, 1 + summed.size), np.int64)
+        rows = np.empty((host.size, 1 + carry.shape[1]), np.int64)
         rows[:, 0] = mine
-        rows[:, 1:] = summed
+        rows[:, 1:] = carry
         exchanged = host.exchange_int64(rows)
         received = exchanged[:, 0]
     if problem is None and (received == mine).all():
-        return None if summed is None else exchanged[:, 1:].sum(axis=0)
+        return None if carry is None else exchanged[:, 1:]
     rejected = np.flatnonzero(received == REJECTED)
     if rejected.size:
         raise_disagreement(host, received, str(problem),

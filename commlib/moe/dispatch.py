@@ -161,6 +161,7 @@ class _Counts:
     requested: np.ndarray         # assignments per expert after capacity
     dropped: np.ndarray           # assignments per expert over capacity
     id_range: Tuple[int, int]
+    receive: Optional[np.ndarray] = None  # flat: [P] rows from each rank, from the agreement
 
 
 @dataclass
@@ -286,14 +287,18 @@ class Dispatcher:
         facts = self._facts(x, experts, quantize, dequantize) if problem is None else ()
         wire = self._wire(x, quantize, dequantize) if problem is None else None
         if self.max_tokens_per_rank is None and not self.hierarchical:
-            # flat counted: the stats' sum rides the agreement (no allreduce of their own)
+            # flat counted: the rows each peer sends here and the stats' sum ride the
+            # agreement (no count exchange, no allreduce of their own)
             size, count = self.comm.size, self.num_experts
-            local = np.zeros(2 * count + size * size + 1, np.int64)
+            carry = np.zeros((size, 1 + 2 * count + size * size + 1), np.int64)
             if problem is None:
                 traffic = np.zeros((size, size), np.int64)
                 traffic[self.comm.rank] = counts.send[0] * int(wire.payload.shape[1])
-                local = DispatchStats.local(counts.requested, counts.dropped, traffic)
-            total = self.comm.agree("moe.dispatch", *facts, problem=problem, summed=local)
+                carry[:, 0] = counts.send[0]
+                carry[:, 1:] = DispatchStats.local(counts.requested, counts.dropped, traffic)
+            received = self.comm.agree("moe.dispatch", *facts, problem=problem, carry=carry)
+            counts.receive = received[:, 0].copy()
+            total = received[:, 1:].sum(axis=0)
         else:
             total = self.comm.agree("moe.dispatch", *facts, problem=problem)
         xp = namespace(x)
@@ -346,7 +351,7 @@ class Dispatcher:
             started = route.start(self.comm, lambda c: xp.take(message, route.chunk_rows(c),
                                                                axis=0))
         else:
-            route = Hop(first_rows, counts.send[0], None, tokens)
+            route = Hop(first_rows, counts.send[0], counts.receive, tokens)
             pairs, forward_chunk = [int(per_expert.sum())], None
             started = route.start(self.comm, lambda c: xp.take(message, first_rows, axis=0))
 

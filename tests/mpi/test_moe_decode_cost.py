@@ -1,6 +1,7 @@
-"""A flat counted dispatch + combine costs three small exchanges and two
-payload exchanges (issue 37): the stats' sum rides the dispatch's agreement
-instead of an allreduce of its own. The stats must still be the global
+"""A flat counted dispatch + combine costs two small exchanges (the
+agreements) and two payload exchanges (issue 37): the rows each peer sends
+and the stats' sum ride the dispatch's agreement instead of a count
+exchange and an allreduce of their own. The stats must still be the global
 counts, checked against an independent count from every rank's routing."""
 
 import numpy as np
@@ -45,7 +46,7 @@ def test_flat_counted_stats_ride_the_agreement(comm, capacity):
                              for dest in range(comm.size)] for e in everyone]) * hidden * 4
         stats = handle.stats
         assert all_ranks(
-            calls == {"exchange_int64": 3, "allreduce": 0}
+            calls == {"exchange_int64": 2, "allreduce": 0}
             and np.array_equal(stats.tokens_per_expert + stats.dropped, requested)
             # rows sent before drops: exact without a capacity
             and (capacity is not None or (not stats.dropped.any()
