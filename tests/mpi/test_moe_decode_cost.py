@@ -13,6 +13,9 @@ from commlib.moe.dispatch import Dispatcher
 
 from conftest import all_ranks
 
+# the exchanges of a pair between peers, at an even and an odd world size
+WORLD_SIZES = (2, 3)
+
 
 @pytest.mark.parametrize("capacity", [None, 0.6])
 def test_flat_counted_stats_ride_the_agreement(comm, capacity):
