@@ -14,7 +14,8 @@ from mpi4py import MPI
 
 import commlib
 
-# the same examples on every rank, in the same order, whatever the timing
+# rank 0 searches (hypothesis_ranks.given_on_every_rank), the others follow its draws;
+# derandomized, so a failure found in CI is found again here
 settings.register_profile("mpi", derandomize=True, database=None, deadline=None,
                           suppress_health_check=list(HealthCheck), max_examples=40)
 settings.load_profile("mpi")

@@ -3,8 +3,8 @@
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given
 from hypothesis import strategies as st
+from hypothesis_ranks import given_on_every_rank
 
 import commlib
 
@@ -81,7 +81,7 @@ def test_input_is_not_written(comm):
     assert all_ranks(np.array_equal(x, before))
 
 
-@given(data=st.data())
+@given_on_every_rank(data=st.data())
 def test_property_conservation_and_reference(comm, data):
     size = comm.size
     matrix = np.array(data.draw(st.lists(

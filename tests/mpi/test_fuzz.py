@@ -3,8 +3,8 @@ from every rank's reproducible input, and conservation."""
 
 import ml_dtypes
 import numpy as np
-from hypothesis import given
 from hypothesis import strategies as st
+from hypothesis_ranks import given_on_every_rank
 
 from conftest import all_ranks, same_on_all_ranks
 
@@ -27,7 +27,7 @@ def draw_common(data, size, max_dims=3):
     return dtype, shape, seed
 
 
-@given(data=st.data())
+@given_on_every_rank(data=st.data())
 def test_alltoall(comm, data):
     dtype, shape, seed = draw_common(data, comm.size)
     split_axis = data.draw(st.integers(0, len(shape) - 1))
@@ -44,7 +44,7 @@ def test_alltoall(comm, data):
                      and total == sum(i.size for i in inputs))
 
 
-@given(data=st.data())
+@given_on_every_rank(data=st.data())
 def test_allgather(comm, data):
     dtype, shape, seed = draw_common(data, comm.size)
     axis = data.draw(st.integers(0, len(shape) - 1))
@@ -54,7 +54,7 @@ def test_allgather(comm, data):
     assert all_ranks(y.tobytes() == np.concatenate(inputs, axis=axis).tobytes())
 
 
-@given(data=st.data())
+@given_on_every_rank(data=st.data())
 def test_allreduce(comm, data):
     dtype, shape, seed = draw_common(data, comm.size)
     op = data.draw(st.sampled_from(["sum", "max", "min"]))
@@ -70,7 +70,7 @@ def test_allreduce(comm, data):
         y.astype(np.float64), expected.astype(dtype).astype(np.float64)))
 
 
-@given(data=st.data())
+@given_on_every_rank(data=st.data())
 def test_bcast_and_ring_shift(comm, data):
     dtype, shape, seed = draw_common(data, comm.size)
     root = data.draw(st.integers(0, comm.size - 1))

@@ -8,8 +8,8 @@ same mask on every rank (a different one raises on all)."""
 
 import numpy as np
 import pytest
-from hypothesis import given
 from hypothesis import strategies as st
+from hypothesis_ranks import given_on_every_rank
 
 import commlib
 from commlib import hybrid, ring, ulysses
@@ -168,7 +168,7 @@ def slice_sets(draw):
     return Mask(parts or [Slice((0, length), (0, length), "causal")], length=length)
 
 
-@given(mask=slice_sets(), layout=st.sampled_from(LAYOUTS),
+@given_on_every_rank(mask=slice_sets(), layout=st.sampled_from(LAYOUTS),
        algorithm=st.sampled_from(["ring", "ring-sparse", "ulysses"]))
 def test_random_slice_sets(comm, mask, layout, algorithm):
     same_on_all_ranks((mask.digest(), layout, algorithm))
