@@ -2,11 +2,13 @@
 own slow but plain definitions."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commlib.namespace import sum_rows
+from commlib.namespace import sum_rows, zeroed_rows
 
+import arrayimpl
 import requires
 
 
@@ -62,3 +64,22 @@ def test_sum_rows_in_torch_slices_adds_the_terms_of_one_index_add(monkeypatch):
     expected = torch.zeros(4, 5).index_add_(0, index, terms)
     out = sum_rows(values, index, 4, scale=scale, rows=picked, dtype=torch.float32)
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("impl", arrayimpl.params())
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64", "int32"])
+def test_zeroed_rows_zero_nan_rows_bit_for_bit_and_keep_the_rest(impl, dtype):
+    """The rows not kept become +0 even where they held NaN or inf (a
+    padded expert row may; NaN times a zero weight would stay NaN); the
+    kept ones keep every bit."""
+    if dtype == "bfloat16" and impl.framework == "cupy":
+        pytest.skip("CuPy has no bfloat16")
+    rng = np.random.default_rng(2)
+    values = rng.standard_normal((6, 3, 2)).astype(arrayimpl.DTYPES[dtype])
+    if dtype != "int32":
+        values[1] = np.nan
+        values[4, 0] = np.inf
+    keep = np.array([True, False, True, True, False, True])
+    out = impl.to_numpy(zeroed_rows(impl.asarray(values.copy(), dtype), impl.asarray(keep)))
+    expected = np.where(keep[:, None, None], values, 0).astype(values.dtype)
+    assert out.tobytes() == expected.astype(out.dtype).tobytes()  # (to_numpy widens bfloat16)

@@ -44,6 +44,7 @@ from ..namespace import (
     namespace,
     sum_rows,
     take_rows,
+    zeroed_rows,
 )
 
 
@@ -99,17 +100,20 @@ class GatheredRows:
         return out
 
     def _sums(self, rows: Any, weighted: bool, low: int, high: int) -> Any:
-        """Arrivals low..high-1's sums."""
+        """Arrivals low..high-1's sums: the picked rows, the empty slots'
+        zeroed (a padded row may hold NaN, and NaN times a zero weight is
+        NaN), then one (1 x k) @ (k x hidden) product per arrival in float32,
+        not separate passes that scale, mask and sum (issue 37)."""
         xp = namespace(rows)
         trailing = tuple(rows.shape[1:])
         slot_rows = self.slot_rows[low * self.k:high * self.k]
         valid = slot_rows < rows.shape[0]
-        picked = float32(take_rows(rows, xp.where(valid, slot_rows, 0)))
+        picked = zeroed_rows(take_rows(rows, xp.where(valid, slot_rows, 0)), valid)
         factor = self.slot_weights[low * self.k:high * self.k] if weighted \
             else xp.astype(valid, xp.float32)
-        shape = (-1,) + (1,) * len(trailing)
-        picked = xp.where(xp.reshape(valid, shape), picked * xp.reshape(factor, shape), 0.0)
-        return xp.sum(xp.reshape(picked, (high - low, self.k) + trailing), axis=1)
+        terms = xp.reshape(float32(picked), (high - low, self.k, math.prod(trailing)))
+        sums = xp.matmul(xp.reshape(factor, (high - low, 1, self.k)), terms)
+        return xp.reshape(sums, (high - low,) + trailing)
 
 
 # bytes of float32 terms GatheredRows sums at a time in torch on the CPU
