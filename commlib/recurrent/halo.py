@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
+import array_api_extra as xpx
 import numpy as np
 
 from ..namespace import device, dtype_name, namespace
@@ -134,7 +135,6 @@ def halo_backward(grad_halo: Any, x_shape_or_like: Any, width: int, comm, *, lay
     shape = tuple(getattr(x_shape_or_like, "shape", x_shape_or_like))
     sharding, axis = _checked(comm, "recurrent.halo_backward", shape, width, axis, layout,
                               cu_seqlens, mask, dtype_name(grad_halo), tuple(grad_halo.shape))
-    held = sharding.per_rank[comm.rank]
     xp = namespace(grad_halo)
     halo_rows = xp.moveaxis(grad_halo, axis + 1, 1)
     rest = tuple(halo_rows.shape[2:])
@@ -155,11 +155,10 @@ def halo_backward(grad_halo: Any, x_shape_or_like: Any, width: int, comm, *, lay
                       for i in range(sharding.most_real)])
     received = comm.alltoall(sent, split_axis=0, concat_axis=0)
     summed = xp.sum(xp.reshape(received, (comm.size, sharding.most_real * width) + rest), axis=0)
-    rows, real = [], 0
-    for piece in held:
-        kept = 0 if piece.is_padding else min(width, piece.length)
-        rows.append(_zeros(grad_halo, piece.length - kept, rest))
-        if kept:
-            rows.append(summed[(real + 1) * width - kept:(real + 1) * width])
-            real += 1
-    return xp.moveaxis(xp.concat(rows), 0, axis)
+    grad_x = xp.zeros(shape, dtype=grad_halo.dtype, device=device(grad_halo))
+    for real, piece in enumerate(sharding.real[comm.rank]):
+        kept = min(width, piece.length)
+        along = (slice(None),) * axis + (slice(piece.stop - kept, piece.stop),)
+        tail = summed[(real + 1) * width - kept:(real + 1) * width]
+        grad_x = xpx.at(grad_x)[along].set(xp.moveaxis(tail, 0, axis))
+    return grad_x
