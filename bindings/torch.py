@@ -24,10 +24,11 @@ from commlib.kernels import Kernel
 from . import torch_ops as _ops
 from .torch_inference import DecodeCache, chunk_attention, decode_attention
 from .torch_moe import Dispatcher, TorchHandle
+from .torch_recurrent import gated_delta_rule, mamba2_scan
 
 __all__ = ["ring_attention", "ulysses_attention", "hybrid_attention", "seq_to_head",
            "head_to_seq", "Dispatcher", "TorchHandle", "decode_attention", "chunk_attention",
-           "DecodeCache"]
+           "DecodeCache", "gated_delta_rule", "mamba2_scan"]
 
 
 def _attention(q, k, v, comm, algorithm: str, *, layout: str, causal: bool,
