@@ -9,18 +9,22 @@ there). ``∘`` is a matrix product per leading index (gated delta rule:
 transition [..., dk, dk], state [..., dk, dv]) or a scalar factor per
 leading index (Mamba2: transition [...], state [..., headdim, dstate]).
 
-One all-gather of every real piece's (transition, offset): O(pieces x
-state) bytes, independent of the sequence length; then every rank runs the
-same cheap sequential scan (one matrix product per piece) and keeps its own
-pieces' states. A log P scan would move fewer bytes per rank only where the
-pieces outnumber log P of them, and would cost log P latencies instead of
-one.
+One all-gather of every real piece's (transition, offset): each rank
+receives (P-1) x pieces-per-rank pairs, O(pieces x state) bytes,
+independent of the sequence length, in one latency; then every rank runs
+the same cheap sequential scan (one product per piece) and keeps its own
+pieces' states. A log-depth (up- and down-sweep) scan over the 2P zigzag
+chunks would receive about 2 log2(2P) pairs a rank against 2 (P-1): fewer
+bytes from P = 5 on, for 2 log2(2P) latencies instead of one (measured
+only at P <= 3 so far).
 
 Backward: the gradients of the incoming states ride a second all-gather
 with (transition, offset); every rank recomputes the scan and runs its
-adjoint over all pieces, keeping its own pieces' rows. That moves less than
-an all-reduce of every piece's gradient (which is as large as the
-forward's whole gather, summed over ranks) and needs nothing saved.
+adjoint over all pieces, keeping its own pieces' rows. Per rank that
+receives (P-1)/P x (every rank's) pieces x (|transition| + 2 |state|), where a ring
+all-reduce of every piece's two gradients moves 2 (P-1)/P x pieces x
+(|transition| + |state|) and still needs every piece's transition and
+state; nothing is saved from the forward.
 """
 
 from __future__ import annotations
