@@ -9,12 +9,15 @@ Three lines::
     model = AutoModelForCausalLM.from_config(config, attn_implementation="commlib_ring")
     batch = commlib.bindings.transformers.shard_batch(batch, comm, attn_implementation=model)
 
-then ``expert_parallel(model, comm)`` for MoE models and
+then ``expert_parallel(model, comm)`` for MoE models,
+``recurrent_parallel(model, comm)`` for hybrid models (Gated DeltaNet,
+Mamba2) and
 ``allreduce_gradients(model, comm)`` after ``backward()``. The pieces:
 ``transformers_attention.py`` (the attention implementations and their
 mask functions), ``transformers_batch.py`` (sharding a batch, packed or
 not: global positions, labels and document offsets),
 ``transformers_experts.py`` (experts over the torch ``Dispatcher``),
+``transformers_recurrent.py`` (recurrent mixers on shards),
 ``transformers_gradients.py`` (summing the gradients of replicated
 parameters), ``transformers_generate.py`` (``generate``: sharded prefill,
 decode over a KV cache sharded by position).
@@ -29,9 +32,10 @@ from .transformers_batch import shard_batch
 from .transformers_experts import expert_parallel, register_experts
 from .transformers_generate import GENERATION, generate
 from .transformers_gradients import allreduce_gradients
+from .transformers_recurrent import recurrent_parallel
 
-__all__ = ["register", "shard_batch", "expert_parallel", "allreduce_gradients", "generate",
-           "GENERATION", "LAYOUTS"]
+__all__ = ["register", "shard_batch", "expert_parallel", "recurrent_parallel",
+           "allreduce_gradients", "generate", "GENERATION", "LAYOUTS"]
 
 
 def register(comm, ulysses_size: Optional[int] = None) -> None:

@@ -31,6 +31,7 @@ from commlib.documents import as_offsets, cu_seqlens_from_position_ids
 from commlib.ring import shard_sequence
 
 from .transformers_attention import layout_of
+from .transformers_recurrent import unparallel_recurrent_layers
 
 __all__ = ["shard_batch"]
 
@@ -73,9 +74,13 @@ def shard_batch(batch: Dict[str, Any], comm, *,
       ``max_length_q``/``max_length_k``: the longest document.
 
     The all-ones ``attention_mask`` is dropped: it carries nothing, and a
-    sharded one would mark the layout's padding.
+    sharded one would mark the layout's padding. A model whose recurrent
+    layers were not made parallel (``recurrent_parallel``) is refused: each
+    rank would run them from a zero state.
     """
     layout = layout_of(attn_implementation)
+    if isinstance(attn_implementation, torch.nn.Module):
+        _check_recurrent_layers(attn_implementation, comm)
     unknown = sorted(set(batch) - set(_SHARDED) - set(_DOCUMENTS))
     if unknown:
         raise ValueError(f"shard_batch does not know how to shard {', '.join(unknown)}; it "
@@ -103,6 +108,17 @@ def shard_batch(batch: Dict[str, Any], comm, *,
             "num_items_in_batch": (shift_labels != IGNORE_INDEX).sum(),
             "cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens,
             "max_length_q": longest, "max_length_k": longest}
+
+
+def _check_recurrent_layers(model: torch.nn.Module, comm) -> None:
+    """A sharded batch needs every recurrent layer context-parallel (the
+    model is the same on every rank, so every rank raises)."""
+    unparallel = unparallel_recurrent_layers(model)
+    if unparallel and comm.size > 1:
+        raise ValueError(f"shard_batch: {type(model).__name__}'s recurrent layers "
+                         f"{reprlib.repr(unparallel)} are not context-parallel: on a shard each "
+                         f"would start from a zero state. Call recurrent_parallel(model, comm) "
+                         f"first")
 
 
 def _offsets(batch: Dict[str, Any], length: int) -> List[int]:
