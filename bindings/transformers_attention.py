@@ -32,6 +32,7 @@ from commlib.documents import packing_for, positions_of
 from commlib.hybrid.attention import check_degree
 from commlib.ulysses.relayout import check_heads
 
+from .recurrent_marks import has_recurrent_layers, is_parallel
 from .torch import hybrid_attention, ring_attention, ulysses_attention
 
 __all__ = ["register_attention", "layout_of", "LAYOUTS"]
@@ -175,6 +176,8 @@ def _attention_function(name: str, attend: Attend, comm) -> Callable:
                   is_causal: Optional[bool] = None, sliding_window: Optional[int] = None,
                   **kwargs: Any) -> Tuple[torch.Tensor, None]:
         check_call(name, attention_mask, dropout, kwargs)
+        if world_size > 1:
+            _check_recurrent_layers(name, module)
         cu_seqlens = _documents(name, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         checked(kwargs.get("position_ids"), cu_seqlens, query.shape[2])
@@ -187,6 +190,19 @@ def _attention_function(name: str, attend: Attend, comm) -> Callable:
 
     attention.__name__ = attention.__qualname__ = name
     return attention
+
+
+def _check_recurrent_layers(name: str, module: torch.nn.Module) -> None:
+    """A sharded batch in a model with recurrent layers needs them made
+    context-parallel (``recurrent_parallel``); the model is the same on every
+    rank, so every rank raises. ``shard_batch(..., attn_implementation=model)``
+    checks the layers themselves; this catches a batch sharded by name."""
+    config = getattr(module, "config", None)
+    if config is not None and has_recurrent_layers(config) and not is_parallel(config):
+        raise ValueError(f"{name}: this model has recurrent layers (Gated DeltaNet or Mamba2) "
+                         f"that are not context-parallel: on a shard each would start from a "
+                         f"zero state. Call commlib.bindings.transformers."
+                         f"recurrent_parallel(model, comm) before sharding the batch")
 
 
 class _PositionCheck:

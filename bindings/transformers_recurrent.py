@@ -28,6 +28,7 @@ sharded batch (each rank would start its recurrences from a zero state):
 
 from __future__ import annotations
 
+import copy
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -40,6 +41,7 @@ from transformers.activations import ACT2FN
 from commlib.documents import as_offsets
 from commlib.recurrent.pieces import sharding
 
+from .recurrent_marks import mark_parallel
 from .torch import gated_delta_rule, mamba2_scan
 from .torch_recurrent_state import halo
 from .transformers_attention import layout_of
@@ -56,6 +58,13 @@ class _Sharded:
 
     comm: Any
     config: Any
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "_Sharded":
+        """A copied model's mixers share the communicator, and its config is
+        marked parallel like the original's."""
+        config = copy.deepcopy(self.config, memo)
+        mark_parallel(config)
+        return _Sharded(self.comm, config)
 
 
 def _is_recurrent(module: nn.Module) -> bool:
@@ -273,4 +282,5 @@ def recurrent_parallel(model: nn.Module, comm) -> nn.Module:
         setattr(module, _SHARDED, sharded)
         module.forward = types.MethodType(FAMILIES[type(module).__name__].forward, module)
     model.config.use_cache = False
+    mark_parallel(model.config)
     return model

@@ -9,6 +9,7 @@ by one in the unsharded model. Then expert parallelism in the same model,
 and what is refused."""
 
 import copy
+import importlib.util
 
 import numpy as np
 import pytest
@@ -161,6 +162,35 @@ def test_an_unparallel_model_refuses_a_sharded_batch(comm, reference):
     raises_everywhere(ValueError, lambda: hf.shard_batch(one_sequence(), comm,
                                                          attn_implementation=model),
                       match="recurrent_parallel(model, comm)")
+
+
+def test_a_batch_sharded_by_name_reaches_the_attention_and_is_refused(comm, reference):
+    """shard_batch given the implementation's name never sees the model: its
+    commlib attention refuses the unparallel recurrent layers instead. (Qwen3-
+    Next's first layer is recurrent, and transformers' torch fallback refuses
+    the batch's documents there first; with flash-linear-attention it would
+    run, and the attention layer after it refuses.)"""
+    if comm.size == 1:
+        pytest.skip("one rank's shard is the whole sequence: nothing to refuse")
+    model = copy.deepcopy(reference["model"])
+    model.set_attn_implementation("commlib_ring")
+    shard = hf.shard_batch(one_sequence(), comm, attn_implementation="commlib_ring")
+    first_is_deltanet = reference["family"] == "qwen3_next" and \
+        importlib.util.find_spec("fla") is None
+    raises_everywhere(ValueError, lambda: model(**shard),
+                      match="can't keep packed sequences apart" if first_is_deltanet
+                      else "recurrent_parallel(model, comm)")
+
+
+def test_a_copy_of_a_parallel_model_is_parallel_too(comm, reference):
+    """Its mixers share the communicator and its config is marked parallel,
+    so the attention lets a batch sharded by name through."""
+    model = copy.deepcopy(sharded(reference, comm, "commlib_ring"))
+    shard = hf.shard_batch(one_sequence(), comm, attn_implementation="commlib_ring")
+    loss = model(**shard).loss
+    want = reference["one sequence"][0]
+    total = float(comm.allreduce(np.array([loss.item()]))[0])
+    assert all_ranks(abs(total - want) <= TOL * abs(want)), (total, want)
 
 
 def test_a_cache_is_refused(comm, reference):
