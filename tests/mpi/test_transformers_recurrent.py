@@ -23,13 +23,14 @@ hf = requires.module("commlib.bindings.transformers")
 from commlib.bindings.transformers_experts import EXPERT_PARALLEL  # noqa: E402
 
 # 2 ranks: zigzag's two pieces per rank; 3: a middle rank whose zigzag chunks
-# join into one piece, and a length (41) that neither 2P nor 3P divides
-WORLD_SIZES = (2, 3)
+# join into one piece, and a length (41) that neither 2P nor 3P divides; 4: two
+# emulated hosts in the full tier (a whole hybrid model across real links)
+WORLD_SIZES = (2, 3, 4)
 
 VOCAB, SEQ = 96, 41
 DOCUMENTS = (9, 2, 17, 13)  # packed: 41 tokens, documents crossing the shards' edges
 TOL = 1e-5  # of each tensor's largest reference magnitude (float32; the mixers' chunking differs)
-EXPERTS = 6  # divides 2 and 3 ranks
+EXPERTS = 12  # divides 2, 3 and 4 ranks
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, vocab_size=VOCAB, max_position_embeddings=64, initializer_range=0.1,
