@@ -10,7 +10,8 @@ XLA's stream). Forward and backward are both traced; the forward keeps
 ``out`` and ``lse`` for the backward. Shapes and arguments are checked on
 every rank when JAX traces. MoE dispatch and combine (``Dispatcher``, in
 ``bindings/jax_moe.py``) are traced the same way, drop-and-pad with a fixed
-capacity.
+capacity, and so are the sharded Gated DeltaNet and Mamba2 mixers
+(``gated_delta_rule``, ``mamba2_scan``, in ``bindings/jax_recurrent.py``).
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ from commlib.kernels import Kernel
 
 from .jax_collectives import traced
 from .jax_moe import Dispatcher
+from .jax_recurrent import gated_delta_rule, mamba2_scan
 
-__all__ = ["ring_attention", "ulysses_attention", "hybrid_attention", "Dispatcher"]
+__all__ = ["ring_attention", "ulysses_attention", "hybrid_attention", "Dispatcher",
+           "gated_delta_rule", "mamba2_scan"]
 
 
 def _differentiable(forward, backward):
