@@ -1,6 +1,6 @@
 """tools/bench_recurrent.py at toy sizes: the bytes a recurrent layer
 receives are the same at every length while a ring's K/V grow with it, and
-the mixers' lines report both timings and a ratio."""
+the mixers' and the training step's lines report both timings and a ratio."""
 
 import json
 import re
@@ -37,3 +37,9 @@ def test_bytes_are_flat_in_the_length_and_mixers_report_ratios(tmp_path):
         assert re.search(rf"{name}: sharded \S+ ms, one process \S+ ms \(speedup \S+x on 2 "
                          rf"ranks\)", result.stdout), result.stdout
     assert re.search(r"incoming_state .*: \d+ us; bare Allgather \d+ us \(\S+x", result.stdout)
+    result = run(2, [sys.executable, "-m", "commlib.tools.bench_recurrent", "train", "--seq",
+                     "64", "--hidden", "64", "--repeats", "1"], timeout=300)
+    assert result.returncode == 0, result.stdout
+    assert re.search(r"bench_recurrent train: Qwen3-Next-shaped, 4 layers \(hidden 64\), 64 "
+                     r"tokens: 2 ranks x 1 thread \S+ s per step, one process x 2 threads \S+ s "
+                     r"\(speedup \S+x\)", result.stdout), result.stdout

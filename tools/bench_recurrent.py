@@ -3,6 +3,7 @@ what it costs.
 
     mpiexec -bind-to core -n 2 python -m commlib.tools.bench_recurrent bytes
     mpiexec -bind-to core -n 2 python -m commlib.tools.bench_recurrent mixers
+    mpiexec -bind-to core -n 2 python -m commlib.tools.bench_recurrent train
 
 ``bytes``: the bytes a rank receives for one layer's forward and backward
 (``incoming_state``, its backward, the convolution's ``halo`` and its
@@ -11,7 +12,9 @@ attention layer's K/V, which grows with it. ``mixers``: the sharded Gated
 DeltaNet and Mamba2 scans (forward + backward, torch float32, one thread a
 rank) against transformers' single-process chunked functions on the whole
 sequence with every core (``--threads``), and ``incoming_state`` alone
-against mpi4py's ``Allgather`` of the same bytes.
+against mpi4py's ``Allgather`` of the same bytes. ``train``: a
+Qwen3-Next-shaped model's training step, sharded, against the same model
+in one process.
 """
 
 from __future__ import annotations
@@ -180,6 +183,74 @@ def mixers(length: int, heads: int, head_dim: int, state: int, layout: str, thre
             f"(speedup {reference / ours:.2f}x on {comm.size} ranks)", flush=True)
     _state_against_allgather(world, comm, heads, head_dim, layout, repeats, say, rows)
     _report(say, rows, json_path, comm.rank)
+    comm.free()
+
+
+@main.command()
+@click.option("--seq", default=4096, show_default=True, help="Global sequence length.")
+@click.option("--hidden", default=256, show_default=True)
+@click.option("--layers", default=4, show_default=True,
+              help="Decoder layers: every fourth full attention, the rest Gated DeltaNet.")
+@click.option("--threads", default=2, show_default=True,
+              help="Threads of the one-process reference (every core).")
+@click.option("--repeats", default=2, show_default=True)
+@_json_option
+def train(seq: int, hidden: int, layers: int, threads: int, repeats: int,
+          json_path: Optional[str]) -> None:
+    """A Qwen3-Next-shaped model's training step (forward, backward, the
+    gradients summed over ranks): commlib_ring attention and
+    recurrent_parallel on every rank against the model with sdpa and
+    transformers' torch mixers on the whole sequence in one process."""
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+
+    from commlib.bindings import transformers as cht
+
+    world = MPI.COMM_WORLD
+    comm = commlib.init(backend="mpi")
+    cht.register(comm)
+    say = print if comm.rank == 0 else (lambda *a, **k: None)
+    torch.set_num_threads(1)
+    heads = hidden // 64
+    config = Qwen3NextConfig(
+        vocab_size=1024, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+        head_dim=64, layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                  for i in range(layers)],
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden,
+        shared_expert_intermediate_size=hidden, linear_num_key_heads=heads,
+        linear_num_value_heads=2 * heads, linear_key_head_dim=64, linear_value_head_dim=64,
+        max_position_embeddings=seq, use_cache=False)
+    data = torch.randint(1024, (1, seq), generator=torch.Generator().manual_seed(1))
+
+    def model_with(implementation: str):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config, attn_implementation=implementation,
+                                                experts_implementation="eager")
+
+    def one_process() -> float:
+        torch.set_num_threads(threads)
+        model = model_with("sdpa")
+
+        def step() -> None:
+            model(input_ids=data, labels=data).loss.backward()
+        step()
+        best = min(_timed(step) for _ in range(repeats))
+        torch.set_num_threads(1)
+        return best
+    reference = first_rank_alone(world, one_process)
+    model = cht.recurrent_parallel(model_with("commlib_ring"), comm)
+    shard = cht.shard_batch({"input_ids": data}, comm, attn_implementation=model)
+
+    def sharded() -> None:
+        model(**shard).loss.backward()
+        cht.allreduce_gradients(model, comm)
+    sharded()
+    ours = _slowest(world, sharded, repeats)
+    say(f"bench_recurrent train: Qwen3-Next-shaped, {layers} layers (hidden {hidden}), "
+        f"{seq} tokens: {comm.size} ranks x 1 thread {ours:.2f} s per step, one process x "
+        f"{threads} threads {reference:.2f} s (speedup {reference / ours:.2f}x)")
+    _report(say, [{"seq": seq, "sharded_s": ours, "one_process_s": reference}], json_path,
+            comm.rank)
     comm.free()
 
 
