@@ -8,7 +8,9 @@ import pytest
 
 from commlib.moe.expand import GatheredRows
 
-torch = pytest.importorskip("torch")
+import requires
+
+torch = requires.module("torch")
 
 
 @pytest.mark.parametrize("weighted", [True, False])

@@ -7,8 +7,10 @@ multiple of the chunk, and document resets."""
 
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+import requires
+
+torch = requires.module("torch")
+requires.module("transformers")
 
 from recurrent_reference import delta_rule_loop, ssd_loop  # noqa: E402
 from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan  # noqa: E402

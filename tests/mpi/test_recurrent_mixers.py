@@ -7,7 +7,9 @@ divide and for packed documents that cross rank boundaries."""
 
 import pytest
 
-torch = pytest.importorskip("torch")
+import requires
+
+torch = requires.module("torch")
 
 from recurrent_reference import delta_rule_loop, ssd_loop  # noqa: E402
 
