@@ -20,10 +20,11 @@ from commlib.ring import shard_sequence, unshard_sequence  # noqa: E402
 from conftest import all_ranks, raises_everywhere  # noqa: E402
 
 # 1: the pieces alone, no neighbour; 2: zigzag's middle rank holds one piece;
-# 3: a rank with neighbours on both sides, and 41 tokens neither 2 nor 3 divides
-WORLD_SIZES = (1, 2, 3)
+# 3: a rank with neighbours on both sides, and 41 tokens neither 2 nor 3 divides;
+# 4: two emulated hosts in the full tier, the states crossing a real link
+WORLD_SIZES = (1, 2, 3, 4)
 
-EVEN = 36  # cut evenly by 2, 4 and 6 chunks: no cu_seqlens needed
+EVEN = 48  # cut evenly by 2, 4, 6 and 8 chunks: no cu_seqlens needed
 LENGTH = 41
 DOCUMENTS = [0, 13, 30, 41]  # three documents, crossing rank boundaries
 CASES = [("contiguous", None), ("zigzag", None),
