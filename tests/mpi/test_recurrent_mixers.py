@@ -59,7 +59,7 @@ def _check_sharded(comm, layout, cu_seqlens, inputs, state, reference, sharded):
     grads = torch.autograd.grad(loss, shards + [local_state])
     whole = unshard_sequence(out.detach(), comm, layout=layout, axis=1, cu_seqlens=cu_seqlens,
                              length=length)
-    errors = [float((whole - want).abs().max()), float((final - want_final).abs().max())]
+    errors = [float((whole - want).abs().max()), float((final.detach() - want_final).abs().max())]
     errors += [float((got - shard(w)).abs().max()) for got, w in zip(grads[:-1], want_grads)]
     state_grad = comm.allreduce(grads[-1].contiguous())
     errors.append(float((state_grad - want_grads[-1]).abs().max()))
