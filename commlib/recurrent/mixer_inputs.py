@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
+import numpy as np
+
 from ..namespace import dtype_name
 
 __all__ = ["delta_rule_facts", "mamba2_facts", "sequence_length"]
@@ -24,7 +26,8 @@ def _shape_problem(name: str, x: Optional[Any], shape: Tuple[int, ...]) -> None:
 
 
 def _chunk_problem(chunk_size: Any) -> None:
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+    if not isinstance(chunk_size, (int, np.integer)) or isinstance(chunk_size, bool) \
+            or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
 
 
@@ -44,7 +47,7 @@ def delta_rule_facts(query: Any, key: Any, value: Any, g: Any, beta: Any,
     _shape_problem("initial_state", initial_state, (batch, v_heads, d_k, d_v))
     if v_heads % k_heads:
         raise ValueError(f"{v_heads} value heads cannot share {k_heads} key heads")
-    return (tuple(query.shape), tuple(value.shape), dtype_name(query), chunk_size,
+    return (tuple(query.shape), tuple(value.shape), dtype_name(query), int(chunk_size),
             initial_state is not None) + flags
 
 
@@ -66,5 +69,5 @@ def mamba2_facts(hidden_states: Any, dt: Any, A: Any, B: Any, C: Any, D: Optiona
     if tuple(B.shape[:2]) != (batch, length) or heads % B.shape[2]:
         raise ValueError(f"B {tuple(B.shape)} does not match hidden_states "
                          f"{tuple(hidden_states.shape)} (heads a multiple of groups)")
-    return (tuple(hidden_states.shape), tuple(B.shape), dtype_name(hidden_states), chunk_size,
+    return (tuple(hidden_states.shape), tuple(B.shape), dtype_name(hidden_states), int(chunk_size),
             D is not None, dt_bias is not None, initial_states is not None) + flags

@@ -19,7 +19,8 @@ cj = requires.module("commlib.bindings.jax")
 
 from recurrent_reference import delta_rule_loop, ssd_loop  # noqa: E402
 
-from commlib import CollectiveMismatchError  # noqa: E402
+from commlib import CollectiveMismatchError, recurrent  # noqa: E402
+from commlib.bindings.jax_recurrent_state import halo  # noqa: E402
 from commlib.ring import shard_sequence, unshard_sequence  # noqa: E402
 
 from conftest import all_ranks, raises_everywhere  # noqa: E402
@@ -192,6 +193,24 @@ def test_ten_calls_trace_once(comm):
         (len(traces), errors)
 
 
+def test_halo_under_jit_is_the_cores_and_differentiates_by_its_backward(comm):
+    """The mixers use incoming_state; halo (for the convolutions before them)
+    is wrapped alike: inside jit it equals the core's eager halo on NumPy,
+    and its gradient the core's halo_backward, documents across ranks."""
+    where = dict(layout="zigzag_docs", cu_seqlens=DOCUMENTS)
+    x = shard_sequence(_random(6, (1, LENGTH, 3))[0], comm, axis=1, **where)
+    want = recurrent.halo(x, 3, comm, **where)
+    probe = _random(8, want.shape)[0]
+    want_grad = recurrent.halo_backward(probe, x.shape, 3, comm, **where)
+    with jax.enable_x64(True):
+        got, grad = jax.jit(jax.value_and_grad(
+            lambda x: (halo(x, 3, comm, **where) * probe).sum()))(jnp.asarray(x))
+        found = jax.jit(lambda x: halo(x, 3, comm, **where))(jnp.asarray(x))
+    assert all_ranks(np.array_equal(np.asarray(found), want)
+                     and np.allclose(float(got), (want * probe).sum(), rtol=1e-12)
+                     and np.array_equal(np.asarray(grad), want_grad))
+
+
 def _mamba2_shards(comm):
     x, dt, B, C = _random(4, (1, EVEN, 2, 4), (1, EVEN, 2), (1, EVEN, 1, 8), (1, EVEN, 1, 8))
     return [jnp.asarray(shard_sequence(t, comm, layout="zigzag", axis=1)) for t in (x, dt, B, C)]
@@ -223,3 +242,11 @@ def test_a_mismatched_gate_on_one_rank_raises_everywhere(comm):
     raises_everywhere(CollectiveMismatchError,
                       lambda: jax.jit(lambda q: cj.gated_delta_rule(
                           q, k, v, g, b, comm, layout="contiguous")[0])(q))
+
+
+def test_a_chunk_size_of_zero_on_one_rank_raises_everywhere(comm):
+    x, dt, B, C = _mamba2_shards(comm)
+    raises_everywhere(CollectiveMismatchError,
+                      lambda: jax.jit(lambda x: cj.mamba2_scan(
+                          x, dt, -jnp.ones(2), B, C, comm, layout="zigzag",
+                          chunk_size=0 if comm.rank == 0 else CHUNK))(x), match="chunk_size")
