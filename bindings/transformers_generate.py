@@ -21,6 +21,15 @@ with the same full ``input_ids``, as it would call
    pass-KV, whichever moves fewer bytes), or replicated when there are
    fewer new tokens than ranks.
 
+Hybrid models (``recurrent_parallel``: Gated DeltaNet, Mamba2) keep their
+recurrent layers' states in a transformers cache of their own, carried by
+the ``ShardedKVCache`` (``transformers_recurrent_generation``): the sharded
+prefill leaves there each layer's final state and conv state of the whole
+prompt, on every rank; decode runs the mixers' own forward on it. A later
+turn's new tokens run replicated (every rank all of them: a recurrence
+reads its tokens in order, which the striped chunk is not); compiled decode
+is refused for them.
+
 With ``compile_decode=True`` the decode step (the model on one token) is
 ``torch.compile(fullgraph=True)``'d once: the cache's new tokens go to a
 ``bindings.torch_inference.DecodeCache`` (fixed buffers, positions and
@@ -59,6 +68,8 @@ from .transformers_attention import (
 from .transformers_batch import shard_batch
 from .transformers_experts import IMPLEMENTATION as EXPERTS
 from .transformers_experts import replicated_tokens
+from .transformers_recurrent import has_parallel_recurrent_layers, unparallel_recurrent_layers
+from .transformers_recurrent_generation import generation_states, recurrent_states
 
 __all__ = ["generate", "GENERATION"]
 
@@ -103,6 +114,7 @@ class _Step:
     replicated: bool
     offsets: Optional[List[int]] = None   # the first prefill's cu_seqlens
     method: str = "auto"                  # a chunk's pass-Q or pass-KV
+    states: Any = None                    # a hybrid model's recurrent states (a transformers Cache)
 
 
 _ACTIVE: contextvars.ContextVar[Optional[_Step]] = contextvars.ContextVar("commlib_generate",
@@ -140,13 +152,16 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, comm, *,
     plan, problem = _plan(model, input_ids, generate_kwargs)
     if problem is None:
         problem = _input_problem(model, input_ids, past_key_values, plan, name, comm,
-                                 prefill_method)
+                                 prefill_method, compile_decode)
     comm.agree("transformers.generate", tuple(input_ids.shape), _history(input_ids),
                None if plan is None else plan.digest, seed, name, prefill_method,
                None if past_key_values is None else past_key_values.digest(),
                bool(compile_decode), problem=problem)
-    cache = past_key_values if past_key_values is not None else ShardedKVCache(
-        model.config.num_hidden_layers, comm.size, comm.rank)
+    cache = past_key_values
+    if cache is None:
+        cache = ShardedKVCache(model.config.num_hidden_layers, comm.size, comm.rank)
+        cache.recurrent = recurrent_states(model.config) \
+            if has_parallel_recurrent_layers(model) else None
     sampler = _Sampler(plan.processors, _generator(plan, seed, comm, input_ids.device))
     with _generation_attention(model, comm, name) as decoding:
         logits = _prefill(model, input_ids, cache, comm, name, prefill_method)
@@ -247,9 +262,18 @@ def _mask_problem(model, input_ids: torch.Tensor, mask: Any,
 
 
 def _input_problem(model, input_ids: torch.Tensor, cache: Optional[ShardedKVCache],
-                   plan: _Plan, name: str, comm,
-                   prefill_method: str) -> Optional[ValueError]:
+                   plan: _Plan, name: str, comm, prefill_method: str,
+                   compile_decode: bool) -> Optional[ValueError]:
     """What is wrong with this call's inputs on this rank (None: nothing)."""
+    unparallel = unparallel_recurrent_layers(model)
+    if unparallel:
+        return ValueError(f"the model's recurrent layers ({', '.join(unparallel[:3])}"
+                          f"{', ...' if len(unparallel) > 3 else ''}) are not context-parallel: "
+                          f"call recurrent_parallel(model, comm) before generate")
+    recurrent = has_parallel_recurrent_layers(model)
+    if recurrent and compile_decode:
+        return ValueError("compile_decode is not implemented for models with recurrent layers "
+                          "(recurrent_parallel): generate them without it")
     if name not in LAYOUTS:
         return ValueError(f"prefill {name!r} is not one of commlib's attention "
                           f"implementations ({', '.join(LAYOUTS)})")
@@ -270,6 +294,10 @@ def _input_problem(model, input_ids: torch.Tensor, cache: Optional[ShardedKVCach
     problem = cache.problem(comm.size, comm.rank)
     if problem is not None:
         return problem
+    if recurrent != (_recurrent_states_of(cache) is not None):
+        return ValueError("past_key_values must come from a generate on this model: a model "
+                          "with recurrent layers continues only a cache holding their states, "
+                          "and a model without them only a cache without")
     if cache.num_layers != model.config.num_hidden_layers:
         return ValueError(f"the cache holds {cache.num_layers} layers, the model has "
                           f"{model.config.num_hidden_layers}")
@@ -285,6 +313,12 @@ def _history(tokens: torch.Tensor) -> int:
     """A fingerprint of the token ids (the same tokens on every rank)."""
     return zlib.crc32(np.ascontiguousarray(tokens.detach().cpu().numpy()).tobytes()) \
         ^ zlib.crc32(repr(tuple(tokens.shape)).encode())
+
+
+def _recurrent_states_of(cache: ShardedKVCache) -> Any:
+    """The recurrent layers' states a generate left with ``cache`` (None: a
+    model without recurrent layers)."""
+    return getattr(cache, "recurrent", None)
 
 
 def _model_layout_name(model: torch.nn.Module) -> str:
@@ -433,7 +467,10 @@ def _forward(model: torch.nn.Module, step: _Step, keep: torch.Tensor,
     token = _ACTIVE.set(step)
     try:
         with torch.no_grad(), (replicated_tokens() if step.replicated
-                               else contextlib.nullcontext()):
+                               else contextlib.nullcontext()), \
+                (contextlib.nullcontext() if step.states is None
+                 else generation_states(step.states, layout=None if step.offsets is None
+                                        else step.cache.prefill[0])):
             return model(use_cache=False, logits_to_keep=keep, **inputs).logits
     finally:
         _ACTIVE.reset(token)
@@ -448,7 +485,8 @@ def _prefill(model, input_ids: torch.Tensor, cache: ShardedKVCache, comm, name: 
     if start == 0:
         return _first_prefill(model, input_ids, cache, comm, name)
     new = np.arange(start, length)
-    if new.size < comm.size:  # too few to shard: every rank runs them all
+    # too few to shard, or a recurrence to read in order: every rank runs them all
+    if new.size < comm.size or _recurrent_states_of(cache) is not None:
         return _replicated(model, input_ids[:, start:], new, cache, comm)
     mine = new[striped(new, comm.size, comm.rank)]
     cache.admit(mine, np.arange(mine.size), length)
@@ -472,8 +510,9 @@ def _first_prefill(model, input_ids: torch.Tensor, cache: ShardedKVCache, comm,
     slot = int(np.flatnonzero(index == length - 1)[0]) if comm.rank == holder else 0
     inputs = {key: shard[key] for key in ("input_ids", "position_ids", "cu_seq_lens_q",
                                           "cu_seq_lens_k", "max_length_q", "max_length_k")}
-    logits = _forward(model, _Step(cache, index[rows], replicated=False, offsets=offsets),
-                      torch.tensor([slot]), **inputs)
+    step = _Step(cache, index[rows], replicated=False, offsets=offsets,
+                 states=_recurrent_states_of(cache))
+    logits = _forward(model, step, torch.tensor([slot]), **inputs)
     return _from(comm, logits[:, -1], holder)
 
 
@@ -483,7 +522,7 @@ def _replicated(model, tokens: torch.Tensor, positions: np.ndarray, cache: Shard
     by every rank; each keeps the K and V of its positions."""
     kept = striped(positions, comm.size, comm.rank)
     cache.admit(positions[kept], kept, int(positions[-1]) + 1)
-    step = _Step(cache, positions, replicated=True)
+    step = _Step(cache, positions, replicated=True, states=_recurrent_states_of(cache))
     return _last_logits(model, step, tokens, positions).float()
 
 

@@ -17,11 +17,15 @@ the module's own parameters and submodules), except that
   ranks before it, and resets at document starts.
 
 Documents arrive as the global ``cu_seq_lens_q`` that ``shard_batch`` puts
-in the batch and the decoder layers forward to their mixer. Only the
-training / prefill forward is sharded: a cache (generation) is refused, and
-the model's ``config.use_cache`` is turned off so that a plain forward makes
-none. A model whose recurrent layers were not made parallel must not see a
-sharded batch (each rank would start its recurrences from a zero state):
+in the batch and the decoder layers forward to their mixer. A cache passed
+by the model is refused, and the model's ``config.use_cache`` is turned off
+so that a plain forward makes none. Inside commlib's ``generate``
+(``transformers_recurrent_generation``), the sharded prefill also leaves the
+global prompt's final state and conv state in generate's cache, on every
+rank, and tokens every rank runs alike (decode) go through the module's own
+forward (its class's, unpatched) on that cache. A model whose recurrent
+layers were not made parallel must not see a sharded batch (each rank
+would start its recurrences from a zero state):
 ``shard_batch(..., attn_implementation=model)`` refuses it
 (``unparallel_recurrent_layers``).
 """
@@ -29,6 +33,7 @@ sharded batch (each rank would start its recurrences from a zero state):
 from __future__ import annotations
 
 import copy
+import functools
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -45,8 +50,10 @@ from .recurrent_marks import mark_parallel
 from .torch import gated_delta_rule, mamba2_scan
 from .torch_recurrent_state import halo
 from .transformers_attention import layout_of
+from .transformers_recurrent_generation import keep_states, prefill, replicated_states
 
-__all__ = ["recurrent_parallel", "unparallel_recurrent_layers", "FAMILIES"]
+__all__ = ["recurrent_parallel", "unparallel_recurrent_layers", "has_parallel_recurrent_layers",
+           "FAMILIES"]
 
 _SHARDED = "_commlib_recurrent_parallel"  # on mixers made parallel: their _Sharded
 
@@ -79,6 +86,11 @@ def unparallel_recurrent_layers(model: nn.Module) -> List[str]:
     has not made parallel (empty: none, or every one is)."""
     return [name for name, module in model.named_modules()
             if _is_recurrent(module) and not hasattr(module, _SHARDED)]
+
+
+def has_parallel_recurrent_layers(model: nn.Module) -> bool:
+    """Whether ``recurrent_parallel`` made some mixer of ``model`` parallel."""
+    return any(hasattr(module, _SHARDED) for module in model.modules())
 
 
 # ---- the causal convolution ----------------------------------------------------------------
@@ -117,41 +129,64 @@ def _causal_conv(conv: nn.Conv1d, activation: str, x: torch.Tensor, comm, layout
 
 # ---- the forwards --------------------------------------------------------------------------
 
+def _own_forward_when_replicated(sharded_forward: Callable[..., torch.Tensor]
+                                 ) -> Callable[..., torch.Tensor]:
+    """``sharded_forward``, except on tokens every rank runs alike inside
+    generate (decode): there the module's own forward, on generate's cache."""
+
+    @functools.wraps(sharded_forward)
+    def forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = None,
+                attention_mask: Optional[torch.Tensor] = None, cache_params: Any = None,
+                **kwargs: Any) -> torch.Tensor:
+        states = replicated_states()
+        if states is None or cache is not None or cache_params is not None:
+            return sharded_forward(self, hidden_states, cache, attention_mask, cache_params,
+                                   **kwargs)
+        return type(self).forward(self, hidden_states, states, attention_mask, **kwargs)
+    return forward
+
+
 def _checked_call(module: nn.Module, cache: Any,
                   attention_mask: Optional[torch.Tensor], kwargs: Dict[str, Any]
-                  ) -> Tuple[_Sharded, str, Optional[List[int]]]:
+                  ) -> Tuple[_Sharded, str, Optional[List[int]], Any]:
     """Refuse what the sharded forward does not compute (every check reads
-    what every rank has alike), then its communicator, layout and documents."""
+    what every rank has alike), then its communicator, layout, documents and,
+    inside generate's prefill, the cache to leave its states in (else None)."""
     kind = type(module).__name__
     if cache is not None:
         raise ValueError(f"{kind} was made context-parallel by recurrent_parallel, which runs "
                          f"the training / prefill forward only: call the model with "
-                         f"use_cache=False (generation over sharded recurrent layers is not "
-                         f"implemented)")
+                         f"use_cache=False (to generate, use "
+                         f"commlib.bindings.transformers.generate)")
     if attention_mask is not None:
         raise ValueError(f"{kind} (recurrent_parallel) got a padding mask; padding masks are "
                          f"not implemented: make the batch with shard_batch (packed documents "
                          f"travel as cu_seq_lens_q)")
     sharded: _Sharded = getattr(module, _SHARDED)
+    generating = prefill()
+    if generating is not None:
+        return sharded, generating[1], _documents(kwargs), generating[0]
     try:
         layout = layout_of(sharded.config._attn_implementation)
     except ValueError as error:
         raise ValueError(f"{kind} (recurrent_parallel) reads the sequence in the layout of the "
                          f"model's commlib attention: {error}") from None
-    return sharded, layout, _documents(kwargs)
+    return sharded, layout, _documents(kwargs), None
 
 
+@_own_forward_when_replicated
 def _gated_delta_net_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = None,
                              attention_mask: Optional[torch.Tensor] = None,
                              cache_params: Any = None, **kwargs: Any) -> torch.Tensor:
     """Qwen3-Next's ``Qwen3NextGatedDeltaNet`` forward, without a cache, on
-    this rank's shard."""
-    sharded, layout, documents = _checked_call(self, cache if cache is not None else cache_params,
-                                               attention_mask, kwargs)
+    this rank's shard (inside generate's prefill, its states kept)."""
+    sharded, layout, documents, states = _checked_call(
+        self, cache if cache is not None else cache_params, attention_mask, kwargs)
     query, key, value, z, b, a = self.fix_query_key_value_ordering(
         self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states))
     mixed = torch.cat([t.reshape(t.shape[0], t.shape[1], -1) for t in (query, key, value)],
                       dim=-1)
+    conv_input = mixed
     mixed = _causal_conv(self.conv1d, self.activation, mixed, sharded.comm, layout, documents)
     query, key, value = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     batch, length = mixed.shape[:2]
@@ -163,20 +198,26 @@ def _gated_delta_net_forward(self: nn.Module, hidden_states: torch.Tensor, cache
     group = self.num_v_heads // self.num_k_heads
     if group > 1:  # each query/key head serves `group` consecutive value heads
         query, key = query.repeat_interleave(group, dim=2), key.repeat_interleave(group, dim=2)
-    out, _ = gated_delta_rule(query, key, value, g, beta, sharded.comm, layout=layout,
-                              cu_seqlens=documents, use_qk_l2norm_in_kernel=True)
+    out, final = gated_delta_rule(query, key, value, g, beta, sharded.comm, layout=layout,
+                                  cu_seqlens=documents, use_qk_l2norm_in_kernel=True,
+                                  output_final_state=states is not None)
+    if states is not None:
+        keep_states(states, self.layer_idx, final, conv_input, self.conv1d.kernel_size[0],
+                    sharded.comm, layout, documents)
     out = self.norm(out.reshape(-1, out.shape[-1]), z.reshape(-1, z.shape[-1]))
     return self.out_proj(out.reshape(batch, length, -1))
 
 
+@_own_forward_when_replicated
 def _mamba2_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = None,
                     attention_mask: Optional[torch.Tensor] = None, cache_params: Any = None,
                     **kwargs: Any) -> torch.Tensor:
     """The Mamba2 mixers' torch forward (Bamba's, which Granite-MoE-Hybrid
     copies, and Falcon-H1's, which scales its input and projections and may
-    gate without a norm), without a cache, on this rank's shard."""
-    sharded, layout, documents = _checked_call(self, cache if cache is not None else cache_params,
-                                               attention_mask, kwargs)
+    gate without a norm), without a cache, on this rank's shard (inside
+    generate's prefill, its states kept)."""
+    sharded, layout, documents, states = _checked_call(
+        self, cache if cache is not None else cache_params, attention_mask, kwargs)
     dtype = hidden_states.dtype
     falcon = hasattr(self, "mup_vector")
     if falcon:
@@ -185,6 +226,7 @@ def _mamba2_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = N
         projected = self.in_proj(hidden_states)
     gate, x_b_c, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads],
                                       dim=-1)
+    conv_input = x_b_c
     x_b_c = _causal_conv(self.conv1d, self.activation, x_b_c, sharded.comm, layout, documents)
     groups_state = self.n_groups * self.ssm_state_size
     x, B, C = torch.split(x_b_c, [self.intermediate_size, groups_state, groups_state], dim=-1)
@@ -195,7 +237,12 @@ def _mamba2_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = N
                     C.reshape(batch, length, self.n_groups, self.ssm_state_size), sharded.comm,
                     layout=layout, chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias,
                     dt_softplus=True, dt_limit=tuple(self.time_step_limit),
-                    cu_seqlens=documents).reshape(batch, length, -1)
+                    cu_seqlens=documents, return_final_states=states is not None)
+    if states is not None:
+        y, final = y
+        keep_states(states, self.layer_idx, final, conv_input, self.conv1d.kernel_size[0],
+                    sharded.comm, layout, documents)
+    y = y.reshape(batch, length, -1)
     if falcon and not self.mamba_rms_norm:
         y = y * F.silu(gate)
     else:
@@ -216,10 +263,10 @@ class Family:
 _GATED_DELTA_NET = Family(_gated_delta_net_forward, (
     "in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering", "conv1d", "activation",
     "key_dim", "value_dim", "head_k_dim", "head_v_dim", "num_k_heads", "num_v_heads",
-    "A_log", "dt_bias", "norm", "out_proj"))
+    "A_log", "dt_bias", "norm", "out_proj", "layer_idx"))
 _MAMBA2 = ("in_proj", "conv1d", "activation", "intermediate_size", "conv_dim", "num_heads",
            "head_dim", "n_groups", "ssm_state_size", "chunk_size", "time_step_limit", "A_log",
-           "dt_bias", "D", "norm", "out_proj")
+           "dt_bias", "D", "norm", "out_proj", "layer_idx")
 _BAMBA = Family(_mamba2_forward, _MAMBA2)
 _FALCON_H1 = Family(_mamba2_forward, _MAMBA2 + ("ssm_in_multiplier", "mup_vector",
                                                  "mamba_rms_norm"))
@@ -265,7 +312,8 @@ def recurrent_parallel(model: nn.Module, comm) -> nn.Module:
     before it, both reset at packed documents' starts. Parameters are not
     split (sum their gradients with ``allreduce_gradients``); experts may be
     split too (``expert_parallel``). Turns ``config.use_cache`` off: the
-    sharded forward is the training / prefill one, and a cache is refused.
+    sharded forward is the training / prefill one, and a cache is refused
+    (``commlib.bindings.transformers.generate`` generates with the model).
     A model without recurrent mixers, or with one of a family (or
     transformers version) it does not implement, raises ValueError on every
     rank, unchanged."""
