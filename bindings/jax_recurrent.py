@@ -9,12 +9,13 @@ the maps across ranks (one traced all-gather of O(state) bytes); each piece
 then adds ``readout · state in`` to its outputs. The local scans are jnp
 (``lax.scan`` over chunks), differentiated by JAX; only the collectives
 carry custom VJPs (``bindings/jax_recurrent_state.py``). Unlike the torch
-mixers, a shard's pieces run as one pass (stacked on a leading axis, each
-padded at its end with tokens that leave the state as it is) and a document
+mixers, a shard's pieces of one length run as one pass (stacked on a
+leading axis: zigzag's two pieces), padding pieces do not run (their
+outputs, transition and offset are zeros, read by nobody), and a document
 start inside a piece zeroes the decays across it instead of cutting the
-pass: one scan to compile, whatever the layout and the documents. The checks and the
-piece layout are agreed by every rank when JAX traces, so bad input raises
-on every rank; piece boundaries and document starts are static (a new
+pass: one scan to compile per piece length, whatever the documents. The
+checks and the piece layout are agreed by every rank when JAX traces, so
+bad input raises on every rank; piece boundaries and document starts are static (a new
 ``cu_seqlens`` traces a new program). Computed in the inputs' dtype where it
 is float32 or float64 (float64 needs ``jax_enable_x64``), in float32 for
 16-bit inputs.
@@ -41,9 +42,9 @@ __all__ = ["gated_delta_rule", "mamba2_scan"]
 
 @dataclass
 class _Pieces:
-    """The shard's pieces (stacked on axis 0, each padded to the longest),
-    each run from a zero state: outputs, the readout of the incoming state
-    per token, and the map ``state out = transition ∘ state in + offset``."""
+    """Pieces of one length (stacked on axis 0), each run from a zero state:
+    outputs, the readout of the incoming state per token, and the map
+    ``state out = transition ∘ state in + offset``."""
 
     out: Any         # [P, B, L, H, d_v] (delta rule) or [P, B, L, H, headdim] (Mamba2)
     readout: Any     # [P, B, L, H, d_k] or [P, B, L, H, dstate]
@@ -59,21 +60,37 @@ def _padded(x, axis: int, pad: int):
     return (np if isinstance(x, np.ndarray) else jnp).pad(x, widths)
 
 
-def _stacked(x, found: List[Run]):
-    """x [B, L, ...]'s pieces, each padded with zeros to the longest: [P, B, L_max, ...]."""
-    longest = max(r.stop - r.start for r in found)
-    return jnp.stack([_padded(x[:, r.start:r.stop], 1, longest - (r.stop - r.start))
-                      for r in found])
+def _each_piece(scan: Callable, found: List[Run], inputs: List[Any]) -> List[tuple]:
+    """(out, readout, transition, offset) of each piece, in shard order:
+    ``scan(*stacked inputs, runs)`` once per piece length over the pieces of
+    that length (inputs [B, L, ...] sliced along axis 1); padding pieces get
+    zeros shaped like a real piece's (a shard of padding alone runs it)."""
+    real = [i for i, r in enumerate(found) if not r.padding] or list(range(len(found)))
+    by_length: dict = {}
+    for i in real:
+        by_length.setdefault(found[i].stop - found[i].start, []).append(i)
+    made = {}
+    for indices in by_length.values():
+        group = [found[i] for i in indices]
+        pieces = scan(*(jnp.stack([x[:, r.start:r.stop] for r in group]) for x in inputs), group)
+        for j, i in enumerate(indices):
+            made[i] = (pieces.out[j], pieces.readout[j], pieces.transition[j], pieces.offset[j])
+    like = made[real[0]]
+
+    def zeros(r: Run) -> tuple:
+        length = r.stop - r.start
+        return tuple(jnp.zeros(x.shape[:1] + (length,) + x.shape[2:], x.dtype) for x in like[:2]) \
+            + tuple(jnp.zeros_like(x) for x in like[2:])
+    return [made[i] if i in made else zeros(r) for i, r in enumerate(found)]
 
 
 def _reset_before(found: List[Run], shape: Tuple[int, ...]) -> np.ndarray:
-    """[P, 1, ..., L_max] bool (``shape``'s ones between): the state is
-    zeroed before these tokens of each piece (static)."""
-    longest = max(r.stop - r.start for r in found)
-    reset = np.zeros((len(found), longest), bool)
+    """[P, 1, ..., L] bool (``shape``'s ones between): the state is zeroed
+    before these tokens of each piece (static; the pieces of one length)."""
+    reset = np.zeros((len(found), found[0].stop - found[0].start), bool)
     for i, r in enumerate(found):
         reset[i, list(r.resets)] = True
-    return reset.reshape((len(found),) + shape + (longest,))
+    return reset.reshape((len(found),) + shape + (reset.shape[1],))
 
 
 def _swapped(x):
@@ -167,9 +184,9 @@ def _delta_inputs(query, key, value, g, beta, use_qk_l2norm_in_kernel: bool):
     return query * query.shape[-1] ** -0.5, key, value, g, beta
 
 
-def _delta_rule_pieces(query, key, value, g, beta, chunk_size: int, found: List[Run],
+def _delta_rule_pieces(query, key, value, g, beta, found: List[Run], chunk_size: int,
                        use_qk_l2norm_in_kernel: bool) -> _Pieces:
-    """The gated delta rule over the stacked pieces from a zero state, reset
+    """The gated delta rule over stacked pieces from a zero state, reset
     before each piece's ``resets``: one pass with values ``[v | 0]`` from the
     state ``[0 | I]`` (see ``bindings.torch_recurrent``'s docstring). After
     a reset the ``I`` columns are zero, so the tokens there read no incoming
@@ -228,7 +245,7 @@ def _ssd_chunks(x, dt, A, B, C, chunk_size: int, reset: np.ndarray):
 
 
 def _mamba2_pieces(hidden_states, dt, A, B, C, chunk_size: int, found: List[Run]) -> _Pieces:
-    """Mamba2's SSD scan over the stacked pieces (x [P, b, l, h, p], dt
+    """Mamba2's SSD scan over stacked pieces (x [P, b, l, h, p], dt
     discretized) from a zero state, reset before each piece's ``resets``;
     without the D skip. Readout ``exp(A cumsum(dt)_t) C_t`` and transition
     ``exp(A Σ dt)``, 0 from the first reset on."""
@@ -259,14 +276,15 @@ def _applied(transition, state):
     return transition[..., None, None] * state
 
 
-def _composed(made: _Pieces, found: List[Run], read: Callable, initial: Optional[Any],
+def _composed(made: List[tuple], found: List[Run], read: Callable, initial: Optional[Any],
               want_final: bool, comm, layout: str, cu_seqlens: Any):
-    """The pieces' outputs with their incoming states read in, put back in
-    shard order, and the sequence's final state on every rank (or None).
-    ``initial`` enters the piece that begins the sequence, to which the core
-    gives a zero state; it reaches the later pieces through that piece's
-    offset."""
-    transitions, offsets = made.transition, made.offset
+    """The pieces' outputs (``_each_piece``'s) with their incoming states
+    read in, in shard order, and the sequence's final state on every rank
+    (or None). ``initial`` enters the piece that begins the sequence, to
+    which the core gives a zero state; it reaches the later pieces through
+    that piece's offset."""
+    transitions = jnp.stack([piece[2] for piece in made])
+    offsets = jnp.stack([piece[3] for piece in made])
     per_piece = (-1,) + (1,) * (offsets.ndim - 1)
     begins = jnp.asarray([run.begins for run in found], offsets.dtype).reshape(per_piece)
     if initial is not None:
@@ -276,8 +294,8 @@ def _composed(made: _Pieces, found: List[Run], read: Callable, initial: Optional
     else:
         incoming = incoming_state(transitions, offsets, comm, layout=layout,
                                   cu_seqlens=cu_seqlens)
-    out = made.out + read(made.readout, incoming)
-    out = jnp.concatenate([out[i, :, :r.stop - r.start] for i, r in enumerate(found)], axis=1)
+    out = jnp.concatenate([out + read(readout, incoming[i])
+                           for i, (out, readout, _, _) in enumerate(made)], axis=1)
     if not want_final:
         return out, None
     ends = jnp.asarray([run.ends for run in found], offsets.dtype).reshape(per_piece)
@@ -301,8 +319,9 @@ def gated_delta_rule(query, key, value, g, beta, comm, *, layout: str, chunk_siz
                  lambda: delta_rule_facts(query, key, value, g, beta, initial_state, chunk_size,
                                           output_final_state, use_qk_l2norm_in_kernel),
                  initial_state is not None)
-    made = _delta_rule_pieces(*(_stacked(x, found) for x in (query, key, value, g, beta)),
-                              chunk_size, found, use_qk_l2norm_in_kernel)
+    made = _each_piece(lambda *stacked: _delta_rule_pieces(*stacked, chunk_size,
+                                                           use_qk_l2norm_in_kernel),
+                       found, [query, key, value, g, beta])
     out, final = _composed(made, found, _read_delta, initial_state, output_final_state, comm,
                            layout, cu_seqlens)
     return out.astype(query.dtype), final
@@ -327,8 +346,9 @@ def mamba2_scan(hidden_states, dt, A, B, C, comm, *, layout: str, chunk_size: in
                                       return_final_states),
                  initial_states is not None)
     dt = _discretized_dt(dt, dt_bias, dt_softplus, dt_limit)
-    x, dt, B, C = (_stacked(t, found) for t in (hidden_states, dt, B, C))
-    made = _mamba2_pieces(x, dt, A, B, C, chunk_size, found)
+    made = _each_piece(lambda x, dt, B, C, group: _mamba2_pieces(x, dt, A, B, C, chunk_size,
+                                                                 group),
+                       found, [hidden_states, dt, B, C])
     y, final = _composed(made, found, _read_ssd, initial_states, return_final_states, comm,
                          layout, cu_seqlens)
     if D is not None:

@@ -29,6 +29,7 @@ class Run:
     resets: Tuple[int, ...]  # document starts inside it, from its start
     begins: bool             # holds the sequence's first token
     ends: bool               # holds the sequence's last real token
+    padding: bool = False    # shard_sequence's padding: computed and read by nobody
 
 
 def runs(comm, op: str, local_length: int, layout: str, cu_seqlens: Any,
@@ -52,6 +53,7 @@ def runs(comm, op: str, local_length: int, layout: str, cu_seqlens: Any,
         inside = starts[(starts >= p.origin) & (starts < p.origin + p.length)] - p.origin
         found_runs.append(Run(p.start, p.stop,
                               tuple(int(i) for i in inside) if not p.is_padding else (),
-                              p.origin == 0, not p.is_padding and p.origin + p.length == end))
+                              p.origin == 0, not p.is_padding and p.origin + p.length == end,
+                              p.is_padding))
     return found_runs
 
