@@ -28,13 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from commlib.documents import LAYOUTS, as_offsets
 from commlib.namespace import accumulator_dtype
-from commlib.recurrent.pieces import agreed_sharding
+from commlib.recurrent.mixer_inputs import delta_rule_facts, mamba2_facts, sequence_length
+from commlib.recurrent.runs import Run, runs
 
 from .torch_recurrent_state import incoming_state
 
@@ -232,41 +231,6 @@ def _read_ssd(readout: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
 
 # ---- sharded -----------------------------------------------------------------------------
 
-@dataclass
-class _Run:
-    """One of the shard's pieces: where it sits and what it holds."""
-
-    start: int
-    stop: int
-    resets: Tuple[int, ...]  # document starts inside it, from its start
-    begins: bool             # holds the sequence's first token
-    ends: bool               # holds the sequence's last real token
-
-
-def _runs(comm, op: str, local_length: int, layout: str, cu_seqlens: Any,
-          check: Callable[[], Tuple], carried: bool) -> List[_Run]:
-    """The shard's pieces, its inputs checked (``check`` raises ValueError
-    or returns the facts every rank must share) and agreed by every rank:
-    bad input raises on every rank. With an initial state (``carried``) the
-    sequence's first token is no reset. Padding pieces are computed and
-    read by nobody (``commlib.recurrent.pieces``)."""
-    if layout not in LAYOUTS:
-        comm.agree(op, problem=ValueError(f"the recurrent mixers read the "
-                                          f"{', '.join(LAYOUTS)} layouts, not {layout!r}"))
-    found = agreed_sharding(comm, op, local_length, lambda _held: check(), layout=layout,
-                            cu_seqlens=cu_seqlens, mask=None)
-    real = [p for held in found.per_rank for p in held if not p.is_padding]
-    end = max(p.origin + p.length for p in real)
-    offsets = (0, end) if cu_seqlens is None else as_offsets(cu_seqlens)
-    starts = np.asarray([s for s in offsets[:-1] if s or not carried])
-    runs = []
-    for p in found.per_rank[comm.rank]:
-        inside = starts[(starts >= p.origin) & (starts < p.origin + p.length)] - p.origin
-        runs.append(_Run(p.start, p.stop, tuple(int(i) for i in inside) if not p.is_padding else (),
-                         p.origin == 0, not p.is_padding and p.origin + p.length == end))
-    return runs
-
-
 def _applied(transition: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """transition ∘ state (stacked alike): a matrix product, or a decay per
     (batch, head)."""
@@ -289,7 +253,7 @@ class _SummedOverRanks(torch.autograd.Function):
         return ctx.comm.allreduce(grad.contiguous()), None
 
 
-def _composed(made: List[PieceScan], runs: List[_Run], read: Callable,
+def _composed(made: List[PieceScan], found: List[Run], read: Callable,
               initial: Optional[torch.Tensor], want_final: bool, comm, layout: str,
               cu_seqlens: Any):
     """The pieces' outputs with their incoming states read in, concatenated
@@ -299,7 +263,7 @@ def _composed(made: List[PieceScan], runs: List[_Run], read: Callable,
     piece's offset."""
     transitions = torch.stack([p.transition for p in made])
     offsets = torch.stack([p.offset for p in made])
-    begins = torch.tensor([run.begins for run in runs], dtype=offsets.dtype,
+    begins = torch.tensor([run.begins for run in found], dtype=offsets.dtype,
                           device=offsets.device).reshape(-1, *[1] * (offsets.dim() - 1))
     if initial is not None:
         entering = begins * initial.to(offsets.dtype)
@@ -312,15 +276,10 @@ def _composed(made: List[PieceScan], runs: List[_Run], read: Callable,
         return out, None
     # summed from every piece (weight 0 but the last), so that on every rank the
     # final state's collective backward runs before incoming_state's
-    ends = torch.tensor([run.ends for run in runs], dtype=offsets.dtype,
+    ends = torch.tensor([run.ends for run in found], dtype=offsets.dtype,
                         device=offsets.device).reshape(begins.shape)
     final = (ends * (_applied(transitions, incoming) + offsets)).sum(0)
     return out, _SummedOverRanks.apply(final, comm)
-
-
-def _shape_problem(name: str, tensor: Optional[torch.Tensor], shape: Tuple[int, ...]) -> None:
-    if tensor is not None and tuple(tensor.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(tensor.shape)}")
 
 
 def gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -335,30 +294,16 @@ def gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     state; ``initial_state`` [B, H_v, d_k, d_v] enters the sequence's first
     token. Returns (out in the query's dtype, the sequence's final state on
     every rank if ``output_final_state``, else None)."""
-    batch, length, k_heads, d_k = key.shape if key.dim() == 4 else (0,) * 4
-
-    def check():
-        if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-            raise ValueError("query, key and value must be [batch, length, heads, head_dim]")
-        v_heads, d_v = value.shape[2:]
-        _shape_problem("query", query, key.shape)
-        _shape_problem("value", value, (batch, length, v_heads, d_v))
-        _shape_problem("g", g, (batch, length, v_heads))
-        _shape_problem("beta", beta, (batch, length, v_heads))
-        _shape_problem("initial_state", initial_state, (batch, v_heads, d_k, d_v))
-        if v_heads % k_heads:
-            raise ValueError(f"{v_heads} value heads cannot share {k_heads} key heads")
-        return (tuple(query.shape), tuple(value.shape), str(query.dtype), chunk_size,
-                initial_state is not None, output_final_state, use_qk_l2norm_in_kernel)
-
-    runs = _runs(comm, "gated_delta_rule", length, layout, cu_seqlens, check,
+    found = runs(comm, "gated_delta_rule", sequence_length(key), layout, cu_seqlens,
+                 lambda: delta_rule_facts(query, key, value, g, beta, initial_state, chunk_size,
+                                          output_final_state, use_qk_l2norm_in_kernel),
                  initial_state is not None)
     made = [delta_rule_piece(query[:, r.start:r.stop], key[:, r.start:r.stop],
                              value[:, r.start:r.stop], g[:, r.start:r.stop],
                              beta[:, r.start:r.stop], chunk_size=chunk_size, resets=r.resets,
                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-            for r in runs]
-    out, final = _composed(made, runs, _read_delta, initial_state, output_final_state, comm,
+            for r in found]
+    out, final = _composed(made, found, _read_delta, initial_state, output_final_state, comm,
                            layout, cu_seqlens)
     return out.to(query.dtype), final
 
@@ -376,32 +321,17 @@ def mamba2_scan(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
     ``initial_states`` [b, h, p, n] enters the sequence's first token.
     Returns y in x's dtype, and with ``return_final_states`` (y, the
     sequence's final state on every rank)."""
-    batch, length, heads, head_dim = hidden_states.shape if hidden_states.dim() == 4 else (0,) * 4
-
-    def check():
-        if hidden_states.dim() != 4 or B.dim() != 4:
-            raise ValueError("hidden_states and B must be [batch, length, heads or groups, dim]")
-        _shape_problem("dt", dt, (batch, length, heads))
-        _shape_problem("A", A, (heads,))
-        _shape_problem("C", C, B.shape)
-        _shape_problem("D", D, (heads,))
-        _shape_problem("dt_bias", dt_bias, (heads,))
-        _shape_problem("initial_states", initial_states, (batch, heads, head_dim, B.shape[3]))
-        if B.shape[:2] != (batch, length) or heads % B.shape[2]:
-            raise ValueError(f"B {tuple(B.shape)} does not match hidden_states "
-                             f"{tuple(hidden_states.shape)} (heads a multiple of groups)")
-        return (tuple(hidden_states.shape), tuple(B.shape), str(hidden_states.dtype), chunk_size,
-                D is not None, dt_bias is not None, initial_states is not None, dt_softplus,
-                tuple(dt_limit), return_final_states)
-
-    runs = _runs(comm, "mamba2_scan", length, layout, cu_seqlens, check,
+    found = runs(comm, "mamba2_scan", sequence_length(hidden_states), layout, cu_seqlens,
+                 lambda: mamba2_facts(hidden_states, dt, A, B, C, D, dt_bias, initial_states,
+                                      chunk_size, dt_softplus, tuple(dt_limit),
+                                      return_final_states),
                  initial_states is not None)
     dt = discretized_dt(dt, dt_bias, dt_softplus, dt_limit)
     made = [mamba2_piece(hidden_states[:, r.start:r.stop], dt[:, r.start:r.stop], A,
                          B[:, r.start:r.stop], C[:, r.start:r.stop], chunk_size=chunk_size,
                          resets=r.resets)
-            for r in runs]
-    y, final = _composed(made, runs, _read_ssd, initial_states, return_final_states, comm,
+            for r in found]
+    y, final = _composed(made, found, _read_ssd, initial_states, return_final_states, comm,
                          layout, cu_seqlens)
     if D is not None:
         y = y + D.to(y.dtype)[:, None] * hidden_states.to(y.dtype)
