@@ -25,6 +25,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,7 +220,9 @@ def _parsed(params: str) -> Optional[ast.arguments]:
 
 
 def _value(node: ast.expr) -> Any:
-    return eval(compile(ast.Expression(node), "<doc>", "eval"), {"__builtins__": {}})
+    """A written default's value; ``inf`` is ``float("inf")``, as pages write it."""
+    return eval(compile(ast.Expression(node), "<doc>", "eval"),
+                {"__builtins__": {}, "inf": math.inf})
 
 
 def _doc_parameters(arguments: ast.arguments) -> List[Tuple[str, str, Any]]:
