@@ -326,7 +326,7 @@ def test_bad_input_raises_everywhere(comm):
 
 def test_another_shape_on_one_rank_raises_everywhere(comm):
     if comm.size == 1:
-        pytest.skip("needs a second rank to disagree with")
+        pytest.skip("needs two ranks to disagree")
     seq = Sharded(comm, "contiguous", None, None)
     transition, offset, _ = piece_problem(seq, "scalar", "mixed")
     if comm.rank == 1:  # a state of another shape, consistent on its own

@@ -144,10 +144,9 @@ def test_loss_and_every_gradient_match_the_unsharded_model(comm, reference, impl
     assert all_ranks(loss <= TOL and grads <= TOL), (loss, grads)
 
 
+@pytest.mark.parametrize("reference", ["qwen3_next"], indirect=True)  # the family with experts
 def test_expert_parallel_together(comm, reference):
     """Qwen3-Next's experts split over the ranks that shard its sequence."""
-    if reference["family"] != "qwen3_next":
-        pytest.skip("only Qwen3-Next has experts here")
     model = sharded(reference, comm, "commlib_ring", experts=True)
     assert all_ranks(any(getattr(p, EXPERT_PARALLEL, False) for p in model.parameters()))
     loss, grads = step_differences(model, comm, "commlib_ring", reference, "packed")
@@ -155,8 +154,6 @@ def test_expert_parallel_together(comm, reference):
 
 
 def test_an_unparallel_model_refuses_a_sharded_batch(comm, reference):
-    if comm.size == 1:
-        pytest.skip("one rank's shard is the whole sequence: nothing to refuse")
     model = copy.deepcopy(reference["model"])
     model.set_attn_implementation("commlib_ring")
     raises_everywhere(ValueError, lambda: hf.shard_batch(one_sequence(), comm,
@@ -170,8 +167,6 @@ def test_a_batch_sharded_by_name_reaches_the_attention_and_is_refused(comm, refe
     Next's first layer is recurrent: transformers 5.25's torch fallback
     refuses the batch's documents there first; 5.17's, or
     flash-linear-attention, runs it, and the attention layer after refuses.)"""
-    if comm.size == 1:
-        pytest.skip("one rank's shard is the whole sequence: nothing to refuse")
     model = copy.deepcopy(reference["model"])
     model.set_attn_implementation("commlib_ring")
     shard = hf.shard_batch(one_sequence(), comm, attn_implementation="commlib_ring")
