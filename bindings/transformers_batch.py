@@ -31,7 +31,7 @@ from commlib.documents import as_offsets, cu_seqlens_from_position_ids
 from commlib.ring import shard_sequence
 
 from .transformers_attention import layout_of
-from .transformers_recurrent import unparallel_recurrent_layers
+from .transformers_recurrent import unparallel_refusal
 
 __all__ = ["shard_batch"]
 
@@ -79,8 +79,11 @@ def shard_batch(batch: Dict[str, Any], comm, *,
     rank would run them from a zero state.
     """
     layout = layout_of(attn_implementation)
-    if isinstance(attn_implementation, torch.nn.Module):
-        _check_recurrent_layers(attn_implementation, comm)
+    if isinstance(attn_implementation, torch.nn.Module) and comm.size > 1:
+        # the model is the same on every rank, so every rank raises
+        problem = unparallel_refusal(attn_implementation, "shard_batch")
+        if problem is not None:
+            raise problem
     unknown = sorted(set(batch) - set(_SHARDED) - set(_DOCUMENTS))
     if unknown:
         raise ValueError(f"shard_batch does not know how to shard {', '.join(unknown)}; it "
@@ -108,17 +111,6 @@ def shard_batch(batch: Dict[str, Any], comm, *,
             "num_items_in_batch": (shift_labels != IGNORE_INDEX).sum(),
             "cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens,
             "max_length_q": longest, "max_length_k": longest}
-
-
-def _check_recurrent_layers(model: torch.nn.Module, comm) -> None:
-    """A sharded batch needs every recurrent layer context-parallel (the
-    model is the same on every rank, so every rank raises)."""
-    unparallel = unparallel_recurrent_layers(model)
-    if unparallel and comm.size > 1:
-        raise ValueError(f"shard_batch: {type(model).__name__}'s recurrent layers "
-                         f"{reprlib.repr(unparallel)} are not context-parallel: on a shard each "
-                         f"would start from a zero state. Call recurrent_parallel(model, comm) "
-                         f"first")
 
 
 def _offsets(batch: Dict[str, Any], length: int) -> List[int]:

@@ -68,7 +68,7 @@ from .transformers_attention import (
 from .transformers_batch import shard_batch
 from .transformers_experts import IMPLEMENTATION as EXPERTS
 from .transformers_experts import replicated_tokens
-from .transformers_recurrent import has_parallel_recurrent_layers, unparallel_recurrent_layers
+from .transformers_recurrent import has_parallel_recurrent_layers, unparallel_refusal
 from .transformers_recurrent_generation import generation_states, recurrent_states
 
 __all__ = ["generate", "GENERATION"]
@@ -265,11 +265,9 @@ def _input_problem(model, input_ids: torch.Tensor, cache: Optional[ShardedKVCach
                    plan: _Plan, name: str, comm, prefill_method: str,
                    compile_decode: bool) -> Optional[ValueError]:
     """What is wrong with this call's inputs on this rank (None: nothing)."""
-    unparallel = unparallel_recurrent_layers(model)
-    if unparallel:
-        return ValueError(f"the model's recurrent layers ({', '.join(unparallel[:3])}"
-                          f"{', ...' if len(unparallel) > 3 else ''}) are not context-parallel: "
-                          f"call recurrent_parallel(model, comm) before generate")
+    unparallel = unparallel_refusal(model, "generate")
+    if unparallel is not None:
+        return unparallel
     recurrent = has_parallel_recurrent_layers(model)
     if recurrent and compile_decode:
         return ValueError("compile_decode is not implemented for models with recurrent layers "

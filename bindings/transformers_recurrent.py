@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import reprlib
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -52,8 +53,8 @@ from .torch_recurrent_state import halo
 from .transformers_attention import layout_of
 from .transformers_recurrent_generation import keep_states, prefill, replicated_states
 
-__all__ = ["recurrent_parallel", "unparallel_recurrent_layers", "has_parallel_recurrent_layers",
-           "FAMILIES"]
+__all__ = ["recurrent_parallel", "unparallel_recurrent_layers", "unparallel_refusal",
+           "has_parallel_recurrent_layers", "FAMILIES"]
 
 _SHARDED = "_commlib_recurrent_parallel"  # on mixers made parallel: their _Sharded
 
@@ -86,6 +87,18 @@ def unparallel_recurrent_layers(model: nn.Module) -> List[str]:
     has not made parallel (empty: none, or every one is)."""
     return [name for name, module in model.named_modules()
             if _is_recurrent(module) and not hasattr(module, _SHARDED)]
+
+
+def unparallel_refusal(model: nn.Module, before: str) -> Optional[ValueError]:
+    """The error for a model whose recurrent mixers were not all made
+    parallel, to be raised before ``before`` shards it (None: nothing to
+    refuse)."""
+    unparallel = unparallel_recurrent_layers(model)
+    if not unparallel:
+        return None
+    return ValueError(f"{type(model).__name__}'s recurrent layers {reprlib.repr(unparallel)} "
+                      f"are not context-parallel: on a shard each would start from a zero "
+                      f"state; call recurrent_parallel(model, comm) before {before}")
 
 
 def has_parallel_recurrent_layers(model: nn.Module) -> bool:

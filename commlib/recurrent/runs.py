@@ -44,8 +44,7 @@ def runs(comm, op: str, local_length: int, layout: str, cu_seqlens: Any,
                                           f"{', '.join(LAYOUTS)} layouts, not {layout!r}"))
     found = agreed_sharding(comm, op, local_length, lambda _held: check(), layout=layout,
                             cu_seqlens=cu_seqlens, mask=None)
-    real = [p for held in found.per_rank for p in held if not p.is_padding]
-    end = max(p.origin + p.length for p in real)
+    end = max(p.origin + p.length for held in found.real for p in held)
     offsets = (0, end) if cu_seqlens is None else as_offsets(cu_seqlens)
     starts = np.asarray([s for s in offsets[:-1] if s or not carried])
     found_runs = []
