@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import reprlib
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -32,10 +33,10 @@ from commlib.documents import packing_for, positions_of
 from commlib.hybrid.attention import check_degree
 from commlib.ulysses.relayout import check_heads
 
-from .recurrent_marks import has_recurrent_layers, is_parallel
 from .torch import hybrid_attention, ring_attention, ulysses_attention
 
-__all__ = ["register_attention", "layout_of", "LAYOUTS"]
+__all__ = ["register_attention", "layout_of", "LAYOUTS", "PositionCheck", "mark_checked",
+           "is_checked"]
 
 # the sequence layout of each implementation (shard_batch shards in it): the
 # ring and the hybrid balance causal work with zigzag shards; Ulysses gathers
@@ -157,8 +158,8 @@ def layout_of(attn_implementation: Union[str, torch.nn.Module]) -> str:
         name = getattr(getattr(attn_implementation, "config", None), "_attn_implementation", None)
     if name not in LAYOUTS:
         raise ValueError(f"attn_implementation {name!r} is not one of commlib's; use one of "
-                         f"{', '.join(LAYOUTS)} (register them with register(comm)), or pass "
-                         f"the model that uses one")
+                         f"{', '.join(LAYOUTS)} (register them with register(comm) and load "
+                         f"the model with one)")
     return LAYOUTS[name]
 
 
@@ -168,7 +169,7 @@ def _attention_function(name: str, attend: Attend, comm) -> Callable:
     implementation's layout, moves the heads axis where commlib wants it
     ([b, s, h, d]), attends."""
     world_size = comm.size
-    checked = _PositionCheck(name, LAYOUTS[name], comm)
+    checked = PositionCheck(name, LAYOUTS[name], comm)
 
     def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, attention_mask: Optional[torch.Tensor],
@@ -177,7 +178,7 @@ def _attention_function(name: str, attend: Attend, comm) -> Callable:
                   **kwargs: Any) -> Tuple[torch.Tensor, None]:
         check_call(name, attention_mask, dropout, kwargs)
         if world_size > 1:
-            _check_recurrent_layers(name, module)
+            _check_model_checked(name, module)
         cu_seqlens = _documents(name, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         checked(kwargs.get("position_ids"), cu_seqlens, query.shape[2])
@@ -192,20 +193,40 @@ def _attention_function(name: str, attend: Attend, comm) -> Callable:
     return attention
 
 
-def _check_recurrent_layers(name: str, module: torch.nn.Module) -> None:
-    """A sharded batch in a model with recurrent layers needs them made
-    context-parallel (``recurrent_parallel``); the model is the same on every
-    rank, so every rank raises. ``shard_batch(..., attn_implementation=model)``
-    checks the layers themselves; this catches a batch sharded by name."""
-    config = getattr(module, "config", None)
-    if config is not None and has_recurrent_layers(config) and not is_parallel(config):
-        raise ValueError(f"{name}: this model has recurrent layers (Gated DeltaNet or Mamba2) "
-                         f"that are not context-parallel: on a shard each would start from a "
-                         f"zero state. Call commlib.bindings.transformers."
-                         f"recurrent_parallel(model, comm) before sharding the batch")
+def _check_model_checked(name: str, module: torch.nn.Module) -> None:
+    """A sharded batch may reach only a model whose every token-mixing
+    layer is context-parallel, which ``shard_batch`` checks (the model is
+    the same on every rank, so every rank raises). A batch sharded by other
+    means reaches a model nobody checked: refused. A compiled step trusts
+    the eager step before it (a dict read by id breaks the graph)."""
+    if torch.compiler.is_compiling() or is_checked(getattr(module, "config", None)):
+        return
+    raise ValueError(f"{name}: this model was not checked for layers that mix tokens along the "
+                     f"sequence (a convolution or recurrence would read nothing beyond its "
+                     f"shard's edges): make its batch with commlib.bindings.transformers."
+                     f"shard_batch(batch, comm, attn_implementation=model), which checks it")
 
 
-class _PositionCheck:
+# the configs of checked models' attention layers, kept beside them, not in them: a config
+# attribute would be saved with the model and vouch for a model loaded from it unchecked
+_checked: Dict[int, "weakref.ref[Any]"] = {}
+
+
+def mark_checked(config: Any, checked: bool) -> None:
+    """Whether the model of this attention layer's ``config`` passed
+    ``transformers_model_check`` when it last ran."""
+    if checked:
+        _checked[id(config)] = weakref.ref(config, lambda _: _checked.pop(id(config), None))
+    else:
+        _checked.pop(id(config), None)
+
+
+def is_checked(config: Any) -> bool:
+    ref = _checked.get(id(config))
+    return ref is not None and ref() is config
+
+
+class PositionCheck:
     """Checks, once per ``position_ids`` tensor (every layer of a forward
     gets the same one), that they are the positions this rank's shard has
     in the implementation's layout (shard_batch makes them so), on every

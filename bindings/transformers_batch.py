@@ -23,7 +23,7 @@ call.
 from __future__ import annotations
 
 import reprlib
-from typing import Any, Dict, List, Union
+from typing import Any, Dict, List
 
 import torch
 
@@ -31,9 +31,9 @@ from commlib.documents import as_offsets, cu_seqlens_from_position_ids
 from commlib.ring import shard_sequence
 
 from .transformers_attention import layout_of
-from .transformers_recurrent import unparallel_refusal
+from .transformers_model_check import check_model
 
-__all__ = ["shard_batch"]
+__all__ = ["shard_batch", "sharded_batch"]
 
 IGNORE_INDEX = -100  # transformers' label for "no loss here"
 _SHARDED = ("input_ids", "labels", "attention_mask", "position_ids")
@@ -42,14 +42,18 @@ _DOCUMENTS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 def shard_batch(batch: Dict[str, Any], comm, *,
-                attn_implementation: Union[str, torch.nn.Module]) -> Dict[str, Any]:
+                attn_implementation: torch.nn.Module) -> Dict[str, Any]:
     """This rank's shard of ``batch``, the same global batch on every rank,
-    in the sequence layout of ``attn_implementation``: one of commlib's
-    registered names (``LAYOUTS``) or the model, whose
-    ``config._attn_implementation`` names it. The attention checks the
-    shard's ``position_ids`` against its own layout, so a batch sharded for
-    another implementation raises instead of attending over the wrong
-    tokens.
+    for the model ``attn_implementation`` (collective): in the sequence
+    layout of its ``config._attn_implementation`` (one of commlib's,
+    ``LAYOUTS``), after checking that every layer of it that mixes tokens
+    along the sequence is context-parallel (``check_model``: commlib's
+    attention, recurrent mixers made parallel by ``recurrent_parallel``);
+    any other is refused on every rank, naming it. A name instead of the
+    model is refused: nothing could check the model. The attention and the
+    recurrent mixers check the shard's ``position_ids`` against their own
+    layout, so a batch sharded for another implementation raises instead of
+    attending over the wrong tokens.
 
     ``batch``: ``input_ids`` [b, s] (any s), optionally ``labels`` (default:
     the input ids, as transformers does), ``attention_mask`` (all ones:
@@ -74,16 +78,21 @@ def shard_batch(batch: Dict[str, Any], comm, *,
       ``max_length_q``/``max_length_k``: the longest document.
 
     The all-ones ``attention_mask`` is dropped: it carries nothing, and a
-    sharded one would mark the layout's padding. A model whose recurrent
-    layers were not made parallel (``recurrent_parallel``) is refused: each
-    rank would run them from a zero state.
+    sharded one would mark the layout's padding.
     """
-    layout = layout_of(attn_implementation)
-    if isinstance(attn_implementation, torch.nn.Module) and comm.size > 1:
-        # the model is the same on every rank, so every rank raises
-        problem = unparallel_refusal(attn_implementation, "shard_batch")
-        if problem is not None:
-            raise problem
+    model = attn_implementation
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"shard_batch needs the model (attn_implementation=model), not "
+                         f"{model!r}: it checks that every layer of the model that mixes "
+                         f"tokens along the sequence runs on shards; a name says nothing of "
+                         f"the model's other layers (docs/transformers.md)")
+    check_model(model, comm, before="shard_batch")
+    return sharded_batch(batch, comm, layout=layout_of(model))
+
+
+def sharded_batch(batch: Dict[str, Any], comm, *, layout: str) -> Dict[str, Any]:
+    """``shard_batch``'s shard in ``layout``, for a model already checked
+    (generate's prefill)."""
     unknown = sorted(set(batch) - set(_SHARDED) - set(_DOCUMENTS))
     if unknown:
         raise ValueError(f"shard_batch does not know how to shard {', '.join(unknown)}; it "

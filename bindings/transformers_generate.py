@@ -65,10 +65,11 @@ from .transformers_attention import (
     mask_function,
     window_of,
 )
-from .transformers_batch import shard_batch
+from .transformers_batch import sharded_batch
 from .transformers_experts import IMPLEMENTATION as EXPERTS
 from .transformers_experts import replicated_tokens
-from .transformers_recurrent import has_parallel_recurrent_layers, unparallel_refusal
+from .transformers_model_check import model_problem
+from .transformers_recurrent import has_parallel_recurrent_layers
 from .transformers_recurrent_generation import generation_states, recurrent_states
 
 __all__ = ["generate", "GENERATION"]
@@ -265,7 +266,7 @@ def _input_problem(model, input_ids: torch.Tensor, cache: Optional[ShardedKVCach
                    plan: _Plan, name: str, comm, prefill_method: str,
                    compile_decode: bool) -> Optional[ValueError]:
     """What is wrong with this call's inputs on this rank (None: nothing)."""
-    unparallel = unparallel_refusal(model, "generate")
+    unparallel = model_problem(model, comm, before="generate", attention_replaced=True)
     if unparallel is not None:
         return unparallel
     recurrent = has_parallel_recurrent_layers(model)
@@ -497,7 +498,7 @@ def _first_prefill(model, input_ids: torch.Tensor, cache: ShardedKVCache, comm,
                    name: str) -> torch.Tensor:
     """The prompt sharded in ``name``'s layout and attended by it."""
     length = input_ids.shape[1]
-    shard = shard_batch({"input_ids": input_ids}, comm, attn_implementation=name)
+    shard = sharded_batch({"input_ids": input_ids}, comm, layout=LAYOUTS[name])
     offsets = shard["cu_seq_lens_q"].tolist()
     packing = packing_for(offsets, LAYOUTS[name], comm.size, shard["input_ids"].shape[1])
     index = local_index(packing, comm.rank)

@@ -1,8 +1,9 @@
 """Context parallelism for the recurrent layers of transformers' hybrid
 models: ``recurrent_parallel(model, comm)`` makes every Gated DeltaNet
-(Qwen3-Next) and Mamba2 mixer (Bamba, Granite-MoE-Hybrid, Falcon-H1) run on
-this rank's shard of the sequence, in the layout of the model's commlib
-attention, in place.
+(Qwen3-Next), Mamba2 mixer (Bamba, Granite-MoE-Hybrid, Falcon-H1) and short
+convolution (LFM2, LFM2-MoE, LFM3: a gated depthwise causal convolution, no
+scan) run on this rank's shard of the sequence, in the layout of the model's
+commlib attention, in place.
 
 Each mixer's forward is replaced by one that computes what transformers'
 training forward computes (5.17 on: the projections, the short causal
@@ -27,14 +28,15 @@ forward (its class's, unpatched) on that cache. A model whose recurrent
 layers were not made parallel must not see a sharded batch (each rank
 would start its recurrences from a zero state):
 ``shard_batch(..., attn_implementation=model)`` refuses it
-(``unparallel_recurrent_layers``).
+(``transformers_model_check``).
 """
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import functools
-import reprlib
+import inspect
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -47,14 +49,14 @@ from transformers.activations import ACT2FN
 from commlib.documents import as_offsets
 from commlib.recurrent.pieces import sharding
 
-from .recurrent_marks import mark_parallel
 from .torch import gated_delta_rule, mamba2_scan
 from .torch_recurrent_state import halo
-from .transformers_attention import layout_of
+from .transformers_attention import LAYOUTS, PositionCheck, layout_of
 from .transformers_recurrent_generation import keep_states, prefill, replicated_states
+from .transformers_token_mixers import Mixer, probed, probing
 
-__all__ = ["recurrent_parallel", "unparallel_recurrent_layers", "unparallel_refusal",
-           "has_parallel_recurrent_layers", "FAMILIES"]
+__all__ = ["recurrent_parallel", "is_parallel_mixer", "has_parallel_recurrent_layers",
+           "FAMILIES"]
 
 _SHARDED = "_commlib_recurrent_parallel"  # on mixers made parallel: their _Sharded
 
@@ -68,58 +70,69 @@ class _Sharded:
     config: Any
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "_Sharded":
-        """A copied model's mixers share the communicator, and its config is
-        marked parallel like the original's."""
-        config = copy.deepcopy(self.config, memo)
-        mark_parallel(config)
-        return _Sharded(self.comm, config)
+        """A copied model's mixers share the communicator."""
+        return _Sharded(self.comm, copy.deepcopy(self.config, memo))
 
 
-def _is_recurrent(module: nn.Module) -> bool:
-    """A recurrent mixer of any family transformers has (Mamba, Mamba2, Gated
-    DeltaNet...): a decay ``A_log`` and a short convolution ``conv1d``."""
-    return isinstance(module._parameters.get("A_log"), torch.Tensor) and \
-        isinstance(getattr(module, "conv1d", None), nn.Conv1d)
-
-
-def unparallel_recurrent_layers(model: nn.Module) -> List[str]:
-    """The names of ``model``'s recurrent mixers that ``recurrent_parallel``
-    has not made parallel (empty: none, or every one is)."""
-    return [name for name, module in model.named_modules()
-            if _is_recurrent(module) and not hasattr(module, _SHARDED)]
-
-
-def unparallel_refusal(model: nn.Module, before: str) -> Optional[ValueError]:
-    """The error for a model whose recurrent mixers were not all made
-    parallel, to be raised before ``before`` shards it (None: nothing to
-    refuse)."""
-    unparallel = unparallel_recurrent_layers(model)
-    if not unparallel:
-        return None
-    return ValueError(f"{type(model).__name__}'s recurrent layers {reprlib.repr(unparallel)} "
-                      f"are not context-parallel: on a shard each would start from a zero "
-                      f"state; call recurrent_parallel(model, comm) before {before}")
+def is_parallel_mixer(module: nn.Module) -> bool:
+    """Whether ``recurrent_parallel`` made this module context-parallel."""
+    return hasattr(module, _SHARDED)
 
 
 def has_parallel_recurrent_layers(model: nn.Module) -> bool:
     """Whether ``recurrent_parallel`` made some mixer of ``model`` parallel."""
-    return any(hasattr(module, _SHARDED) for module in model.modules())
+    return any(map(is_parallel_mixer, model.modules()))
 
 
 # ---- the causal convolution ----------------------------------------------------------------
 
+# the documents given to the layer that calls a mixer whose forward takes no
+# keyword arguments beyond its own (LFM2's at transformers 5.17), for that mixer
+_LAYER_DOCUMENTS: contextvars.ContextVar[Optional[Dict[str, Any]]] = contextvars.ContextVar(
+    "commlib_recurrent_layer_documents", default=None)
+_DOCUMENT_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")
+
+
+def _keep_layer_documents(layer: nn.Module, args: Tuple[Any, ...],
+                          kwargs: Dict[str, Any]) -> None:
+    """A forward pre-hook of such a mixer's caller: its documents, for the
+    mixer to read."""
+    _LAYER_DOCUMENTS.set({key: kwargs[key] for key in _DOCUMENT_KEYS if key in kwargs})
+
+
+def _drop_layer_documents(layer: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                          output: Any) -> None:
+    _LAYER_DOCUMENTS.set(None)
+
+
+def _documents_through_callers(model: nn.Module, mixers: List[nn.Module]) -> None:
+    """The mixers whose own forward has no ``**kwargs`` never see the
+    documents the decoder layer calling them was given (transformers 5.17's
+    LFM2 passes its conv none): a hook on each such caller hands them over."""
+    deaf = {id(module) for module in mixers if not any(
+        parameter.kind is inspect.Parameter.VAR_KEYWORD
+        for parameter in inspect.signature(type(module).forward).parameters.values())}
+    for caller in model.modules():
+        if any(id(child) in deaf for child in caller.children()):
+            caller.register_forward_pre_hook(_keep_layer_documents, with_kwargs=True)
+            caller.register_forward_hook(_drop_layer_documents, with_kwargs=True,
+                                         always_call=True)
+
+
 def _documents(kwargs: Dict[str, Any]) -> Optional[List[int]]:
     """The packed documents' global offsets the layer was given (None: one
     unpadded sequence), as host ints."""
+    if not any(key in kwargs for key in _DOCUMENT_KEYS):
+        kwargs = _LAYER_DOCUMENTS.get() or {}
     given = kwargs.get("cu_seq_lens_q", kwargs.get("cu_seq_lens_k"))
     return None if given is None else [int(offset) for offset in as_offsets(
         given.cpu() if isinstance(given, torch.Tensor) else given)]
 
 
-def _causal_conv(conv: nn.Conv1d, activation: str, x: torch.Tensor, comm, layout: str,
+def _causal_conv(conv: nn.Conv1d, activation: Optional[str], x: torch.Tensor, comm, layout: str,
                  cu_seqlens: Optional[List[int]]) -> torch.Tensor:
     """transformers' ``causal_conv1d_fn`` (depthwise, causal, then the
-    activation) on the shard x [b, l, channels]: each piece reads the
+    activation, if any) on the shard x [b, l, channels]: each piece reads the
     ``kernel - 1`` tokens before it from its halo, and each document inside a
     piece starts from zeros, as at the sequence's start."""
     width = conv.kernel_size[0] - 1
@@ -137,7 +150,10 @@ def _causal_conv(conv: nn.Conv1d, activation: str, x: torch.Tensor, comm, layout
             window = torch.cat([prefix, x[:, first:stop]], dim=1).transpose(1, 2)
             outs.append(F.conv1d(window.to(conv.weight.dtype), conv.weight, conv.bias,
                                  groups=conv.groups))
-    return ACT2FN[activation](torch.cat(outs, dim=2)).to(x.dtype).transpose(1, 2)
+    out = torch.cat(outs, dim=2)
+    if activation is not None:
+        out = ACT2FN[activation](out)
+    return out.to(x.dtype).transpose(1, 2)
 
 
 # ---- the forwards --------------------------------------------------------------------------
@@ -145,12 +161,16 @@ def _causal_conv(conv: nn.Conv1d, activation: str, x: torch.Tensor, comm, layout
 def _own_forward_when_replicated(sharded_forward: Callable[..., torch.Tensor]
                                  ) -> Callable[..., torch.Tensor]:
     """``sharded_forward``, except on tokens every rank runs alike inside
-    generate (decode): there the module's own forward, on generate's cache."""
+    generate (decode): there the module's own forward, on generate's cache
+    (its second argument: ``cache``, ``cache_params`` or, LFM2 at transformers
+    5.17, ``past_key_values``)."""
 
     @functools.wraps(sharded_forward)
     def forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = None,
                 attention_mask: Optional[torch.Tensor] = None, cache_params: Any = None,
                 **kwargs: Any) -> torch.Tensor:
+        if cache_params is None:
+            cache_params = kwargs.pop("past_key_values", None)
         states = replicated_states()
         if states is None or cache is not None or cache_params is not None:
             return sharded_forward(self, hidden_states, cache, attention_mask, cache_params,
@@ -263,6 +283,29 @@ def _mamba2_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = N
     return self.out_proj(y.to(dtype))
 
 
+@_own_forward_when_replicated
+def _short_conv_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = None,
+                        attention_mask: Optional[torch.Tensor] = None, cache_params: Any = None,
+                        **kwargs: Any) -> torch.Tensor:
+    """LFM2's ``Lfm2ShortConv`` forward (LFM2-MoE's and LFM3's are the same),
+    without a cache, on this rank's shard (inside generate's prefill, its
+    conv state kept): the input projection's B, C and x, the depthwise
+    causal convolution of B * x (no activation, no state beside it), C times
+    that, the output projection."""
+    sharded, layout, documents, states = _checked_call(
+        self, cache if cache is not None else cache_params, attention_mask, kwargs)
+    if kwargs.get("seq_idx") is not None:
+        raise ValueError(f"{type(self).__name__} (recurrent_parallel) got seq_idx: packed "
+                         f"documents travel as cu_seq_lens_q (make the batch with shard_batch)")
+    B, C, x = self.in_proj(hidden_states).chunk(3, dim=-1)
+    conv_input = B * x
+    out = C * _causal_conv(self.conv, None, conv_input, sharded.comm, layout, documents)
+    if states is not None:
+        keep_states(states, self.layer_idx, None, conv_input, self.conv.kernel_size[0],
+                    sharded.comm, layout, documents)
+    return self.out_proj(out)
+
+
 @dataclass(frozen=True)
 class Family:
     """A mixer class recurrent_parallel knows: the forward that replaces its
@@ -271,6 +314,7 @@ class Family:
 
     forward: Callable[..., torch.Tensor]
     attributes: Tuple[str, ...]
+    conv: str = "conv1d"  # the attribute holding its short causal convolution
 
 
 _GATED_DELTA_NET = Family(_gated_delta_net_forward, (
@@ -283,6 +327,8 @@ _MAMBA2 = ("in_proj", "conv1d", "activation", "intermediate_size", "conv_dim", "
 _BAMBA = Family(_mamba2_forward, _MAMBA2)
 _FALCON_H1 = Family(_mamba2_forward, _MAMBA2 + ("ssm_in_multiplier", "mup_vector",
                                                  "mamba_rms_norm"))
+_SHORT_CONV = Family(_short_conv_forward, ("in_proj", "conv", "out_proj", "layer_idx"),
+                     conv="conv")
 
 # the mixer classes, by name (their modules are imported only with their models)
 FAMILIES: Dict[str, Family] = {
@@ -290,34 +336,81 @@ FAMILIES: Dict[str, Family] = {
     "BambaMixer": _BAMBA,
     "GraniteMoeHybridMambaLayer": _BAMBA,
     "FalconH1Mixer": _FALCON_H1,
+    "Lfm2ShortConv": _SHORT_CONV,
+    "Lfm2MoeShortConv": _SHORT_CONV,  # LFM2-MoE's, the same module
+    "Lfm3ShortConv": _SHORT_CONV,     # transformers 5.25 on
 }
 
 
-def _refusal(module: nn.Module) -> Optional[str]:
-    """Why this recurrent mixer cannot be made parallel (None: it can)."""
-    kind = type(module).__name__
-    family = FAMILIES.get(kind)
-    if family is None:
-        return (f"{kind} is a recurrent mixer that recurrent_parallel does not implement "
-                f"(it makes {', '.join(FAMILIES)} context-parallel)")
-    if hasattr(module, _SHARDED):
+def _refusal(mixer: Mixer) -> Optional[str]:
+    """Why this token-mixing module cannot be made parallel (None: it can)."""
+    kind = type(mixer.module).__name__
+    if mixer.kind == "parallel":
         return f"{kind} is already context-parallel: recurrent_parallel was called twice"
+    if kind not in FAMILIES:
+        return (f"{mixer.describe()} mixes tokens along the sequence, and recurrent_parallel "
+                f"does not implement it (it makes {', '.join(FAMILIES)} context-parallel)")
+    return None
+
+
+def _shape_refusal(module: nn.Module) -> Optional[str]:
+    """Why a module of a class recurrent_parallel knows is not the module it
+    computes (None: it is): checked before the model runs for the probe, where
+    a module missing what its own forward reads would fail unexplained."""
+    kind = type(module).__name__
+    family = FAMILIES[kind]
     missing = [name for name in family.attributes if not hasattr(module, name)]
     if missing:
         return (f"{kind} lacks {', '.join(missing)}: this transformers version's module is not "
                 f"the one recurrent_parallel computes (checked against transformers 5.17 to "
                 f"5.25)")
-    conv = module.conv1d
-    depthwise = conv.groups == conv.in_channels == conv.out_channels
+    conv = getattr(module, family.conv)
+    depthwise = isinstance(conv, nn.Conv1d) and \
+        conv.groups == conv.in_channels == conv.out_channels
     if not depthwise or conv.stride != (1,) or conv.dilation != (1,) or conv.kernel_size[0] < 2:
-        return (f"{kind}.conv1d is not a depthwise causal convolution of stride 1 and kernel "
-                f">= 2 (found {conv})")
+        return (f"{kind}.{family.conv} is not a depthwise causal convolution of stride 1 and "
+                f"kernel >= 2 (found {conv})")
+    if family is _SHORT_CONV and module.in_proj.out_features != 3 * conv.in_channels:
+        return (f"{kind}.in_proj gives {module.in_proj.out_features} features, not B, C and x "
+                f"of the {conv.in_channels} channels its conv convolves")
     return None
+
+
+class _PositionHook:
+    """A forward pre-hook of the model's decoder: its ``position_ids`` (the
+    decoder's own 0 .. l-1 when none are given) must be this rank's in the
+    layout the mixers read, as the attention checks its own, so that a model
+    with no commlib attention is checked too (inside generate, which shards
+    itself, nothing). An object, so that a copied model's hook reads the
+    copy's config."""
+
+    def __init__(self, sharded: _Sharded):
+        self.sharded = sharded
+        self.checks: Dict[str, PositionCheck] = {}
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "_PositionHook":
+        return _PositionHook(copy.deepcopy(self.sharded, memo))
+
+    def __call__(self, decoder: nn.Module, args: Tuple[Any, ...],
+                 kwargs: Dict[str, Any]) -> None:
+        comm, name = self.sharded.comm, self.sharded.config._attn_implementation
+        tokens = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        if comm.size == 1 or name not in LAYOUTS or tokens is None or probing() or \
+                prefill() is not None or replicated_states() is not None:
+            return  # a name not commlib's: each mixer refuses it when called
+        length = tokens.shape[1]
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = torch.arange(length)[None]
+        if name not in self.checks:
+            self.checks[name] = PositionCheck(name, LAYOUTS[name], comm)
+        self.checks[name](positions, _documents(kwargs), length)
 
 
 def recurrent_parallel(model: nn.Module, comm) -> nn.Module:
     """Make every recurrent mixer of ``model`` (Gated DeltaNet: Qwen3-Next;
-    Mamba2: Bamba, Granite-MoE-Hybrid, Falcon-H1) context-parallel over
+    Mamba2: Bamba, Granite-MoE-Hybrid, Falcon-H1; the short convolution of
+    LFM2, LFM2-MoE and LFM3) context-parallel over
     ``comm``, in place (collective): each runs on this rank's shard of the
     sequence, in the layout of the model's commlib attention
     (``config._attn_implementation``, read at every forward), its
@@ -327,21 +420,34 @@ def recurrent_parallel(model: nn.Module, comm) -> nn.Module:
     split too (``expert_parallel``). Turns ``config.use_cache`` off: the
     sharded forward is the training / prefill one, and a cache is refused
     (``commlib.bindings.transformers.generate`` generates with the model).
-    A model without recurrent mixers, or with one of a family (or
-    transformers version) it does not implement, raises ValueError on every
-    rank, unchanged."""
-    mixers = [module for module in model.modules() if _is_recurrent(module)]
-    refusals = [reason for reason in map(_refusal, mixers) if reason is not None]
-    if not mixers:
-        refusals.append(f"{type(model).__name__} has no recurrent mixer (a module with A_log "
-                        f"and a conv1d)")
+    A model without recurrent mixers, or with a module that mixes tokens
+    along the sequence of a family (or transformers version) it does not
+    implement, raises ValueError on every rank, unchanged: the mixers are
+    found by running the model (``transformers_token_mixers``), not by
+    their names. Every later forward of the model first checks that its
+    ``position_ids`` are this rank's in the layout the mixers read (a batch
+    sharded for another layout is refused, attention or not)."""
+    mixers: List[Mixer] = []
+    refusals = [reason for reason in map(_shape_refusal, (
+        module for module in model.modules()
+        if type(module).__name__ in FAMILIES and not is_parallel_mixer(module)))
+        if reason is not None]
+    if not refusals:
+        mixers = [m for m in probed(model, is_parallel_mixer) if m.kind != "attention"]
+        refusals = [reason for reason in map(_refusal, mixers) if reason is not None]
+        if not mixers:
+            refusals.append(f"{type(model).__name__} has no recurrent mixer (no layer mixes "
+                            f"tokens along the sequence but its attention)")
     problem = ValueError("; ".join(dict.fromkeys(refusals))) if refusals else None
-    comm.agree("transformers.recurrent_parallel", *(type(m).__name__ for m in mixers),
+    comm.agree("transformers.recurrent_parallel", *(type(m.module).__name__ for m in mixers),
                problem=problem)
     sharded = _Sharded(comm, model.config)
-    for module in mixers:
-        setattr(module, _SHARDED, sharded)
-        module.forward = types.MethodType(FAMILIES[type(module).__name__].forward, module)
+    for mixer in mixers:
+        setattr(mixer.module, _SHARDED, sharded)
+        mixer.module.forward = types.MethodType(FAMILIES[type(mixer.module).__name__].forward,
+                                                mixer.module)
+    _documents_through_callers(model, [mixer.module for mixer in mixers])
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    decoder.register_forward_pre_hook(_PositionHook(sharded), with_kwargs=True)
     model.config.use_cache = False
-    mark_parallel(model.config)
     return model

@@ -8,7 +8,8 @@ which ``generate`` hands them for each forward (``generation_states``):
 
 - the sharded prefill (``layout=`` the prefill's): each mixer runs on its shard as in
   training and leaves in the cache what decode reads, alike on every rank:
-  the scan's final state (the global prompt's, already on every rank) and
+  the scan's final state (the global prompt's, already on every rank; LFM2's
+  short convolution has none) and
   the convolution's state, the last ``kernel`` input tokens of the global
   prompt (``keep_states``: gathered from the ranks that hold them);
 - replicated tokens (decode, a later turn's new tokens): the mixer's own
@@ -77,10 +78,12 @@ def prefill() -> Optional[Tuple[Any, str]]:
     return None if active is None or active.layout is None else (active.states, active.layout)
 
 
-def keep_states(states: Any, layer_idx: int, final_state: torch.Tensor, conv_input: torch.Tensor,
-                kernel: int, comm, layout: str, cu_seqlens: Optional[List[int]]) -> None:
+def keep_states(states: Any, layer_idx: int, final_state: Optional[torch.Tensor],
+                conv_input: torch.Tensor, kernel: int, comm, layout: str,
+                cu_seqlens: Optional[List[int]]) -> None:
     """Layer ``layer_idx``'s states in ``states``: the scan's ``final_state``
-    (the global sequence's, the same on every rank) and the conv state, the
+    (the global sequence's, the same on every rank; None for a layer with no
+    scan, LFM2's short convolution) and the conv state, the
     last ``kernel`` tokens of the global sequence's last document, of which
     this rank's shard ``conv_input`` [batch, length, channels] holds some.
     Each rank puts the ones it holds in place, zeros elsewhere; an
@@ -97,4 +100,5 @@ def keep_states(states: Any, layer_idx: int, final_state: torch.Tensor, conv_inp
                 conv_input[:, piece.start + start - piece.origin:piece.stop]
     tail = comm.allgather(tail[None].contiguous(), axis=0).sum(0)
     states.update_conv_state(tail.transpose(1, 2), layer_idx, conv_kernel_size=kernel)
-    states.update_recurrent_state(final_state, layer_idx)
+    if final_state is not None:
+        states.update_recurrent_state(final_state, layer_idx)

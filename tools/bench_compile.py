@@ -64,6 +64,8 @@ def _block(comm, family: str, hidden: int, seq: int):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer
 
     from commlib.bindings import transformers as cht
+    from commlib.bindings.transformers_attention import LAYOUTS, mark_checked
+    from commlib.bindings.transformers_batch import sharded_batch
 
     cht.register(comm)
     common = dict(hidden_size=hidden, num_attention_heads=HEADS, num_key_value_heads=HEADS,
@@ -79,13 +81,14 @@ def _block(comm, family: str, hidden: int, seq: int):
         make = Qwen3MoeDecoderLayer
     config._attn_implementation = "commlib_ring"
     config._experts_implementation = "grouped_mm"  # traceable (eager loops over experts hit)
+    mark_checked(config, True)  # a layer alone: no model for shard_batch to check
     torch.manual_seed(0)
     layer, rope = make(config, 0), LlamaRotaryEmbedding(config)
     with torch.no_grad():  # a layer alone is not initialised (its experts: torch.empty)
         for parameter in layer.parameters():
             parameter.normal_(std=0.02)
-    batch = cht.shard_batch({"input_ids": torch.zeros(1, seq * comm.size, dtype=torch.long)},
-                            comm, attn_implementation="commlib_ring")
+    batch = sharded_batch({"input_ids": torch.zeros(1, seq * comm.size, dtype=torch.long)},
+                          comm, layout=LAYOUTS["commlib_ring"])
     documents = {key: batch[key] for key in ("cu_seq_lens_q", "cu_seq_lens_k")}
     position = batch["position_ids"]
     x = torch.randn(1, seq, hidden, generator=torch.Generator().manual_seed(comm.rank),

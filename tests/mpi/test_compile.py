@@ -232,6 +232,8 @@ def test_inductor_equals_eager_within_float32_rounding(comm, algorithm):
 
 transformers = requires.module("transformers")
 hf = requires.module("commlib.bindings.transformers")
+from commlib.bindings.transformers_attention import LAYOUTS, mark_checked  # noqa: E402
+from commlib.bindings.transformers_batch import sharded_batch  # noqa: E402
 
 VOCAB, LOCAL = 96, 8  # LOCAL tokens per rank
 TINY = dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=HEADS,
@@ -250,15 +252,16 @@ def _config(family):
 
 def _batch(comm, implementation, packed=False):
     """shard_batch's shard of a seeded global row (packed: documents of
-    PACKED, position ids restarting at 0)."""
+    PACKED, position ids restarting at 0), for ``implementation``: a model,
+    or the name of a layer's attention (a layer alone: no model to check)."""
     gen = torch.Generator().manual_seed(11)
-    if not packed:
-        return hf.shard_batch({"input_ids": torch.randint(VOCAB, (1, LOCAL * comm.size),
-                                                          generator=gen)},
-                              comm, attn_implementation=implementation)
-    positions = torch.cat([torch.arange(n) for n in PACKED])[None]
-    return hf.shard_batch({"input_ids": torch.randint(VOCAB, (1, sum(PACKED)), generator=gen),
-                           "position_ids": positions}, comm, attn_implementation=implementation)
+    batch = {"input_ids": torch.randint(VOCAB, (1, LOCAL * comm.size), generator=gen)}
+    if packed:
+        batch = {"input_ids": torch.randint(VOCAB, (1, sum(PACKED)), generator=gen),
+                 "position_ids": torch.cat([torch.arange(n) for n in PACKED])[None]}
+    if isinstance(implementation, str):
+        return sharded_batch(batch, comm, layout=LAYOUTS[implementation])
+    return hf.shard_batch(batch, comm, attn_implementation=implementation)
 
 
 def _block(comm, family, implementation, expert_parallel=None):
@@ -273,6 +276,7 @@ def _block(comm, family, implementation, expert_parallel=None):
     config = _config(family)
     config._attn_implementation = implementation
     config._experts_implementation = "grouped_mm"  # traceable (eager loops over experts hit)
+    mark_checked(config, True)  # a layer alone: no model for shard_batch to check
     torch.manual_seed(0)
     layer = (LlamaDecoderLayer if family == "llama" else Qwen3MoeDecoderLayer)(config, 0)
     with torch.no_grad():  # a layer alone is not initialised (its experts: torch.empty)

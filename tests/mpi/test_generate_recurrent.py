@@ -1,7 +1,8 @@
 """``commlib.bindings.transformers.generate`` for hybrid models made
 ``recurrent_parallel`` (a tiny Qwen3-Next: Gated DeltaNet, full attention
 and MoE; a tiny Bamba: Mamba2 and full attention; a tiny Falcon-H1: both in
-every layer) against one process's ``model.generate`` on the unsharded
+every layer; a tiny LFM2 and LFM2-MoE: a short convolution, no scan, beside
+attention) against one process's ``model.generate`` on the unsharded
 model (sdpa, transformers' own mixers and cache): the same greedy tokens,
 prefilled in the zigzag (ring) and contiguous (Ulysses) layouts; the same
 sampled tokens for a shared seed; a second turn from the returned cache;
@@ -121,7 +122,7 @@ def test_a_second_turn_continues_the_states(comm, family):
     assert all_ranks(same_generation(got, want)), (got.sequences, want.sequences)
 
 
-@pytest.mark.parametrize("family", ["qwen3_next"], indirect=True)  # the family with experts
+@pytest.mark.parametrize("family", ["qwen3_next", "lfm2_moe"], indirect=True)  # with experts
 def test_expert_parallel_together(comm, family):
     _, model = family
     ids = tokens(1, 17, seed=17)

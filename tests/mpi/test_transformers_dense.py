@@ -18,7 +18,7 @@ from conftest import all_ranks, raises_everywhere
 transformers = requires.module("transformers")
 torch = requires.module("torch")
 hf = requires.module("commlib.bindings.transformers")
-from commlib.bindings.transformers_attention import LAYOUTS  # noqa: E402
+from commlib.bindings.transformers_attention import LAYOUTS, mark_checked  # noqa: E402
 from commlib.bindings.transformers_experts import EXPERT_PARALLEL  # noqa: E402
 
 # a model sharded 2 ways, and the 2 x 2 hybrid
@@ -83,9 +83,10 @@ def gradients(model):
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-def new_model(config, seed):
+def new_model(config, seed, attn_implementation="sdpa"):
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=attn_implementation)
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +138,20 @@ def mistral_reference(comm):
     return {"model": initial, "loss": loss.item(), "grads": gradients(model)}
 
 
+_TINY_MODELS = {}
+
+
+def tiny_model(implementation):
+    """A tiny Llama attending with ``implementation``, for shard_batch to
+    check and cut for (made once per implementation)."""
+    if implementation not in _TINY_MODELS:
+        _TINY_MODELS[implementation] = new_model(tiny_config(), seed=0,
+                                                 attn_implementation=implementation)
+    return _TINY_MODELS[implementation]
+
+
 def ring_batch(batch, comm):
-    return hf.shard_batch(batch, comm, attn_implementation="commlib_ring")
+    return hf.shard_batch(batch, comm, attn_implementation=tiny_model("commlib_ring"))
 
 
 def sharded_step(model, comm, implementation, batch=None):
@@ -203,7 +216,7 @@ def test_shard_batch_shifts_labels_on_the_whole_sequence(comm, implementation, p
     else:
         batch, items = global_batch(), BATCH * (SEQ - 1) - 6
         offsets, positions = [0, SEQ], torch.arange(SEQ).expand(BATCH, SEQ)
-    shard = hf.shard_batch(batch, comm, attn_implementation=implementation)
+    shard = hf.shard_batch(batch, comm, attn_implementation=tiny_model(implementation))
     layout = LAYOUTS[implementation]
     shifted, got_positions = (unshard_sequence(shard[key], comm, layout=layout,
                                                cu_seqlens=offsets)
@@ -237,7 +250,16 @@ def registered(implementation):
 
 
 class CausalModule(torch.nn.Module):
+    """An attention layer alone, as transformers passes it to the attention:
+    no model around it for shard_batch to check, so its config is marked
+    checked by hand."""
+
     is_causal = True
+
+    def __init__(self):
+        super().__init__()
+        self.config = transformers.PretrainedConfig()
+        mark_checked(self.config, True)
 
 
 @pytest.mark.parametrize("implementation", KINDS)
@@ -340,22 +362,36 @@ def test_a_batch_sharded_for_another_implementation_is_refused(comm, reference, 
     if comm.size == 1:
         pytest.skip("one rank holds the whole sequence in every layout")
     model = model_with(reference["model"], implementation)
+    own = hf.shard_batch(global_batch(), comm, attn_implementation=model)  # checks the model
     other = "commlib_ulysses" if implementation != "commlib_ulysses" else "commlib_ring"
-    shard = hf.shard_batch(global_batch(), comm, attn_implementation=other)
+    shard = hf.shard_batch(global_batch(), comm, attn_implementation=tiny_model(other))
     raises_everywhere(commlib.CollectiveMismatchError, lambda: model(**shard),
                       match="the batch was sharded for another layout")
     by_hand = {"input_ids": shard_sequence(global_batch()["input_ids"], comm,
                                            layout=LAYOUTS[implementation])}
     raises_everywhere(commlib.CollectiveMismatchError, lambda: model(**by_hand),
                       match="position_ids")
-    assert all_ranks(hf.shard_batch(global_batch(), comm, attn_implementation=model).keys()
-                     == shard.keys())
+    assert all_ranks(own.keys() == shard.keys())
 
 
-def test_shard_batch_names_the_implementations(comm):
+def test_shard_batch_takes_a_model_of_commlib_attention(comm):
+    """A name is refused (nothing could check the model's other layers), and
+    so is a model that attends otherwise."""
     raises_everywhere(ValueError, lambda: hf.shard_batch(global_batch(), comm,
-                                                         attn_implementation="sdpa"),
+                                                         attn_implementation="commlib_ring"),
+                      match="shard_batch needs the model")
+    raises_everywhere(ValueError, lambda: hf.shard_batch(global_batch(), comm,
+                                                         attn_implementation=tiny_model("sdpa")),
                       match="'sdpa' is not one of commlib's")
+
+
+def test_a_model_nobody_checked_is_refused_by_its_attention(comm, reference):
+    """A batch sharded by hand (with the right positions) reaching a model
+    that shard_batch never checked: the attention refuses it, since a layer
+    it cannot see might mix tokens."""
+    model = model_with(reference["model"], "commlib_ring")
+    shard = hf.shard_batch(global_batch(), comm, attn_implementation=tiny_model("commlib_ring"))
+    raises_everywhere(ValueError, lambda: model(**shard), match="was not checked")
 
 
 def test_allreduce_gradients_sums_replicated_parameters_only(comm):

@@ -155,7 +155,7 @@ def test_context_and_expert_parallel_together(comm, family, attn):
     tokens = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(2))
     reference_loss = reference(input_ids=tokens, labels=tokens).loss
     reference_loss.backward()
-    loss = model(**cht.shard_batch({"input_ids": tokens}, comm, attn_implementation=attn)).loss
+    loss = model(**cht.shard_batch({"input_ids": tokens}, comm, attn_implementation=model)).loss
     loss.backward()
     allreduce_gradients(model, comm)
     global_loss = comm.allreduce(np.array([loss.item()]))[0]

@@ -1,12 +1,15 @@
 """Hybrid models sharded along the sequence (``recurrent_parallel``): a tiny
 Qwen3-Next (Gated DeltaNet + full attention, MoE), a tiny Bamba (Mamba2 +
-full attention) and a tiny Falcon-H1 (both in every layer), sharded in the
+full attention), a tiny Falcon-H1 (both in every layer) and a tiny LFM2 and
+LFM2-MoE (a gated short convolution + full attention), sharded in the
 contiguous (commlib_ulysses) and zigzag (commlib_ring) layouts, against the
 unsharded model (sdpa, transformers' own torch mixers) that every rank runs
 itself on the whole batch: the global loss and every parameter's gradient.
 Packed documents (crossing rank boundaries) against the documents run one
 by one in the unsharded model. Then expert parallelism in the same model,
-and what is refused."""
+and what is refused. (LFM2's own forward lets its convolution cross packed
+documents; run one by one, as the reference runs them, each starts from
+zeros, which is what the sharded convolution computes.)"""
 
 import copy
 
@@ -19,6 +22,7 @@ from conftest import all_ranks, raises_everywhere
 torch = requires.module("torch")
 transformers = requires.module("transformers")
 hf = requires.module("commlib.bindings.transformers")
+from commlib.bindings.transformers_batch import sharded_batch  # noqa: E402
 from commlib.bindings.transformers_experts import EXPERT_PARALLEL  # noqa: E402
 
 # 2 ranks: zigzag's two pieces per rank; 3: a middle rank whose zigzag chunks
@@ -50,8 +54,21 @@ FAMILIES = {
         **TINY, intermediate_size=48, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
         mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=8,
         mamba_rms_norm=True, ssm_in_multiplier=0.5, ssm_multipliers=[1.0, 0.5, 2.0, 1.0, 0.7]),
+    # LFM2: a gated short convolution (kernel 4, with a bias) beside attention, no scan
+    "lfm2": lambda: transformers.Lfm2Config(
+        **{k: v for k, v in TINY.items() if k not in ("head_dim", "attention_dropout")},
+        intermediate_size=48, block_auto_adjust_ff_dim=False, conv_L_cache=4, conv_bias=True,
+        layer_types=["conv", "full_attention"]),
+    # LFM2-MoE: the same convolution (kernel 3), experts in its second layer
+    "lfm2_moe": lambda: transformers.Lfm2MoeConfig(
+        **{k: v for k, v in TINY.items() if k not in ("head_dim", "attention_dropout")},
+        intermediate_size=48, moe_intermediate_size=24, num_experts=EXPERTS,
+        num_experts_per_tok=2, num_dense_layers=1, conv_L_cache=3,
+        layer_types=["conv", "full_attention"]),
 }
 IMPLEMENTATIONS = ("commlib_ulysses", "commlib_ring")  # contiguous, zigzag
+# each family's mixer in its first decoder layer (the others': "mamba")
+MIXERS = {"qwen3_next": "linear_attn", "lfm2": "conv", "lfm2_moe": "conv"}
 
 
 def tiny_model(family):
@@ -144,9 +161,10 @@ def test_loss_and_every_gradient_match_the_unsharded_model(comm, reference, impl
     assert all_ranks(loss <= TOL and grads <= TOL), (loss, grads)
 
 
-@pytest.mark.parametrize("reference", ["qwen3_next"], indirect=True)  # the family with experts
+@pytest.mark.parametrize("reference", ["qwen3_next", "lfm2_moe"], indirect=True)  # experts
 def test_expert_parallel_together(comm, reference):
-    """Qwen3-Next's experts split over the ranks that shard its sequence."""
+    """Qwen3-Next's and LFM2-MoE's experts split over the ranks that shard
+    its sequence."""
     model = sharded(reference, comm, "commlib_ring", experts=True)
     assert all_ranks(any(getattr(p, EXPERT_PARALLEL, False) for p in model.parameters()))
     loss, grads = step_differences(model, comm, "commlib_ring", reference, "packed")
@@ -161,25 +179,25 @@ def test_an_unparallel_model_refuses_a_sharded_batch(comm, reference):
                       match="recurrent_parallel(model, comm)")
 
 
-def test_a_batch_sharded_by_name_reaches_the_attention_and_is_refused(comm, reference):
-    """shard_batch given the implementation's name never sees the model: its
-    commlib attention refuses the unparallel recurrent layers instead. (Qwen3-
-    Next's first layer is recurrent: transformers 5.25's torch fallback
-    refuses the batch's documents there first; 5.17's, or
-    flash-linear-attention, runs it, and the attention layer after refuses.)"""
+def test_a_batch_sharded_by_hand_reaches_the_attention_and_is_refused(comm, reference):
+    """A batch cut right but not by shard_batch (so nobody checked the
+    model) reaching a model whose recurrent layers were not made parallel:
+    its commlib attention refuses a model nobody checked. (Qwen3-Next's first
+    layer is recurrent: transformers 5.25's torch fallback refuses the
+    batch's documents there first; 5.17's, or flash-linear-attention, runs
+    it, and the attention layer after refuses.)"""
     model = copy.deepcopy(reference["model"])
     model.set_attn_implementation("commlib_ring")
-    shard = hf.shard_batch(one_sequence(), comm, attn_implementation="commlib_ring")
+    shard = sharded_batch(one_sequence(), comm, layout="zigzag")
     error = raises_everywhere(ValueError, lambda: model(**shard))
-    assert all_ranks("recurrent_parallel(model, comm)" in str(error)
+    assert all_ranks("was not checked" in str(error)
                      or "can't keep packed sequences apart" in str(error)), str(error)
 
 
 def test_a_copy_of_a_parallel_model_is_parallel_too(comm, reference):
-    """Its mixers share the communicator and its config is marked parallel,
-    so the attention lets a batch sharded by name through."""
+    """Its mixers share the communicator and read the copy's config."""
     model = copy.deepcopy(sharded(reference, comm, "commlib_ring"))
-    shard = hf.shard_batch(one_sequence(), comm, attn_implementation="commlib_ring")
+    shard = hf.shard_batch(one_sequence(), comm, attn_implementation=model)
     loss = model(**shard).loss
     want = reference["one sequence"][0]
     total = float(comm.allreduce(np.array([loss.item()]))[0])
@@ -195,7 +213,7 @@ def test_a_cache_is_refused(comm, reference):
 def test_a_module_of_another_shape_is_refused(comm, reference):
     """What a transformers version that reshaped the mixer would look like."""
     model = copy.deepcopy(reference["model"])
-    mixer = "linear_attn" if reference["family"] == "qwen3_next" else "mamba"
+    mixer = MIXERS.get(reference["family"], "mamba")
     del model.model.layers[0].get_submodule(mixer).out_proj
     raises_everywhere(ValueError, lambda: hf.recurrent_parallel(model, comm),
                       match="lacks out_proj")
@@ -207,4 +225,5 @@ def test_an_unsupported_family_is_refused(comm):
                                        expand=2)
     model = transformers.AutoModelForCausalLM.from_config(config)
     raises_everywhere(ValueError, lambda: hf.recurrent_parallel(model, comm),
-                      match="Mamba2Mixer is a recurrent mixer that recurrent_parallel does not")
+                      match="(Mamba2Mixer) mixes tokens along the sequence, and "
+                            "recurrent_parallel does not implement it")
