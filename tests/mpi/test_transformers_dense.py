@@ -382,7 +382,7 @@ def test_shard_batch_takes_a_model_of_commlib_attention(comm):
                       match="shard_batch needs the model")
     raises_everywhere(ValueError, lambda: hf.shard_batch(global_batch(), comm,
                                                          attn_implementation=tiny_model("sdpa")),
-                      match="'sdpa' is not one of commlib's")
+                      match="attend with 'sdpa', not one of commlib's")
 
 
 def test_a_model_nobody_checked_is_refused_by_its_attention(comm, reference):
