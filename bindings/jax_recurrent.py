@@ -209,13 +209,29 @@ def _read_delta(readout, state):
 
 # ---- Mamba2 (SSD) ----------------------------------------------------------------------
 
+def _rounded(x, dtype):
+    """x (float32 or wider) rounded to ``dtype``'s precision, also inside
+    ``jax.jit``, where XLA may keep a 16-bit result in float32."""
+    info = jnp.finfo(dtype)
+    if info.bits >= 32:
+        return x
+    return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
 def _discretized_dt(dt, dt_bias, dt_softplus: bool, dt_limit: Tuple[float, float]):
-    """Mamba2's time step as its scan uses it (bias, softplus, clamp)."""
+    """Mamba2's time step as its scan uses it (bias, softplus, clamp), as
+    torch computes it, so that the same steps land on ``dt_limit``'s bounds
+    (often, in bfloat16): in float32, each step rounded to dt's dtype; the
+    clamp with torch.clamp's gradient, 1 at the bounds (jnp.clip's is 0.5)."""
+    dtype = dt.dtype
+    dt = dt.astype(jnp.promote_types(dtype, jnp.float32))
     if dt_bias is not None:
-        dt = dt + dt_bias.astype(dt.dtype)
+        dt = _rounded(dt + _rounded(dt_bias.astype(dt.dtype), dtype), dtype)
     if dt_softplus:
-        dt = jax.nn.softplus(dt)
-    return jnp.clip(dt, dt_limit[0], dt_limit[1])
+        dt = _rounded(jax.nn.softplus(dt), dtype)
+    dt = dt.astype(dtype)
+    low, high = dt_limit
+    return jnp.where(dt < low, low, jnp.where(dt > high, high, dt))
 
 
 def _ssd_chunks(x, dt, A, B, C, chunk_size: int, reset: np.ndarray):

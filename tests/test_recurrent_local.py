@@ -3,8 +3,11 @@ a stretch run from a zero state, plus its readout and (transition, offset),
 read with an incoming state, equals the mixer run from that state. Against
 transformers' torch reference in float32 and a per-token loop (written here)
 in float64, forward and backward, with gates near 0 and near 1, lengths not a
-multiple of the chunk, and document resets."""
+multiple of the chunk, and document resets. And JAX's Mamba2 time steps
+(bindings.jax_recurrent) against torch's where bfloat16 puts them on
+dt_limit's bounds: the same steps, and torch.clamp's gradient there."""
 
+import numpy as np
 import pytest
 
 import requires
@@ -160,3 +163,112 @@ def test_mamba2_piece_resets_at_document_starts(resets):
     got = _ssd_from_piece(*inputs, resets=resets)
     want = ssd_loop(*inputs, resets=resets)
     _assert_close(got, want, inputs, 1e-10, 1e-9)
+
+
+# ---- JAX's time steps at dt_limit's bounds (issue 47) ----------------------------------------
+
+TIE_LIMIT, TIE_BIAS = (0.1, 0.9), (0.125, 0.0625)
+# dt + dt_bias, (start, stop, step): every bfloat16 value whose step lands
+# near a bound of TIE_LIMIT (bfloat16's softplus of -2.25 and 0.375 are its
+# 0.1 and 0.9), and a few far below, inside and above
+TIE_WINDOWS = {True: ((-2.375, -2.125, 2 ** -6), (0.3515625, 0.3984375, 2 ** -9),
+                      (-5.0, 2.0, 1.0)),
+               False: ((0.09375, 0.109375, 2 ** -11), (0.875, 0.921875, 2 ** -8),
+                       (0.0, 1.5, 0.25))}
+
+
+def _dt_near_the_bounds(softplus):
+    """dt [1, l, heads] (float64, exact in bfloat16), each value of
+    TIE_WINDOWS less each head's bias, the tokens shuffled; and dt_bias."""
+    steps = torch.cat([torch.arange(*window, dtype=torch.float64)
+                       for window in TIE_WINDOWS[softplus]])
+    steps = steps[torch.randperm(len(steps), generator=torch.Generator().manual_seed(0))]
+    dt = (steps[:, None] - torch.tensor(TIE_BIAS)).to(torch.bfloat16).double()
+    return dt[None].numpy(), np.array(TIE_BIAS)
+
+
+def _torch_steps(dt, bias, softplus):
+    """torch's steps of bfloat16 dt and dt_bias, their gradients of a random
+    projection (in float32), and how many steps lie on a bound."""
+    project = torch.tensor(np.random.default_rng(4).standard_normal(dt.shape)).float()
+    dt, bias = (torch.tensor(a, dtype=torch.bfloat16, requires_grad=True) for a in (dt, bias))
+    steps = discretized_dt(dt, bias, softplus, TIE_LIMIT)
+    grads = torch.autograd.grad((steps.float() * project).sum(), [dt, bias])
+    unclamped = discretized_dt(dt, bias, softplus, (-float("inf"), float("inf")))
+    ties = int(sum((unclamped == bound).sum() for bound in TIE_LIMIT))
+    return steps.detach().float().numpy(), [g.float().numpy() for g in grads], ties, project.numpy()
+
+
+def _relative(got, want):
+    return float(np.abs(np.asarray(got, np.float32) - want).max() / np.abs(want).max())
+
+
+@pytest.mark.parametrize("softplus", [True, False])
+def test_jax_time_steps_equal_torchs_at_the_bounds_in_bfloat16(softplus):
+    """JAX's steps (bias, softplus, clamp to dt_limit) of bfloat16 dt are
+    torch's, bit for bit, under jit (as the mixer runs), and so are their
+    gradients where a step is on a bound: 1 (jnp.clip's is 0.5; a softplus
+    in bfloat16, or one XLA leaves in float32, puts other steps there)."""
+    requires.module("jax")
+    import jax
+    import jax.numpy as jnp
+
+    from commlib.bindings.jax_recurrent import _discretized_dt
+
+    dt, bias = _dt_near_the_bounds(softplus)
+    want_steps, want, ties, project = _torch_steps(dt, bias, softplus)
+    assert ties >= len(TIE_BIAS)
+
+    def loss(dt, bias):
+        steps = _discretized_dt(dt, bias, softplus, TIE_LIMIT)
+        return (steps.astype(jnp.float32) * project).sum(), steps
+    got, steps = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(
+        *(jnp.asarray(a, jnp.bfloat16) for a in (dt, bias)))
+    np.testing.assert_array_equal(np.asarray(steps, np.float32), want_steps)
+    for g, w in zip(got, want):
+        assert _relative(g, w) < 1e-2
+
+
+def test_jax_mamba2_scan_gradient_equals_torchs_at_dt_limit_ties_in_bfloat16():
+    """The whole JAX scan under jit against the torch one (one rank,
+    bfloat16, dt_limit (0.1, 0.9), steps on its bounds): the gradients of
+    x, dt, B, C and dt_bias agree."""
+    requires.module("jax")
+    import jax
+    import jax.numpy as jnp
+
+    import commlib
+    import commlib.bindings.jax as cj
+    import commlib.bindings.torch as ct
+
+    dt, bias = _dt_near_the_bounds(True)
+    assert _torch_steps(dt, bias, True)[2] >= len(TIE_BIAS)
+    (_, length, heads), head_dim, dstate = dt.shape, 4, 8
+    rng = np.random.default_rng(3)
+    x, B, C, project = (rng.standard_normal(s) for s in ((1, length, heads, head_dim),
+                                                         (1, length, 1, dstate),
+                                                         (1, length, 1, dstate),
+                                                         (1, length, heads, head_dim)))
+    A, D = -np.linspace(0.5, 2.0, heads), np.linspace(-0.5, 0.5, heads)
+    inputs = [x, dt, A, B, C, D, bias]
+    differentiated = (0, 1, 3, 4, 6)  # x, dt, B, C, dt_bias
+    comm = commlib.init()
+    try:
+        leaves = [torch.tensor(a, dtype=torch.bfloat16, requires_grad=True) for a in inputs]
+        x, dt, A, B, C, D, bias = leaves
+        y = ct.mamba2_scan(x, dt, A, B, C, comm, layout="contiguous", chunk_size=16, D=D,
+                           dt_bias=bias, dt_softplus=True, dt_limit=TIE_LIMIT)
+        want = torch.autograd.grad((y.float() * torch.tensor(project).float()).sum(),
+                                   [leaves[i] for i in differentiated])
+
+        def loss(x, dt, A, B, C, D, bias):
+            y = cj.mamba2_scan(x, dt, A, B, C, comm, layout="contiguous", chunk_size=16, D=D,
+                               dt_bias=bias, dt_softplus=True, dt_limit=TIE_LIMIT)
+            return (y.astype(jnp.float32) * project.astype(np.float32)).sum()
+        got = jax.jit(jax.grad(loss, argnums=differentiated))(  # eagerly 4x slower
+            *(jnp.asarray(a, jnp.bfloat16) for a in inputs))
+    finally:
+        comm.free()
+    errors = {name: _relative(g, w.float().numpy())
+              for name, g, w in zip(("x", "dt", "B", "C", "dt_bias"), got, want)}
+    assert max(errors.values()) < 2e-2, errors
