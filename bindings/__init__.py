@@ -1,7 +1,12 @@
-"""Framework bindings: ``commlib.bindings.torch`` (autograd functions) and
-``commlib.bindings.jax`` (jit-able ``custom_vjp`` functions).
+"""Framework bindings, one package each: ``commlib.bindings.torch``
+(autograd functions and ``torch.library`` ops), ``commlib.bindings.jax``
+(jit-able ``custom_vjp`` functions over a traced communicator) and
+``commlib.bindings.transformers`` (Hugging Face models: attention, experts,
+recurrent mixers, batches, generate). Each package's ``__all__`` is its API;
+its modules are private (``_``-prefixed).
 
 Plain collectives already take and return any framework's arrays through
-``commlib.arrays``; these modules add differentiation: each backward runs the
-mirror communication. Import the one for your framework (each imports it).
+``commlib.dlpack``; these packages add differentiation (each backward runs
+the mirror communication) and model integration. Import the one for your
+framework (each imports it).
 """

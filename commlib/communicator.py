@@ -4,7 +4,7 @@ It validates arguments, allocates results, and hands C-contiguous arrays to
 a backend: the MPI backend for host arrays, the device backend (NCCL) for
 CUDA arrays, or MPI staged through host memory for CUDA arrays where there is
 no NCCL (``backends.staged``). Inputs arrive through DLPack
-(``commlib.arrays``) and results go back in the caller's framework. Inputs
+(``commlib.dlpack``) and results go back in the caller's framework. Inputs
 are never written to.
 """
 
@@ -17,13 +17,13 @@ from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequ
 
 import numpy as np
 
-from . import consistency, handles, memory
+from . import consistency, graph_names, memory
 from . import counts as _counts
-from .arrays import Native, byte_view, callers_stream, contiguous, unwrap, writable
 from .backends import REDUCE_OPS, Backend
 from .backends.mpi import MpiBackend
 from .backends.nccl import NcclBackend
 from .backends.staged import StagedBackend
+from .dlpack import Native, byte_view, callers_stream, contiguous, unwrap, writable
 from .errors import AllocationRefusedError, CollectiveMismatchError
 from .namespace import contiguous as framework_contiguous
 from .namespace import namespace
@@ -131,8 +131,8 @@ class Communicator:
         self.topology = topology
         self._children: List[Communicator] = []  # made by split, freed with this one
         self._cached: Dict[Hashable, Tuple[int, int, str, Communicator]] = {}  # split's cache_key
-        # what a compiled graph's ops name this communicator by (commlib.handles)
-        self.handle = handles.name("comm", self)
+        # what a compiled graph's ops name this communicator by (commlib.graph_names)
+        self.handle = graph_names.name("comm", self)
 
     @property
     def rank(self) -> int:

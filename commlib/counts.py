@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import unwrap
+from .dlpack import unwrap
 
 
 def as_counts(name: str, counts: Any, size: int) -> np.ndarray:

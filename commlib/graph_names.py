@@ -2,7 +2,7 @@
 communicator, a mask, a kernel).
 
 A compiled graph can hold only tensors, numbers and strings: a
-``torch.library`` custom op (``bindings.torch_ops``) takes its communicator
+``torch.library`` custom op (``bindings.torch._attention_ops``) takes its communicator
 and mask as these names and looks them up when it runs. Each name is made
 when its object is, so that reading it is an attribute read, which
 ``torch.compile`` traces without a graph break, and is a constant the graph

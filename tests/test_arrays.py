@@ -4,7 +4,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from commlib.arrays import byte_view, contiguous, unwrap, writable
+from commlib.dlpack import byte_view, contiguous, unwrap, writable
 
 import requires
 

@@ -44,11 +44,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # each page that lists signatures, and the modules its bare names come from
 PAGES = {
     "architecture.md": ["commlib"],
-    "ring.md": ["commlib.ring", "commlib.kernels", "commlib.documents"],
+    "ring.md": ["commlib.ring", "commlib.kernels", "commlib.sequence.documents"],
     "ulysses.md": ["commlib.ulysses", "commlib.hybrid"],
     "bindings.md": ["commlib.bindings.torch", "commlib.bindings.jax"],
-    "masks.md": ["commlib.masks", "commlib.common_masks", "commlib.balanced",
-                 "commlib.ring.sparse"],
+    "masks.md": ["commlib.sequence.masks", "commlib.sequence.common_masks",
+                 "commlib.sequence.balanced", "commlib.ring.sparse"],
     "inference.md": ["commlib.inference", "commlib.bindings.transformers"],
     "moe.md": ["commlib.moe"],
 }

@@ -37,14 +37,14 @@ torch = requires.module("torch")
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from commlib.bindings import torch as ct  # noqa: E402
-from commlib.bindings import torch_inference  # noqa: E402
+from commlib.bindings.torch import _inference as torch_inference  # noqa: E402
 
 BINDINGS = Path(ct.__file__).resolve().parent
 # what the witness watches: commlib's code a decode step runs (not the
 # transport, nor this file's model, whose calls are plainly device-only)
 STEP_CODE = (COMMLIB / "inference", COMMLIB / "kernels", COMMLIB / "moe",
-             COMMLIB / "namespace.py", BINDINGS / "torch_inference.py",
-             BINDINGS / "torch_moe.py")
+             COMMLIB / "namespace.py", BINDINGS / "_inference.py",
+             BINDINGS / "_moe.py")
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, TOP, LAYERS = 64, 32, 4, 2, 8, 4, 2, 2
 BATCH, PROMPT, STEPS = 2, 3, 10

@@ -1,11 +1,11 @@
-"""commlib.handles: the names compiled graphs carry for communicators,
+"""commlib.graph_names: the names compiled graphs carry for communicators,
 masks and kernels."""
 
 import gc
 
 import pytest
 
-from commlib import handles, masks
+from commlib import graph_names, masks
 from commlib.kernels import TILED, Kernel
 
 
@@ -24,14 +24,14 @@ def test_a_name_finds_an_equal_mask_while_any_lives():
     name = first.handle
     del first
     gc.collect()
-    assert handles.lookup(name) is second
+    assert graph_names.lookup(name) is second
 
 
 def test_a_freed_object_is_named_in_the_error():
     kernel = Kernel(TILED.forward, TILED.backward, "mine")
     name = kernel.handle
-    assert handles.lookup(name) is kernel and name != TILED.handle
+    assert graph_names.lookup(name) is kernel and name != TILED.handle
     del kernel
     gc.collect()
     with pytest.raises(LookupError, match=f"the kernel named '{name}' no longer exists"):
-        handles.lookup(name)
+        graph_names.lookup(name)

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 import commlib
-from commlib.arrays import Native
 from commlib.backends import nccl
+from commlib.dlpack import Native
 
 
 def test_world_of_one():

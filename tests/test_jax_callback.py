@@ -14,7 +14,7 @@ import requires
 requires.module("jax")
 import jax.numpy as jnp  # noqa: E402
 
-from commlib.bindings import jax_collectives  # noqa: E402
+from commlib.bindings.jax import _traced_comm as jax_collectives  # noqa: E402
 
 XLA_STREAM = 0xC0FFEE
 

@@ -1,4 +1,4 @@
-"""commlib.masks, commlib.balanced and the sparse routes on one process:
+"""commlib.sequence.masks, commlib.sequence.balanced and the sparse routes on one process:
 each slice kind against its definition written out pair by pair, the
 builders against the masks they stand for, the balanced solver's spread
 of work, and the K/V rows the sparse exchange moves against the keys each
@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from commlib import balanced
-from commlib.common_masks import block_diagonal, multimodal, prefix_lm, shared_prefix
-from commlib.documents import PADDING
-from commlib.masks import KINDS, Mask, Slice, covered, from_cu_seqlens, from_mask_mod
 from commlib.ring.sparse import routes
+from commlib.sequence.common_masks import block_diagonal, multimodal, prefix_lm, shared_prefix
+from commlib.sequence.documents import PADDING
+from commlib.sequence.masks import KINDS, Mask, Slice, covered, from_cu_seqlens, from_mask_mod
 
 from attention_reference import document_mask
 

@@ -17,8 +17,8 @@ import pytest
 import test_nccl_stream_order
 from test_nccl_stream_order import _backend, _Comm
 
-from commlib import arrays
 from commlib import communicator as communicator_module
+from commlib import dlpack
 
 world = test_nccl_stream_order.world
 
@@ -197,9 +197,9 @@ def torch_stream(monkeypatch):
 
 
 def test_a_torch_cuda_tensor_makes_torchs_current_stream_cupys(torch_stream):
-    with arrays.callers_stream(_CudaTensor()):
+    with dlpack.callers_stream(_CudaTensor()):
         assert _ExternalStream.current == [0xBEEF]
-    with arrays.callers_stream([_CudaTensor(), _CudaTensor()]):  # alltoall_many
+    with dlpack.callers_stream([_CudaTensor(), _CudaTensor()]):  # alltoall_many
         assert _ExternalStream.current == [0xBEEF]
     assert _ExternalStream.current == []
 
@@ -211,7 +211,7 @@ def test_host_arrays_and_other_devices_leave_cupys_stream_alone(torch_stream):
         class device:
             type, index = "cuda", 1
     for x in (np.ones(2), torch.ones(2), [np.ones(2)], OnDevice1(), None, []):
-        with arrays.callers_stream(x):
+        with dlpack.callers_stream(x):
             assert _ExternalStream.current == []
 
 

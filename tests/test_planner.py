@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from commlib.common_masks import block_diagonal, multimodal, prefix_lm
 from commlib.hybrid import planner
 from commlib.hybrid.planner import Across, Fabric, Link, plan, price
-from commlib.masks import from_cu_seqlens
+from commlib.sequence.common_masks import block_diagonal, multimodal, prefix_lm
+from commlib.sequence.masks import from_cu_seqlens
 from commlib.topology import Topology, emulated
 
 from launch import run
@@ -142,7 +142,7 @@ def test_the_transformers_hybrid_prices_the_layout_it_shards_in(monkeypatch):
     import torch
 
     from commlib import hybrid
-    from commlib.bindings import transformers_attention
+    from commlib.bindings.transformers import _attention as transformers_attention
 
     fabric = Fabric(25e-6, 3e9, 25e-6, 5e9, 40e9, 7e9)
     monkeypatch.setattr(planner, "probe", lambda comm: fabric)
@@ -256,7 +256,7 @@ def test_masks_refuse_what_they_cannot_price():
              mask=mask)
     with pytest.raises(ValueError, match="covers 512 tokens"):
         price(4, 1, causal=False, mask=mask, **dict(shape, seq_len=1024))
-    with pytest.raises(ValueError, match="commlib.masks.Mask"):
+    with pytest.raises(ValueError, match="commlib.sequence.masks.Mask"):
         plan(one_host(), 512, 8, 8, 64, causal=False, layout="contiguous", fabric=fabric,
              mask=np.ones((512, 512), bool))
 

@@ -1,10 +1,10 @@
-"""The local decomposition of the recurrent mixers (bindings.torch_recurrent):
+"""The local decomposition of the recurrent mixers (bindings.torch._recurrent):
 a stretch run from a zero state, plus its readout and (transition, offset),
 read with an incoming state, equals the mixer run from that state. Against
 transformers' torch reference in float32 and a per-token loop (written here)
 in float64, forward and backward, with gates near 0 and near 1, lengths not a
 multiple of the chunk, and document resets. And JAX's Mamba2 time steps
-(bindings.jax_recurrent) against torch's where bfloat16 puts them on
+(bindings.jax._recurrent) against torch's where bfloat16 puts them on
 dt_limit's bounds: the same steps, and torch.clamp's gradient there."""
 
 import numpy as np
@@ -21,7 +21,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (  # noqa: E402
     torch_chunk_gated_delta_rule,
 )
 
-from commlib.bindings.torch_recurrent import (  # noqa: E402
+from commlib.bindings.torch._recurrent import (  # noqa: E402
     delta_rule_piece,
     discretized_dt,
     mamba2_piece,
@@ -213,7 +213,7 @@ def test_jax_time_steps_equal_torchs_at_the_bounds_in_bfloat16(softplus):
     import jax
     import jax.numpy as jnp
 
-    from commlib.bindings.jax_recurrent import _discretized_dt
+    from commlib.bindings.jax._recurrent import _discretized_dt
 
     dt, bias = _dt_near_the_bounds(softplus)
     want_steps, want, ties, project = _torch_steps(dt, bias, softplus)

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from commlib.balanced import placement_for
-from commlib.documents import local_index
-from commlib.masks import from_cu_seqlens
 from commlib.recurrent import pieces
+from commlib.sequence.balanced import placement_for
+from commlib.sequence.documents import local_index
+from commlib.sequence.masks import from_cu_seqlens
 
 SIZES = (1, 2, 4, 5, 8)
 # (layout, cu_seqlens, mask length): none divides every size's chunks

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from commlib.ring import attention_backward, attention_forward, merge
-from commlib.ring.layout import chunks_of
+from commlib.sequence.layout import chunks_of
 
 import requires
 from attention_reference import reference_attention

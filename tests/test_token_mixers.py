@@ -1,5 +1,5 @@
 """The probe that finds which layers of a transformers model mix tokens
-along the sequence (bindings/transformers_token_mixers.py), in one process:
+along the sequence (bindings/transformers/_token_mixers.py), in one process:
 each family's mixers found by running the model, whatever their names; a
 made-up mixer, a hand-written attention and an attention that mixes beside
 its attention call found too; the model left as it was; the answer kept
@@ -14,7 +14,7 @@ transformers = requires.module("transformers")
 
 from transformers import AttentionInterface  # noqa: E402
 
-from commlib.bindings.transformers_token_mixers import (  # noqa: E402
+from commlib.bindings.transformers._token_mixers import (  # noqa: E402
     PROBE_LENGTH,
     probed,
     token_mixers,

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from commlib import documents, visibility
-from commlib.documents import PADDING, as_offsets, needed_length, packing_for
-from commlib.visibility import blocks, bounds
+from commlib.sequence.documents import PADDING, as_offsets, needed_length, packing_for
+from commlib.sequence.visibility import blocks, bounds
 
 from attention_reference import document_mask
 

@@ -36,9 +36,9 @@ from mpi4py import MPI
 import commlib
 from commlib import balanced, hybrid, ring
 from commlib.bindings import torch as ct
-from commlib.common_masks import block_diagonal, multimodal, prefix_lm, shared_prefix
-from commlib.masks import Mask, from_cu_seqlens
 from commlib.ring.sparse import SPARSE_SHARE, routes
+from commlib.sequence.common_masks import block_diagonal, multimodal, prefix_lm, shared_prefix
+from commlib.sequence.masks import Mask, from_cu_seqlens
 from commlib.tools.bench_attention import first_rank_alone
 from commlib.tools.bench_ulysses import _slowest
 

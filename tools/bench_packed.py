@@ -32,9 +32,9 @@ from mpi4py import MPI
 
 import commlib
 from commlib import hybrid, ring
-from commlib.documents import needed_length, packing_for
+from commlib.sequence.documents import needed_length, packing_for
+from commlib.sequence.visibility import blocks, bounds
 from commlib.tools.bench_ulysses import _slowest
-from commlib.visibility import blocks, bounds
 
 
 def long_tailed_documents(tokens: int, longest: int, seed: int = 0) -> np.ndarray:

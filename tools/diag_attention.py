@@ -34,12 +34,12 @@ import commlib
 from commlib import hybrid
 from commlib import ring as ring_lib
 from commlib import ulysses as ulysses_lib
-from commlib.documents import packing_for
 from commlib.kernels import TILED
 from commlib.kernels.blockwise import attend
+from commlib.sequence.documents import packing_for
+from commlib.sequence.visibility import blocks, bounds
 from commlib.tools.world import world
 from commlib.ulysses.relayout import FUSE_LIMIT_BYTES, divisors
-from commlib.visibility import blocks, bounds
 
 DTYPES = ("float32", "float16", "bfloat16")
 

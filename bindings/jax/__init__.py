@@ -2,16 +2,16 @@
 differentiable with ``jax.grad`` (``jax.custom_vjp``), as one XLA program.
 
 The algorithms are commlib's own (ring, Ulysses, the hybrid), traced by JAX
-on a ``TracedComm`` (``bindings/jax_collectives.py``): the schedule, the
+on a ``TracedComm`` (``bindings/jax/_traced_comm.py``): the schedule, the
 merge, the relayouts and the block kernel are jnp in the jitted program, on
 the arrays' device; only the transfers leave it, as buffer callbacks that
 hand XLA's buffers to the real Communicator (no copy on the CPU; on a GPU on
 XLA's stream). Forward and backward are both traced; the forward keeps
 ``out`` and ``lse`` for the backward. Shapes and arguments are checked on
 every rank when JAX traces. MoE dispatch and combine (``Dispatcher``, in
-``bindings/jax_moe.py``) are traced the same way, drop-and-pad with a fixed
+``bindings/jax/_moe.py``) are traced the same way, drop-and-pad with a fixed
 capacity, and so are the sharded Gated DeltaNet and Mamba2 mixers
-(``gated_delta_rule``, ``mamba2_scan``, in ``bindings/jax_recurrent.py``).
+(``gated_delta_rule``, ``mamba2_scan``, in ``bindings/jax/_recurrent.py``).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from commlib import ring as _ring
 from commlib import ulysses as _ulysses
 from commlib.kernels import Kernel
 
-from .jax_collectives import traced
-from .jax_moe import Dispatcher
-from .jax_recurrent import gated_delta_rule, mamba2_scan
+from ._moe import Dispatcher
+from ._recurrent import gated_delta_rule, mamba2_scan
+from ._traced_comm import traced
 
 __all__ = ["ring_attention", "ulysses_attention", "hybrid_attention", "Dispatcher",
            "gated_delta_rule", "mamba2_scan"]
@@ -95,7 +95,7 @@ def ring_attention(q, k, v, comm, *, layout: str, causal: bool,
                    kernel: Optional[Kernel] = None):
     """Differentiable, jit-able ``commlib.ring.ring_attention`` for JAX arrays.
     ``cu_seqlens`` must be concrete (a list or NumPy array: static under
-    jit), and ``mask`` is (a ``commlib.masks.Mask``): which blocks are
+    jit), and ``mask`` is (a ``commlib.sequence.masks.Mask``): which blocks are
     computed is decided at trace time."""
     return _ring_attention(q, k, v, _settings(comm=comm, layout=layout, causal=causal,
                                               softmax_scale=softmax_scale, kernel=kernel,

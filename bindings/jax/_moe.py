@@ -53,7 +53,7 @@ from commlib.moe import contract
 from commlib.moe.quantize import dequantize_fp8, quantize_fp8
 from commlib.moe.stats import DispatchStats
 
-from .jax_collectives import traced
+from ._traced_comm import traced
 
 __all__ = ["Dispatcher", "JaxHandle"]
 

@@ -1,14 +1,14 @@
 """Context-parallel Gated DeltaNet and Mamba2 mixers for JAX, usable inside
 ``jax.jit`` and differentiable with ``jax.grad``.
 
-The decomposition is the torch mixers' (``bindings/torch_recurrent.py``):
+The decomposition is the torch mixers' (``bindings/torch/_recurrent.py``):
 each piece of the shard runs its chunked scan once from a zero state and
 also yields the readout of the incoming state per token and its map
 ``state out = transition ∘ state in + offset``; ``incoming_state`` composes
 the maps across ranks (one traced all-gather of O(state) bytes); each piece
 then adds ``readout · state in`` to its outputs. The local scans are jnp
 (``lax.scan`` over chunks), differentiated by JAX; only the collectives
-carry custom VJPs (``bindings/jax_recurrent_state.py``). Unlike the torch
+carry custom VJPs (``bindings/jax/_recurrent_state.py``). Unlike the torch
 mixers, a shard's pieces of one length run as one pass (stacked on a
 leading axis: zigzag's two pieces), padding pieces do not run (their
 outputs, transition and offset are zeros, read by nobody), and a document
@@ -32,10 +32,10 @@ import numpy as np
 
 from commlib.namespace import accumulator_dtype
 from commlib.recurrent.mixer_inputs import delta_rule_facts, mamba2_facts, sequence_length
-from commlib.recurrent.runs import Run, runs
+from commlib.recurrent.mixer_pieces import Run, runs
 
-from .jax_collectives import traced
-from .jax_recurrent_state import incoming_state, summed_over_ranks
+from ._recurrent_state import incoming_state, summed_over_ranks
+from ._traced_comm import traced
 
 __all__ = ["gated_delta_rule", "mamba2_scan"]
 
@@ -188,7 +188,7 @@ def _delta_rule_pieces(query, key, value, g, beta, found: List[Run], chunk_size:
                        use_qk_l2norm_in_kernel: bool) -> _Pieces:
     """The gated delta rule over stacked pieces from a zero state, reset
     before each piece's ``resets``: one pass with values ``[v | 0]`` from the
-    state ``[0 | I]`` (see ``bindings.torch_recurrent``'s docstring). After
+    state ``[0 | I]`` (see ``bindings.torch._recurrent``'s docstring). After
     a reset the ``I`` columns are zero, so the tokens there read no incoming
     state and the transition is 0, as the torch mixer sets them."""
     q, k, v, g, beta = _delta_inputs(query, key, value, g, beta, use_qk_l2norm_in_kernel)

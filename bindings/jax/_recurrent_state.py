@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from commlib import recurrent
-from commlib.documents import as_offsets
+from commlib.sequence.documents import as_offsets
 
-from .jax_collectives import traced
+from ._traced_comm import traced
 
 __all__ = ["incoming_state", "halo", "summed_over_ranks"]
 

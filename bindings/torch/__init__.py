@@ -1,9 +1,10 @@
 """PyTorch functions over commlib: Ring, Ulysses and hybrid attention, the
-Ulysses relayouts, and (re-exported from ``bindings.torch_moe``) MoE
-dispatch/combine.
+Ulysses relayouts, MoE dispatch/combine (``_moe.py``), decode and chunk
+attention over a sharded KV cache (``_inference.py``), the sharded Gated
+DeltaNet and Mamba2 mixers (``_recurrent.py``, over ``_recurrent_state.py``).
 
 Attention and the relayouts are ``torch.library`` custom ops
-(``bindings.torch_ops``), so ``torch.compile`` traces each call as one node
+(``_attention_ops.py``), so ``torch.compile`` traces each call as one node
 without a graph break; their backward runs the mirror communication
 (ring_attention_backward, head_to_seq for seq_to_head; combine's path for
 dispatch's gradient and back). Tensors cross into commlib through
@@ -21,10 +22,10 @@ import torch
 
 from commlib.kernels import Kernel
 
-from . import torch_ops as _ops
-from .torch_inference import DecodeCache, chunk_attention, decode_attention
-from .torch_moe import Dispatcher, TorchHandle
-from .torch_recurrent import gated_delta_rule, mamba2_scan
+from . import _attention_ops as _ops
+from ._inference import DecodeCache, chunk_attention, decode_attention
+from ._moe import Dispatcher, TorchHandle
+from ._recurrent import gated_delta_rule, mamba2_scan
 
 __all__ = ["ring_attention", "ulysses_attention", "hybrid_attention", "seq_to_head",
            "head_to_seq", "Dispatcher", "TorchHandle", "decode_attention", "chunk_attention",

@@ -2,7 +2,7 @@
 ``torch.compile`` traces as one node each, with no graph break.
 
 An op takes tensors, numbers and strings only: its communicator, mask and
-kernel arrive as their names (``commlib.handles``), read off the objects
+kernel arrive as their names (``commlib.graph_names``), read off the objects
 as plain attributes, so the compiler neither breaks the graph at them nor
 retraces for an equal mask. The op's body is the eager core (its agreement
 on arguments, its MPI or NCCL transfers, torch's kernels), which the
@@ -17,7 +17,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from commlib import handles
+from commlib import graph_names
 from commlib import hybrid as _hybrid
 from commlib import ring as _ring
 from commlib import ulysses as _ulysses
@@ -37,12 +37,12 @@ def _settings(algorithm: str, comm: str, layout: str, causal: bool,
               mask: Optional[str], method: str, kernel: Optional[str],
               ulysses_size: int) -> dict:
     """The core call's keywords, the named objects looked up."""
-    settings = dict(comm=handles.lookup(comm), layout=layout, causal=causal,
+    settings = dict(comm=graph_names.lookup(comm), layout=layout, causal=causal,
                     softmax_scale=softmax_scale,
                     cu_seqlens=cu_seqlens if cu_seqlens is not None else cu_seqlens_values,
                     window=None if window is None else tuple(window),
-                    mask=None if mask is None else handles.lookup(mask),
-                    kernel=None if kernel is None else handles.lookup(kernel))
+                    mask=None if mask is None else graph_names.lookup(mask),
+                    kernel=None if kernel is None else graph_names.lookup(kernel))
     if algorithm != "ulysses":
         settings["method"] = method
     if algorithm == "hybrid":
@@ -112,12 +112,12 @@ attention.register_autograd(_attention_gradients, setup_context=_save_attention)
 @torch.library.custom_op("commlib::seq_to_head", mutates_args=())
 def seq_to_head(x: torch.Tensor, comm: str, num_heads: Optional[int]) -> torch.Tensor:
     """[b, s/P, h, d] -> [b, s, h_p, d] (``commlib.ulysses.seq_to_head``)."""
-    return _ulysses.seq_to_head(x, handles.lookup(comm), num_heads)
+    return _ulysses.seq_to_head(x, graph_names.lookup(comm), num_heads)
 
 
 @seq_to_head.register_fake
 def _seq_to_head_shape(x, comm, num_heads):
-    group = handles.lookup(comm)
+    group = graph_names.lookup(comm)
     b, s, h, d = x.shape
     mine = kv_heads_for(group.rank, h, group.size, num_heads)
     return x.new_empty((b, s * group.size, len(mine), d))
@@ -127,12 +127,12 @@ def _seq_to_head_shape(x, comm, num_heads):
 def head_to_seq(x: torch.Tensor, comm: str, heads: Optional[int],
                 num_heads: Optional[int]) -> torch.Tensor:
     """[b, s, h_p, d] -> [b, s/P, h, d] (``commlib.ulysses.head_to_seq``)."""
-    return _ulysses.head_to_seq(x, handles.lookup(comm), heads, num_heads)
+    return _ulysses.head_to_seq(x, graph_names.lookup(comm), heads, num_heads)
 
 
 @head_to_seq.register_fake
 def _head_to_seq_shape(x, comm, heads, num_heads):
-    size = handles.lookup(comm).size
+    size = graph_names.lookup(comm).size
     b, s, local, d = x.shape
     return x.new_empty((b, s // size, local * size if heads is None else heads, d))
 

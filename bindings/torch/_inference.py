@@ -4,8 +4,8 @@
 ``torch.compile(fullgraph=True)`` traces without a break and without a
 retrace as the cache grows, and that a CUDA graph can capture.
 
-As in ``bindings.torch_ops``, an op takes its communicator and kernel by
-name (``commlib.handles``) and its positions as int64 tensors; its body is
+As in ``bindings.torch._attention_ops``, an op takes its communicator and kernel by
+name (``commlib.graph_names``) and its positions as int64 tensors; its body is
 the eager core (``commlib.inference``), its fake gives the shapes. Both
 are forward-only: the core has no backward (inference), and an op called
 on tensors that require grad returns a result without history.
@@ -24,7 +24,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from commlib import handles
+from commlib import graph_names
 from commlib import inference as _inference
 from commlib.kernels import Kernel
 from commlib.namespace import accumulator_dtype
@@ -36,8 +36,8 @@ Positions = Union[torch.Tensor, Sequence[int], np.ndarray]
 
 def _settings(comm: str, window: Optional[List[int]], kernel: Optional[str]) -> dict:
     """The core call's keywords, the named objects looked up."""
-    return dict(comm=handles.lookup(comm), window=None if window is None else tuple(window),
-                kernel=None if kernel is None else handles.lookup(kernel))
+    return dict(comm=graph_names.lookup(comm), window=None if window is None else tuple(window),
+                kernel=None if kernel is None else graph_names.lookup(kernel))
 
 
 @torch.library.custom_op("commlib::decode_attention", mutates_args=())
@@ -97,7 +97,7 @@ def _positions(positions: Positions, like: torch.Tensor) -> torch.Tensor:
 
 
 def _window(window: Any) -> Any:
-    from .torch import _window as window_of  # the attention ops' spelling of a window
+    from . import _window as window_of  # the attention ops' spelling of a window
     return window_of(window)
 
 

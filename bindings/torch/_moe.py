@@ -5,7 +5,7 @@ gradient and back). Re-exported by ``bindings.torch``.
 ``dispatch`` and ``combine`` are ``torch.library`` custom ops
 (``commlib::moe_dispatch``, ``commlib::moe_combine`` and their backwards),
 so ``torch.compile`` traces them as one node each: the Dispatcher arrives
-as its name (``commlib.handles``), and the routing state between dispatch
+as its name (``commlib.graph_names``), and the routing state between dispatch
 and combine (the core's ``DispatchHandle``: index arrays, hop plans) as a
 key tensor the dispatch op returns. The core handle is kept in a table
 under that key for as long as the key tensor's storage lives: combine, the
@@ -36,7 +36,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from commlib import handles
+from commlib import graph_names
 from commlib import moe as _moe
 
 __all__ = ["Dispatcher", "TorchHandle"]
@@ -82,7 +82,7 @@ def moe_dispatch(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(expert_x, tokens_per_expert, key) of the named core Dispatcher's
     dispatch (FP8 rows dequantized)."""
-    core = handles.lookup(dispatcher)
+    core = graph_names.lookup(dispatcher)
     expert_x, handle = core.dispatch(x, experts, weights, quantize=quantize,
                                      dequantize=quantize is not None)
     counts = torch.as_tensor(handle.tokens_per_expert)
@@ -91,7 +91,7 @@ def moe_dispatch(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
 
 @moe_dispatch.register_fake
 def _moe_dispatch_shapes(x, experts, weights, dispatcher, quantize):
-    core = handles.lookup(dispatcher)
+    core = graph_names.lookup(dispatcher)
     if core.max_tokens_per_rank is None:  # counted: rows known when it runs
         shape: Tuple[Any, ...] = (torch.library.get_ctx().new_dynamic_size(),) \
             + tuple(x.shape[1:])
@@ -106,13 +106,13 @@ def _moe_dispatch_shapes(x, experts, weights, dispatcher, quantize):
 def moe_dispatch_backward(grad: torch.Tensor, key: torch.Tensor, dispatcher: str,
                           tokens: int) -> torch.Tensor:
     """d x [T, H...] from d expert_x, along the combine path."""
-    core = handles.lookup(dispatcher)
+    core = graph_names.lookup(dispatcher)
     return core.dispatch_backward(grad, _core_handle(key)).to(grad.dtype).contiguous()
 
 
 @moe_dispatch_backward.register_fake
 def _moe_dispatch_backward_shape(grad, key, dispatcher, tokens):
-    fixed = handles.lookup(dispatcher).max_tokens_per_rank is not None
+    fixed = graph_names.lookup(dispatcher).max_tokens_per_rank is not None
     return grad.new_empty((tokens,) + tuple(grad.shape[2 if fixed else 1:]))
 
 
@@ -136,13 +136,13 @@ def moe_combine(expert_y: torch.Tensor, weights: torch.Tensor, key: torch.Tensor
                 dispatcher: str) -> torch.Tensor:
     """y [T, H...]: each token's weighted sum of its expert rows (the
     weights are the dispatch's; this ``weights`` is what d w reaches)."""
-    core = handles.lookup(dispatcher)
+    core = graph_names.lookup(dispatcher)
     return core.combine(expert_y, _core_handle(key)).contiguous()
 
 
 @moe_combine.register_fake
 def _moe_combine_shape(expert_y, weights, key, dispatcher):
-    fixed = handles.lookup(dispatcher).max_tokens_per_rank is not None
+    fixed = graph_names.lookup(dispatcher).max_tokens_per_rank is not None
     return expert_y.new_empty((weights.shape[0],) + tuple(expert_y.shape[2 if fixed else 1:]))
 
 
@@ -150,7 +150,7 @@ def _moe_combine_shape(expert_y, weights, key, dispatcher):
 def moe_combine_backward(expert_y: torch.Tensor, grad: torch.Tensor, key: torch.Tensor,
                          dispatcher: str, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """(d expert_y, d weights [T, k] float32) from d y."""
-    core = handles.lookup(dispatcher)
+    core = graph_names.lookup(dispatcher)
     d_expert_y, d_weights = core.combine_backward(expert_y, grad, _core_handle(key), k)
     return d_expert_y.contiguous(), d_weights.to(torch.float32).contiguous()
 
@@ -278,7 +278,7 @@ class Dispatcher:
                                     drop_policy=drop_policy, hierarchical=hierarchical,
                                     max_tokens_per_rank=max_tokens_per_rank,
                                     pipeline_chunks=pipeline_chunks)
-        self.handle = handles.name("dispatcher", self.core)
+        self.handle = graph_names.name("dispatcher", self.core)
 
     @property
     def pipeline_chunks(self) -> Optional[int]:

@@ -33,9 +33,9 @@ import torch.nn.functional as F
 
 from commlib.namespace import accumulator_dtype
 from commlib.recurrent.mixer_inputs import delta_rule_facts, mamba2_facts, sequence_length
-from commlib.recurrent.runs import Run, runs
+from commlib.recurrent.mixer_pieces import Run, runs
 
-from .torch_recurrent_state import incoming_state
+from ._recurrent_state import incoming_state
 
 __all__ = ["gated_delta_rule", "mamba2_scan", "PieceScan", "delta_rule_piece", "mamba2_piece",
            "discretized_dt"]

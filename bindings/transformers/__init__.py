@@ -11,31 +11,33 @@ Three lines::
 
 then ``expert_parallel(model, comm)`` for MoE models,
 ``recurrent_parallel(model, comm)`` for hybrid models (Gated DeltaNet,
-Mamba2) and
-``allreduce_gradients(model, comm)`` after ``backward()``. The pieces:
-``transformers_attention.py`` (the attention implementations and their
-mask functions), ``transformers_batch.py`` (sharding a batch, packed or
-not: global positions, labels and document offsets),
-``transformers_experts.py`` (experts over the torch ``Dispatcher``),
-``transformers_recurrent.py`` (recurrent mixers on shards),
-``transformers_gradients.py`` (summing the gradients of replicated
-parameters), ``transformers_generate.py`` (``generate``: sharded prefill,
-decode over a KV cache sharded by position).
+Mamba2, LFM2's short convolutions) and ``allreduce_gradients(model, comm)``
+after ``backward()``; ``generate`` for inference. A file per concept, all
+private (this ``__all__`` is the API): ``_attention.py`` (the attention
+implementations and their mask functions), ``_batch.py`` (sharding a batch,
+packed or not: global positions, labels and document offsets),
+``_token_mixers.py`` and ``_model_check.py`` (which layers mix tokens,
+found by running the model; whether it may take a sharded batch),
+``_experts.py`` (experts over the torch ``Dispatcher``), ``_recurrent.py``
+and ``_recurrent_generation.py`` (recurrent mixers on shards; their states
+in generate), ``_gradients.py`` (summing the gradients of replicated
+parameters), ``_generate.py`` (``generate``: sharded prefill, decode over
+a KV cache sharded by position).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from .transformers_attention import LAYOUTS, register_attention
-from .transformers_batch import shard_batch
-from .transformers_experts import expert_parallel, register_experts
-from .transformers_generate import GENERATION, generate
-from .transformers_gradients import allreduce_gradients
-from .transformers_recurrent import recurrent_parallel
+from ._attention import LAYOUTS, mark_checked, register_attention
+from ._batch import shard_batch
+from ._experts import expert_parallel, register_experts
+from ._generate import GENERATION, generate
+from ._gradients import allreduce_gradients
+from ._recurrent import recurrent_parallel
 
 __all__ = ["register", "shard_batch", "expert_parallel", "recurrent_parallel",
-           "allreduce_gradients", "generate", "GENERATION", "LAYOUTS"]
+           "allreduce_gradients", "generate", "mark_checked", "GENERATION", "LAYOUTS"]
 
 
 def register(comm, ulysses_size: Optional[int] = None) -> None:

@@ -29,11 +29,11 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 
 from commlib import hybrid
-from commlib.documents import packing_for, positions_of
 from commlib.hybrid.attention import check_degree
+from commlib.sequence.documents import packing_for, positions_of
 from commlib.ulysses.relayout import check_heads
 
-from .torch import hybrid_attention, ring_attention, ulysses_attention
+from ..torch import hybrid_attention, ring_attention, ulysses_attention
 
 __all__ = ["register_attention", "layout_of", "LAYOUTS", "PositionCheck", "mark_checked",
            "is_checked"]
@@ -214,7 +214,7 @@ _checked: Dict[int, "weakref.ref[Any]"] = {}
 
 def mark_checked(config: Any, checked: bool) -> None:
     """Whether the model of this attention layer's ``config`` passed
-    ``transformers_model_check`` when it last ran."""
+    ``_model_check`` when it last ran."""
     if checked:
         _checked[id(config)] = weakref.ref(config, lambda _: _checked.pop(id(config), None))
     else:

@@ -27,11 +27,11 @@ from typing import Any, Dict, List
 
 import torch
 
-from commlib.documents import as_offsets, cu_seqlens_from_position_ids
 from commlib.ring import shard_sequence
+from commlib.sequence.documents import as_offsets, cu_seqlens_from_position_ids
 
-from .transformers_attention import layout_of
-from .transformers_model_check import check_model
+from ._attention import layout_of
+from ._model_check import check_model
 
 __all__ = ["shard_batch", "sharded_batch"]
 

@@ -25,7 +25,7 @@ from transformers.integrations.moe import ExpertsInterface
 from commlib.moe import Dispatcher as CoreDispatcher
 from commlib.moe.replicated import replicated_moe, share_size
 
-from .torch import Dispatcher
+from ..torch import Dispatcher
 
 __all__ = ["IMPLEMENTATION", "EXPERT_PARALLEL", "register_experts", "expert_parallel",
            "replicated_tokens"]

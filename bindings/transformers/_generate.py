@@ -23,7 +23,7 @@ with the same full ``input_ids``, as it would call
 
 Hybrid models (``recurrent_parallel``: Gated DeltaNet, Mamba2) keep their
 recurrent layers' states in a transformers cache of their own, carried by
-the ``ShardedKVCache`` (``transformers_recurrent_generation``): the sharded
+the ``ShardedKVCache`` (``_recurrent_generation``): the sharded
 prefill leaves there each layer's final state and conv state of the whole
 prompt, on every rank; decode runs the mixers' own forward on it. A later
 turn's new tokens run replicated (every rank all of them: a recurrence
@@ -32,7 +32,7 @@ is refused for them.
 
 With ``compile_decode=True`` the decode step (the model on one token) is
 ``torch.compile(fullgraph=True)``'d once: the cache's new tokens go to a
-``bindings.torch_inference.DecodeCache`` (fixed buffers, positions and
+``bindings.torch._inference.DecodeCache`` (fixed buffers, positions and
 count on the device), so no step changes a shape or reads the device, and
 the step compiles once for the whole call; the tokens are eager's.
 
@@ -54,23 +54,23 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.generation import GenerateDecoderOnlyOutput, GenerationConfig, LogitsProcessorList
 
-from commlib.documents import local_index, packing_for
 from commlib.inference import ShardedKVCache, chunk_attention, decode_attention, striped
+from commlib.sequence.documents import local_index, packing_for
 
-from .torch_inference import DecodeCache
-from .transformers_attention import (
+from ..torch._inference import DecodeCache
+from ._attention import (
     LAYOUTS,
     check_call,
     implementations,
     mask_function,
     window_of,
 )
-from .transformers_batch import sharded_batch
-from .transformers_experts import IMPLEMENTATION as EXPERTS
-from .transformers_experts import replicated_tokens
-from .transformers_model_check import model_problem
-from .transformers_recurrent import has_parallel_recurrent_layers
-from .transformers_recurrent_generation import generation_states, recurrent_states
+from ._batch import sharded_batch
+from ._experts import IMPLEMENTATION as EXPERTS
+from ._experts import replicated_tokens
+from ._model_check import model_problem
+from ._recurrent import has_parallel_recurrent_layers
+from ._recurrent_generation import generation_states, recurrent_states
 
 __all__ = ["generate", "GENERATION"]
 

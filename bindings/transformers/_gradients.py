@@ -16,7 +16,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 import torch
 
-from .transformers_experts import EXPERT_PARALLEL
+from ._experts import EXPERT_PARALLEL
 
 __all__ = ["allreduce_gradients"]
 

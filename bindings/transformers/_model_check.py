@@ -1,8 +1,8 @@
 """Whether a transformers model may run on a sharded sequence: every layer
-that mixes tokens along it (found by ``transformers_token_mixers``' probe)
+that mixes tokens along it (found by ``_token_mixers``' probe)
 must be one commlib made context-parallel. Asked by ``shard_batch`` and
 ``generate``, which see the model; the attention, which sees only its own
-layer, asks whether its model was checked (``transformers_attention.is_checked``)."""
+layer, asks whether its model was checked (``_attention.is_checked``)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import List, Optional
 
 from torch import nn
 
-from .transformers_attention import LAYOUTS, mark_checked
-from .transformers_recurrent import FAMILIES, is_parallel_mixer
-from .transformers_token_mixers import Mixer, probed
+from ._attention import LAYOUTS, mark_checked
+from ._recurrent import FAMILIES, is_parallel_mixer
+from ._token_mixers import Mixer, probed
 
 __all__ = ["check_model", "model_problem"]
 

@@ -21,14 +21,14 @@ Documents arrive as the global ``cu_seq_lens_q`` that ``shard_batch`` puts
 in the batch and the decoder layers forward to their mixer. A cache passed
 by the model is refused, and the model's ``config.use_cache`` is turned off
 so that a plain forward makes none. Inside commlib's ``generate``
-(``transformers_recurrent_generation``), the sharded prefill also leaves the
+(``_recurrent_generation``), the sharded prefill also leaves the
 global prompt's final state and conv state in generate's cache, on every
 rank, and tokens every rank runs alike (decode) go through the module's own
 forward (its class's, unpatched) on that cache. A model whose recurrent
 layers were not made parallel must not see a sharded batch (each rank
 would start its recurrences from a zero state):
 ``shard_batch(..., attn_implementation=model)`` refuses it
-(``transformers_model_check``).
+(``_model_check``).
 """
 
 from __future__ import annotations
@@ -46,14 +46,14 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from commlib.documents import as_offsets
 from commlib.recurrent.pieces import sharding
+from commlib.sequence.documents import as_offsets
 
-from .torch import gated_delta_rule, mamba2_scan
-from .torch_recurrent_state import halo
-from .transformers_attention import LAYOUTS, PositionCheck, layout_of
-from .transformers_recurrent_generation import keep_states, prefill, replicated_states
-from .transformers_token_mixers import Mixer, probed, probing
+from ..torch import gated_delta_rule, mamba2_scan
+from ..torch._recurrent_state import halo
+from ._attention import LAYOUTS, PositionCheck, layout_of
+from ._recurrent_generation import keep_states, prefill, replicated_states
+from ._token_mixers import Mixer, probed, probing
 
 __all__ = ["recurrent_parallel", "is_parallel_mixer", "has_parallel_recurrent_layers",
            "FAMILIES"]
@@ -423,7 +423,7 @@ def recurrent_parallel(model: nn.Module, comm) -> nn.Module:
     A model without recurrent mixers, or with a module that mixes tokens
     along the sequence of a family (or transformers version) it does not
     implement, raises ValueError on every rank, unchanged: the mixers are
-    found by running the model (``transformers_token_mixers``), not by
+    found by running the model (``_token_mixers``), not by
     their names. Every later forward of the model first checks that its
     ``position_ids`` are this rank's in the layout the mixers read (a batch
     sharded for another layout is refused, attention or not)."""

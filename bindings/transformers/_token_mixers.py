@@ -30,7 +30,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.moe import ExpertsInterface
 
-from .transformers_attention import LAYOUTS
+from ._attention import LAYOUTS
 
 __all__ = ["Mixer", "token_mixers", "probed", "probing", "PROBE_LENGTH"]
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, List, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from ..arrays import byte_view
+from ..dlpack import byte_view
 from ..watchdog import Watchdog
 
 _OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}

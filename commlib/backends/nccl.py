@@ -17,7 +17,7 @@ from typing import Callable, Dict, Hashable, List, NoReturn, Optional, Set, Tupl
 
 import numpy as np
 
-from ..arrays import byte_view
+from ..dlpack import byte_view
 from ..errors import CommlibError, CommTimeoutError
 from ..watchdog import TIMEOUT_ENV
 from . import displacements

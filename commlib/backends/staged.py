@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import numpy as np
 
-from ..arrays import byte_view
+from ..dlpack import byte_view
 from ..errors import CommlibError
 from . import displacements
 from .cuda_aware import detect as cuda_aware_detect

@@ -1,7 +1,7 @@
 """Ulysses x Ring (USP): Ulysses inside groups of ``ulysses_size``
 consecutive ranks, Ring Attention across the groups.
 
-The input is sharded by world rank in any layout (``commlib.documents``).
+The input is sharded by world rank in any layout (``commlib.sequence.documents``).
 Inside group g (ranks g*u .. g*u+u-1) seq_to_head gathers the group's
 shards, one after the other, for a u-th of the heads; the ranks at the same
 position of every group form a ring of R = P/u ranks, in which rank g holds
@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
-from ..attention_inputs import backward_extras, prepare
 from ..kernels import Kernel
 from ..namespace import detached
 from ..ring.attention import check_method, ring_backward, ring_forward
+from ..sequence.attention_call import backward_extras, prepare
 from ..ulysses.relayout import (
     check_heads,
     divisors,

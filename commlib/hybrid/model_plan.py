@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
-from ..documents import chunks_of
+from ..sequence.documents import chunks_of
 from ..topology import Topology
 from .planner import Fabric, Plan, _exchange, _Spread, plan, probe
 

@@ -25,7 +25,7 @@ The ring across groups can also gather K and V once instead
 overlaps, but no merge per hop and one or two kernel calls per query chunk.
 Both are priced; the plan names the cheaper.
 
-With a mask (``commlib.masks.Mask``) the compute is the visible (query,
+With a mask (``commlib.sequence.masks.Mask``) the compute is the visible (query,
 key) pairs of the busiest ring rank, its tokens placed as
 ``hybrid_attention`` places them (the layout over every rank, a ring rank
 holding its Ulysses group's shards), so a layout that leaves a mask's work
@@ -50,11 +50,11 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..balanced import loads, placement_for
-from ..documents import Grouped
 from ..kernels.tiled import attention_forward
-from ..masks import Mask, check_mask
 from ..ring.sparse import routes
+from ..sequence.balanced import loads, placement_for
+from ..sequence.documents import Grouped
+from ..sequence.masks import Mask, check_mask
 from ..topology import Topology
 from ..ulysses.relayout import divisors, padded_heads
 from .attention import colors
@@ -408,13 +408,14 @@ def _check_masked(mask: Optional[Mask], causal: bool, methods: Sequence[str]) ->
     if mask is None:
         if "sparse" in methods:
             raise ValueError('method "sparse" (the ring\'s sparse exchange) is priced from a '
-                             'mask: pass mask= (a commlib.masks.Mask), or price "ring" and '
-                             '"allgather"')
+                             'mask: pass mask= (a commlib.sequence.masks.Mask), or price "ring" '
+                             'and "allgather"')
         return
     check_mask(mask, None)
     if causal:
         raise ValueError("pass causal=True or mask=, not both: a mask carries its own causality "
-                         "(the causal one: commlib.masks.from_cu_seqlens([0, L], causal=True))")
+                         "(the causal one: commlib.sequence.masks.from_cu_seqlens([0, L], "
+                         "causal=True))")
 
 
 def _pairs(mask: Mask, placement: Any, ring: int) -> float:

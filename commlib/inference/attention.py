@@ -38,13 +38,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..attention_inputs import agree_on_inputs, check_qkv, scale_of
 from ..kernels import Kernel, kernel_for
 from ..kernels.blockwise import attend, finish
 from ..kernels.merge import merge
 from ..namespace import accumulated, accumulator_dtype, detached, device, framework, namespace
 from ..ring.exchange import RingExchange
-from ..visibility import band_blocks, bounds
+from ..sequence.attention_call import agree_on_inputs, check_qkv, scale_of
+from ..sequence.visibility import band_blocks, bounds
 
 __all__ = ["decode_attention", "chunk_attention", "prefill_bytes", "PREFILL_METHODS"]
 

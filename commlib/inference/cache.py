@@ -3,7 +3,7 @@
 
 Layout. A prefill leaves each rank the positions of its shard (the tokens
 its prefill attention held: ``zigzag``, ``contiguous``, ... as
-``commlib.documents`` lays them out, padding dropped). Every later token is
+``commlib.sequence.documents`` lays them out, padding dropped). Every later token is
 striped by position: the token at position p goes to rank ``p % P``
 (SGLang's decode context parallelism). Striping needs no state to agree on
 (the owner is a function of the position alone), keeps the shards within
@@ -13,7 +13,7 @@ over min(t, P) ranks, and adding a token touches one rank's cache.
 Within a rank the positions increase: a prefill shard's chunks come in
 sequence order, and every later token is past all of them. So the keys a
 query sees (causal, or inside a window) are one index range of the shard
-(``commlib.visibility.band_blocks``).
+(``commlib.sequence.visibility.band_blocks``).
 
 Storage: per layer, K and V [batch, capacity, kv_heads, head_dim] in the
 framework, device and dtype of the first K/V stored, grown by doubling (so

@@ -31,7 +31,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Tuple
 
-from .. import handles
+from .. import graph_names
 from ..namespace import framework, on_cuda
 from . import tiled
 
@@ -48,8 +48,8 @@ class Kernel:
     name: str = "custom"
 
     def __post_init__(self):
-        # what a compiled graph's ops name this kernel by (commlib.handles)
-        object.__setattr__(self, "handle", handles.name("kernel", self))
+        # what a compiled graph's ops name this kernel by (commlib.graph_names)
+        object.__setattr__(self, "handle", graph_names.name("kernel", self))
 
 
 TILED = Kernel(tiled.attention_forward, tiled.attention_backward, "tiled")

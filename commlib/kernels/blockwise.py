@@ -1,5 +1,5 @@
 """A block kernel run over the visible blocks of a query shard against a
-key shard (``commlib.visibility.blocks``): the one place where Ring, Ulysses,
+key shard (``commlib.sequence.visibility.blocks``): the one place where Ring, Ulysses,
 the hybrid and the all-gather mode call the kernel.
 
 Forward: each block's (out, lse) is merged into the running (out, lse) of
@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence, Tuple
 import array_api_extra as xpx
 
 from ..namespace import accumulator_dtype, device, namespace
-from ..visibility import Block
+from ..sequence.visibility import Block
 from . import Kernel
 from .merge import merge
 

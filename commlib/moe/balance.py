@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..arrays import unwrap
+from ..dlpack import unwrap
 
 
 class BiasBalancer:

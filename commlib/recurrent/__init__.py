@@ -2,7 +2,7 @@
 the ranks exchange so that each shard's recurrence starts from the right
 state and its causal convolution sees the right tokens.
 
-- ``pieces``: the runs of the global sequence a shard holds (padding a
+- ``pieces``: the stretches of consecutive global positions a shard holds (padding a
   piece of its own);
 - ``incoming_state``: the state entering each piece, from every piece's
   (transition, offset) composed in global order, and its backward;

@@ -1,6 +1,6 @@
 """The sharded mixers' inputs checked, the same for every framework: each
 check raises ValueError on bad shapes or returns the facts every rank must
-share (``commlib.recurrent.runs`` agrees them), so that the torch and JAX
+share (``commlib.recurrent.mixer_pieces`` agrees them), so that the torch and JAX
 mixers refuse the same input with the same message, on every rank."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Any, Callable, List, Tuple
 
 import numpy as np
 
-from ..documents import LAYOUTS, as_offsets
+from ..sequence.documents import LAYOUTS, as_offsets
 from .pieces import agreed_sharding
 
 __all__ = ["Run", "runs"]

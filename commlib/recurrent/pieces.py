@@ -1,4 +1,4 @@
-"""Where a shard's recurrences start: its pieces, the runs of the global
+"""Where a shard's recurrences start: its pieces, the stretches of the global
 sequence it holds.
 
 A recurrent mixer carries a state along the global sequence. A shard made by
@@ -28,8 +28,8 @@ from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 
-from ..documents import PADDING, chunk_count
-from ..ring.layout import _placement
+from ..sequence.documents import PADDING, chunk_count
+from ..sequence.layout import _placement
 
 __all__ = ["Piece", "Sharding", "sharding", "pieces", "agreed_sharding"]
 
@@ -87,8 +87,8 @@ class Sharding:
         return self.real[rank][i]
 
 
-def _runs(spans: Tuple[Any, ...]) -> Tuple[Piece, ...]:
-    """Spans (``commlib.documents.Span``, in shard order) joined into pieces."""
+def _maximal_pieces(spans: Tuple[Any, ...]) -> Tuple[Piece, ...]:
+    """Spans (``commlib.sequence.documents.Span``, in shard order) joined into pieces."""
     found = []
     at = 0
     for span in spans:
@@ -113,7 +113,7 @@ def sharding(comm, local_length: Optional[int], *, layout: str, cu_seqlens: Any 
     if local_length is None and cu_seqlens is None and mask is None:
         local_length = chunk_count(comm.size, layout) // comm.size
     placement = _placement(comm, layout, None, cu_seqlens, mask, local_length)
-    return Sharding(tuple(_runs(placement.spans(rank)) for rank in range(comm.size)))
+    return Sharding(tuple(_maximal_pieces(placement.spans(rank)) for rank in range(comm.size)))
 
 
 def pieces(comm, local_length: int, *, layout: str, cu_seqlens: Any = None,

@@ -8,7 +8,7 @@ torch tensors, the tiled array-API kernel otherwise, or the caller's
 softmax, in float32 (float64 for float64 inputs). Which (query, key) pairs
 are visible (causality, packed documents ``cu_seqlens``, a sliding
 ``window``, padding) decides which blocks of a step are computed at all
-(``commlib.visibility``); zigzag layouts make every step cost about the same
+(``commlib.sequence.visibility``); zigzag layouts make every step cost about the same
 on every rank. Only bytes cross into the Communicator: K and V in their own
 dtype (bfloat16 moves half the bytes of float32).
 
@@ -29,10 +29,10 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..attention_inputs import AttentionCall, backward_extras, prepare
 from ..kernels import Kernel
 from ..kernels.blockwise import attend, attend_backward, finish
 from ..namespace import contiguous, detached, device, namespace
+from ..sequence.attention_call import AttentionCall, backward_extras, prepare
 from .exchange import RingExchange
 from .sparse import SPARSE_SHARE, routes, sparse_backward, sparse_forward
 
@@ -56,7 +56,7 @@ def ring_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool,
     ``cu_seqlens``: offsets of the documents packed in the GLOBAL sequence
     (attention never crosses a document; padding is masked); ``window``:
     (left, right) tokens a query sees around itself; ``mask``: any mask
-    instead of those three (``commlib.masks.Mask``: slices of the GLOBAL
+    instead of those three (``commlib.sequence.masks.Mask``: slices of the GLOBAL
     sequence; with ``layout="balanced"``, shards that spread its work
     evenly); ``method``: "ring", "allgather", "sparse" (each rank receives only the keys its
     queries see: ``ring.sparse``) or "auto" (sparse where a mask makes it

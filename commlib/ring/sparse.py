@@ -29,11 +29,11 @@ from typing import Any, List, Tuple
 
 import numpy as np
 
-from ..balanced import held_ranges
-from ..documents import Span, local_index
 from ..kernels.blockwise import attend, attend_backward
 from ..namespace import accumulator_dtype, contiguous, device, namespace, sum_rows
-from ..visibility import mask_blocks
+from ..sequence.balanced import held_ranges
+from ..sequence.documents import Span, local_index
+from ..sequence.visibility import mask_blocks
 
 __all__ = ["Routes", "routes", "sparse_forward", "sparse_backward", "SPARSE_SHARE"]
 

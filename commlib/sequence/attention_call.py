@@ -12,11 +12,11 @@ import zlib
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Tuple, Union
 
+from ..kernels import Kernel, kernel_for
+from ..namespace import dtype_name, framework_of, namespace, on_cuda
 from .balanced import Assigned, placement_for
 from .documents import Grouped, Packing, Span
-from .kernels import Kernel, kernel_for
 from .masks import Mask, check_mask, from_band
-from .namespace import dtype_name, framework_of, namespace, on_cuda
 from .visibility import blocks, bounds, mask_blocks
 
 Extra = Tuple[Tuple[str, Any, tuple], ...]
@@ -78,8 +78,8 @@ class AttentionCall:
     """What one attention call is, read from its inputs once on this rank and
     agreed by every rank: the arrays' namespace, the block kernel, the
     softmax scale, where every rank's tokens sit in the documents
-    (``placement``: a ``commlib.documents.Packing``, a
-    ``commlib.balanced.Assigned``, or either ``Grouped`` as the hybrid's
+    (``placement``: a ``commlib.sequence.documents.Packing``, a
+    ``commlib.sequence.balanced.Assigned``, or either ``Grouped`` as the hybrid's
     ring sees it; each has ``offsets``, ``size``, ``spans``, ``in_order``)
     and which query-key
     distances are visible (``lo``, ``hi``). It travels with the call from
@@ -132,7 +132,7 @@ def prepare(comm, op: str, q: Any, k: Any, v: Any, *, layout: str, causal: bool,
             if causal or cu_seqlens is not None or window is not None:
                 raise ValueError("mask= says which keys every query sees: pass it alone, "
                                  "without causal, cu_seqlens or window (build those into it: "
-                                 "commlib.masks.from_cu_seqlens)")
+                                 "commlib.sequence.masks.from_cu_seqlens)")
         packing = placement_for(layout, comm.size, q.shape[1], cu_seqlens=cu_seqlens,
                                 mask=mask)
         visible = bounds(causal, window)

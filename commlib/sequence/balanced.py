@@ -65,7 +65,7 @@ class Assigned:
     """A sequence of ``length`` tokens in chunks of ``chunk``, rank r
     holding ``chunks[r]`` (in sequence order), each shard padded to
     ``local_length``: a placement (``spans``, ``in_order``) as
-    ``commlib.documents.Packing`` is, for the attention's schedules."""
+    ``commlib.sequence.documents.Packing`` is, for the attention's schedules."""
 
     length: int
     chunk: int
@@ -192,7 +192,7 @@ def placement_for(layout: str, size: int, local_length: Optional[int], cu_seqlen
     ``shard_sequence`` makes."""
     if mask is not None and cu_seqlens is not None:
         raise ValueError("pass mask= or cu_seqlens=, not both: a mask holds the documents "
-                         "(commlib.masks.from_cu_seqlens)")
+                         "(commlib.sequence.masks.from_cu_seqlens)")
     check_layout(layout)
     if mask is not None and local_length is not None:
         _check_mask_length(mask, layout, size, local_length)

@@ -1,4 +1,4 @@
-"""Masks that real training data makes, as ``commlib.masks.Mask`` values:
+"""Masks that real training data makes, as ``commlib.sequence.masks.Mask`` values:
 what the tests check against SDPA, the solver balances and the benchmarks
 time. Each is a function of the sequence length (and its own shape)."""
 

@@ -31,8 +31,10 @@ from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
+__all__ = ["cu_seqlens_from_position_ids"]  # the rest serves the layouts and the attention
+
 LAYOUTS = ("contiguous", "zigzag", "zigzag_docs")
-# layouts made from a mask (commlib.balanced), not from the documents
+# layouts made from a mask (commlib.sequence.balanced), not from the documents
 MASK_LAYOUTS = ("balanced",)
 PADDING = -1  # the document of a padding token
 
@@ -156,7 +158,8 @@ def packing_for(cu_seqlens: Any, layout: str, size: int, local_length: int) -> P
     check_layout(layout)
     if layout == "balanced":
         raise ValueError("the balanced layout spreads a mask's work: pass mask= (a "
-                         "commlib.masks.Mask) to the call that shards and to the attention")
+                         "commlib.sequence.masks.Mask) to the call that shards and to the "
+                         "attention")
     if cu_seqlens is None:  # one unpadded sequence
         if (local_length * size) % chunk_count(size, layout):
             raise ValueError(f"the {layout} layout cuts the sequence into "

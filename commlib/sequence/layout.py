@@ -1,7 +1,7 @@
 """How a global sequence is cut among the ranks of a ring, and put back.
 
 The layouts (``contiguous``, ``zigzag``, ``zigzag_docs``) and the padding
-rules are ``commlib.documents``'s: a sequence of any length is padded to
+rules are ``commlib.sequence.documents``'s: a sequence of any length is padded to
 what its layout needs, and ``unshard_sequence`` gives back exactly the
 original tokens.
 """
@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any, List, Optional
 
-from ..balanced import placement_for
-from ..documents import (
+from ..namespace import contiguous, device, namespace
+from .balanced import placement_for
+from .documents import (
     LAYOUTS,
     MASK_LAYOUTS,
     PADDING,
@@ -20,8 +21,7 @@ from ..documents import (
     chunk_count,
     chunks_of,
 )
-from ..masks import check_mask
-from ..namespace import contiguous, device, namespace
+from .masks import check_mask
 
 __all__ = ["LAYOUTS", "MASK_LAYOUTS", "check_layout", "chunks_of", "shard_sequence",
            "unshard_sequence"]
@@ -49,7 +49,7 @@ def shard_sequence(x: Any, comm, *, layout: str, axis: int = 1,
     uneven length L: ``cu_seqlens=[0, L]``). ``zigzag_docs`` balances every
     document: give it the documents' ``cu_seqlens`` (without them the
     sequence is one document). ``balanced`` spreads the work of ``mask``
-    (``commlib.masks.Mask``, of x's length) evenly (``commlib.balanced``)."""
+    (``commlib.sequence.masks.Mask``, of x's length) evenly (``commlib.sequence.balanced``)."""
     placement = _placement(comm, layout, x.shape[axis], cu_seqlens, mask, None)
     xp = namespace(x)
     pieces = [_padding(x, axis, s.length) if s.doc == PADDING else

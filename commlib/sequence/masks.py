@@ -16,7 +16,7 @@ when:
 Each is a band on the distance ``i - j`` inside its rectangle:
 ``lo <= i - j <= hi`` with ``lo = qe - ke`` (causal, bicausal) and
 ``hi = qs - ks`` (inv_causal, bicausal), unbounded otherwise; that is what
-``commlib.visibility`` cuts into kernel blocks. A ``Mask`` is their union;
+``commlib.sequence.visibility`` cuts into kernel blocks. A ``Mask`` is their union;
 slices whose rectangles overlap are refused. A query row that sees no key
 gets output 0 and lse -inf, as padding does.
 
@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Uni
 
 import numpy as np
 
-from . import handles
+from .. import graph_names
 from .visibility import UNBOUNDED, bounds
 
 __all__ = ["Slice", "Explicit", "Mask", "KINDS", "from_cu_seqlens", "from_band", "from_mask_mod",
@@ -180,7 +180,7 @@ class Mask:
         slices = repr([(p.q, p.k, p.kind, getattr(p, "digest", 0)) for p in self.slices])
         self._text = f"{self.length}:{slices}"  # the content, once
         # equal masks share a name: a compiled graph retraces for another mask only
-        self.handle = handles.name("mask", self, hashlib.blake2b(
+        self.handle = graph_names.name("mask", self, hashlib.blake2b(
             self._text.encode(), digest_size=16).hexdigest())
 
     def __repr__(self) -> str:
@@ -292,8 +292,8 @@ def covered(starts: np.ndarray, stops: np.ndarray, points: np.ndarray) -> np.nda
 def check_mask(mask: Any, length: Optional[int]) -> None:
     """``mask`` is a ``Mask`` of a sequence of ``length`` tokens (None: any)."""
     if not isinstance(mask, Mask):
-        raise ValueError(f"mask must be a commlib.masks.Mask (slices of the global sequence), "
-                         f"got {type(mask).__name__}")
+        raise ValueError(f"mask must be a commlib.sequence.masks.Mask (slices of the global "
+                         f"sequence), got {type(mask).__name__}")
     if length is not None and mask.length != length:
         raise ValueError(f"the mask covers {mask.length} tokens but the sequence has {length}: "
                          f"make the mask for the global sequence (Mask(slices, length=...))")

@@ -5,7 +5,7 @@ Query token (doc a, position i) sees key token (doc b, position j) when
 a == b (never padding) and ``lo <= i - j <= hi``: ``lo`` = 0 under the
 causal mask (and -right with a window), ``hi`` = the window's left reach.
 ``blocks(q_spans, k_spans, lo, hi)`` cuts the (local query, local key) plane
-of two shards (``commlib.documents.Span`` lists) into blocks of one of
+of two shards (``commlib.sequence.documents.Span`` lists) into blocks of one of
 three kinds, which the block kernels run (keys before a query range and
 keys from its diagonal on are cut apart, so that a query chunk against its
 whole document is one full block and one causal one):
@@ -242,7 +242,7 @@ def blocks(q_spans: Tuple[Span, ...], k_spans: Tuple[Span, ...], lo: int,
 def mask_blocks(mask: Any, q_spans: Tuple[Span, ...],
                 k_spans: Tuple[Span, ...]) -> Tuple[Block, ...]:
     """The blocks in which queries of ``q_spans`` see keys of ``k_spans``
-    under ``mask`` (``commlib.masks.Mask``: slices of the GLOBAL sequence,
+    under ``mask`` (``commlib.sequence.masks.Mask``: slices of the GLOBAL sequence,
     read through the spans' ``origin``): each slice met by a query piece
     and a key piece is a band there, classified as ``blocks`` does; an
     explicit slice's piece is a masked block of its pattern."""

@@ -6,7 +6,7 @@ image. Everything runs in the caller's framework, device and dtype.
 
 Packed documents (``cu_seqlens``), padding and a sliding ``window`` decide
 which blocks of the whole sequence the kernel runs on
-(``commlib.visibility``). The gathered sequence is attended in sequence
+(``commlib.sequence.visibility``). The gathered sequence is attended in sequence
 order whatever the shards' layout (a zigzag one is permuted back first):
 one causal call for a plain sequence."""
 
@@ -16,10 +16,10 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..attention_inputs import AttentionCall, backward_extras, prepare
 from ..kernels import Kernel
 from ..kernels.blockwise import attend, attend_backward, finish
 from ..namespace import detached, device
+from ..sequence.attention_call import AttentionCall, backward_extras, prepare
 from .relayout import check_heads, head_to_seq, lse_to_heads, lse_to_seq, seq_to_head_many
 
 

@@ -9,7 +9,7 @@ query heads ``head_split(h, P)[p]`` (the first h % P ranks one more). The
 all-to-alls still exchange equal chunks, each padded with zero heads to the
 largest rank's count and the padding dropped on receipt: the JAX binding
 traces these functions on a communicator that has only equal-chunk
-all-to-alls (``bindings/jax_collectives.py``).
+all-to-alls (``bindings/jax/_traced_comm.py``).
 
 K/V under GQA (query head i uses kv head i // (h / hk)): a rank gets the kv
 heads its own query heads use, once each where its query heads group evenly

@@ -152,7 +152,7 @@ def test_host_rows_on_one_rank_and_cuda_rows_on_another_raise_everywhere(comm, m
     if comm.size == 1:
         pytest.skip("needs two ranks to disagree")
     import commlib.communicator as communicator
-    from commlib.arrays import Native
+    from commlib.dlpack import Native
 
     if comm.rank == 0:  # rank 0's rows claim to be on a GPU; nothing moves before the check
         def on_gpu(x):

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from commlib import CollectiveMismatchError, ring
-from commlib.common_masks import block_diagonal, prefix_lm
-from commlib.masks import Mask, Slice, from_cu_seqlens
+from commlib.sequence.common_masks import block_diagonal, prefix_lm
+from commlib.sequence.masks import Mask, Slice, from_cu_seqlens
 
 import arrayimpl
 import requires
@@ -164,7 +164,7 @@ def test_independent_calls_in_one_program_keep_their_transfers_apart(comm):
 def test_transfers_see_xlas_own_buffers(comm, monkeypatch):
     """On the CPU the callback sends from the jitted function's input buffer
     and receives into the buffer the result is: no operand is copied."""
-    from commlib.bindings.jax_collectives import traced
+    from commlib.bindings.jax._traced_comm import traced
 
     shift = traced(comm)
     seen = []

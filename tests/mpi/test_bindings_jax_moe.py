@@ -1,4 +1,4 @@
-"""commlib.bindings.jax.Dispatcher (bindings/jax_moe.py): MoE dispatch and combine as jnp in
+"""commlib.bindings.jax.Dispatcher (bindings/jax/_moe.py): MoE dispatch and combine as jnp in
 the jitted program, against a per-token loop in NumPy that every rank
 computes from every rank's seeded inputs (so each rank knows what it must
 get), and against the eager core ``commlib.moe.Dispatcher``."""

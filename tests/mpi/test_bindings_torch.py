@@ -160,7 +160,7 @@ def test_float_expert_indices_are_refused_on_every_rank(comm):
 
 
 def test_cpu_tensors_are_shared_not_copied():
-    from commlib.arrays import unwrap
+    from commlib.dlpack import unwrap
 
     t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     assert unwrap(t).data.__array_interface__["data"][0] == t.data_ptr()

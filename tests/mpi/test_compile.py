@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from commlib import ring
-from commlib.common_masks import block_diagonal, prefix_lm
+from commlib.sequence.common_masks import block_diagonal, prefix_lm
 
 import requires
 from conftest import all_ranks
@@ -232,8 +232,8 @@ def test_inductor_equals_eager_within_float32_rounding(comm, algorithm):
 
 transformers = requires.module("transformers")
 hf = requires.module("commlib.bindings.transformers")
-from commlib.bindings.transformers_attention import LAYOUTS, mark_checked  # noqa: E402
-from commlib.bindings.transformers_batch import sharded_batch  # noqa: E402
+from commlib.bindings.transformers._attention import LAYOUTS, mark_checked  # noqa: E402
+from commlib.bindings.transformers._batch import sharded_batch  # noqa: E402
 
 VOCAB, LOCAL = 96, 8  # LOCAL tokens per rank
 TINY = dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=HEADS,
@@ -503,7 +503,7 @@ def test_moe_fixed_capacity_compiles_whole_and_equals_eager(comm, capacity_facto
     bitwise, and ten calls with new tokens and routing run one graph (the
     routing state travels as a key tensor made when the op runs, never a
     constant of the graph); no dispatch handle outlives its graph's use."""
-    from commlib.bindings import torch_moe
+    from commlib.bindings.torch import _moe as torch_moe
     dispatcher = ct.Dispatcher(comm, 2 * comm.size, max_tokens_per_rank=MOE_TOKENS,
                                capacity_factor=capacity_factor, hierarchical=hierarchical)
     maps = _moe_maps(dispatcher)

@@ -10,7 +10,6 @@ import pytest
 from mpi4py import MPI
 
 import commlib
-from commlib.documents import local_index, needed_length, packing_for
 from commlib.inference import (
     ShardedKVCache,
     chunk_attention,
@@ -18,6 +17,7 @@ from commlib.inference import (
     prefill_bytes,
     striped,
 )
+from commlib.sequence.documents import local_index, needed_length, packing_for
 
 import arrayimpl
 import requires

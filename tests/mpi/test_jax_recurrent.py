@@ -20,7 +20,7 @@ cj = requires.module("commlib.bindings.jax")
 from recurrent_reference import delta_rule_loop, ssd_loop  # noqa: E402
 
 from commlib import CollectiveMismatchError, recurrent  # noqa: E402
-from commlib.bindings.jax_recurrent_state import halo  # noqa: E402
+from commlib.bindings.jax._recurrent_state import halo  # noqa: E402
 from commlib.ring import shard_sequence, unshard_sequence  # noqa: E402
 
 from conftest import all_ranks, raises_everywhere  # noqa: E402

@@ -1,4 +1,4 @@
-"""Any mask across ranks (``mask=``, ``commlib.masks``): Ring, Ulysses and
+"""Any mask across ranks (``mask=``, ``commlib.sequence.masks``): Ring, Ulysses and
 the hybrid, forward and backward, against torch SDPA with the dense boolean
 mask on the unsharded sequence (float64), at every world size and in every
 layout (``balanced`` included): prefix-LM, a shared prefix with 4 causal
@@ -13,8 +13,8 @@ from hypothesis_ranks import given_on_every_rank
 
 import commlib
 from commlib import hybrid, ring, ulysses
-from commlib.common_masks import block_diagonal, multimodal, prefix_lm, shared_prefix
-from commlib.masks import KINDS, Mask, Slice, from_cu_seqlens, from_mask_mod
+from commlib.sequence.common_masks import block_diagonal, multimodal, prefix_lm, shared_prefix
+from commlib.sequence.masks import KINDS, Mask, Slice, from_cu_seqlens, from_mask_mod
 
 import arrayimpl
 import requires

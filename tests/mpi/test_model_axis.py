@@ -19,6 +19,7 @@ from conftest import all_ranks, raises_everywhere
 torch = requires.module("torch")
 transformers = requires.module("transformers")
 cht = requires.module("commlib.bindings.transformers")
+from test_token_mixers import CumulativeMean  # noqa: E402  (the made-up mixer)
 
 # 2 ranks: zigzag's two pieces per rank; 3: a middle rank whose chunks join,
 # and lengths (29 tokens) neither 2P nor 3P divides
@@ -32,19 +33,6 @@ TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_
             attention_dropout=0.0, initializer_range=0.1)
 MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8,
               mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8)
-
-
-class CumulativeMean(torch.nn.Module):
-    """A made-up token mixer around an MLP: each token adds the mean of the
-    tokens up to it."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, hidden_states):
-        steps = torch.arange(1, hidden_states.shape[1] + 1)[None, :, None]
-        return self.inner(hidden_states + hidden_states.cumsum(1) / steps)
 
 
 def with_made_up_mixer(model, comm):

@@ -121,7 +121,7 @@ def test_ranks_that_split_with_different_backends_raise_on_every_rank(comm):
 
 
 def test_traced_builds_a_device_communicator_for_the_transfers_only():
-    traced = requires.module("commlib.bindings.jax_collectives").traced
+    traced = requires.module("commlib.bindings.jax._traced_comm").traced
     parent, log = with_recording_device()
     try:
         comm = traced(parent)

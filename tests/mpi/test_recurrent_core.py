@@ -11,8 +11,8 @@ import pytest
 from mpi4py import MPI
 
 from commlib import CollectiveMismatchError, recurrent
-from commlib.masks import from_cu_seqlens
 from commlib.ring import shard_sequence
+from commlib.sequence.masks import from_cu_seqlens
 
 import arrayimpl
 import requires
@@ -24,7 +24,7 @@ WORLD_SIZES = (1, 2, 3)
 
 torch = requires.module("torch")
 jax = requires.module("jax")
-bindings = requires.module("commlib.bindings.torch_recurrent_state")
+bindings = requires.module("commlib.bindings.torch._recurrent_state")
 
 BATCH, HEADS, DK, DV, CHANNELS = 2, 2, 3, 2, 3
 # (layout, cu_seqlens, balanced mask length): 12 tokens (no padding), 13

@@ -104,7 +104,7 @@ def test_arrays_refused_on_one_rank_stop_the_peers_at_once(comm):
     waiting in the call, hear of it instead of waiting out their deadline."""
     import time
 
-    from commlib.arrays import Native, unwrap
+    from commlib.dlpack import Native, unwrap
 
     c = commlib.init(timeout=60)
     try:

@@ -18,8 +18,8 @@ from conftest import all_ranks, raises_everywhere
 transformers = requires.module("transformers")
 torch = requires.module("torch")
 hf = requires.module("commlib.bindings.transformers")
-from commlib.bindings.transformers_attention import LAYOUTS, mark_checked  # noqa: E402
-from commlib.bindings.transformers_experts import EXPERT_PARALLEL  # noqa: E402
+from commlib.bindings.transformers._attention import LAYOUTS, mark_checked  # noqa: E402
+from commlib.bindings.transformers._experts import EXPERT_PARALLEL  # noqa: E402
 
 # a model sharded 2 ways, and the 2 x 2 hybrid
 WORLD_SIZES = (2, 4)

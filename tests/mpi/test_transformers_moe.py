@@ -30,13 +30,13 @@ from transformers.models.nemotron_h.modeling_nemotron_h import (  # noqa: E402
 )
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts  # noqa: E402
 
-from commlib.bindings.transformers_experts import (  # noqa: E402
+from commlib.bindings.transformers._experts import (  # noqa: E402
     EXPERT_PARALLEL,
     IMPLEMENTATION,
     expert_parallel,
     register_experts,
 )
-from commlib.bindings.transformers_gradients import allreduce_gradients  # noqa: E402
+from commlib.bindings.transformers._gradients import allreduce_gradients  # noqa: E402
 
 # experts over 2 ranks, and two nodes of 2
 WORLD_SIZES = (2, 4)

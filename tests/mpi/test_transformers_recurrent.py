@@ -22,8 +22,8 @@ from conftest import all_ranks, raises_everywhere
 torch = requires.module("torch")
 transformers = requires.module("transformers")
 hf = requires.module("commlib.bindings.transformers")
-from commlib.bindings.transformers_batch import sharded_batch  # noqa: E402
-from commlib.bindings.transformers_experts import EXPERT_PARALLEL  # noqa: E402
+from commlib.bindings.transformers._batch import sharded_batch  # noqa: E402
+from commlib.bindings.transformers._experts import EXPERT_PARALLEL  # noqa: E402
 
 # 2 ranks: zigzag's two pieces per rank; 3: a middle rank whose zigzag chunks
 # join into one piece, and a length (41) that neither 2P nor 3P divides; 4: two
