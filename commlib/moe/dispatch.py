@@ -65,7 +65,6 @@ nothing from the device: they reuse the counts kept in the handle.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import array_api_extra as xpx
@@ -87,145 +86,16 @@ from ..namespace import (
     to_host,
 )
 from . import contract, pipeline
-from .expand import Expansion, GatheredRows, ScatteredRows
-from .hops import Hop, take_sent
+from .call import Counts, DispatchHandle, PendingMoE, Plan, Wire
+from .expand import Expansion
+from .fixed import FixedCapacity
+from .hops import Hop, copy_keys, lookup, take_sent
 from .pipeline import TwoHopRoute
 from .quantize import dequantize_fp8, quantize_fp8
 from .stats import DispatchStats
 
 
-@dataclass
-class DispatchHandle:
-    """What combine needs to undo a dispatch, and what the dispatch saw.
-
-    ``tokens_per_expert[e]``: rows of ``expert_x`` for this rank's local
-    expert e: host int64, or, under a fixed capacity, an array in x's
-    framework on its device (the dispatch reads nothing back). ``stats``:
-    the global picture of this dispatch (None under a fixed capacity:
-    ``Dispatcher.collect_stats()`` gathers those). ``route``: the way the
-    rows came, flat (one ``Hop``) or two-hop (a ``TwoHopRoute``), with
-    ``send`` and ``back`` along it; ``owned``: how combine sums the expert
-    rows per arrival, one record per chunk of the route, or one for every
-    chunk (``commlib.moe.expand``). The index arrays are in the caller's
-    framework, on its device."""
-
-    tokens_per_expert: Any
-    stats: Optional[DispatchStats]
-    route: Union[Hop, TwoHopRoute] = field(repr=False)
-    owned: List[Union[ScatteredRows, GatheredRows]] = field(repr=False)
-    arrival_rows: Any = field(repr=False)     # received row of each expert row (padding: R)
-    arrival_slots: Any = field(repr=False)    # which of the token's k slots it is
-    arrival_weights: Any = field(repr=False)  # its routing weight (float32; padding: 0)
-    received_rows: int = field(repr=False)
-    expert_shape: Tuple[int, ...] = field(default=(), repr=False)  # fixed: (local experts, slots)
-
-
-class PendingMoE:
-    """A dispatch or combine in flight: ``wait()`` gives its result, once.
-    Dropped without a wait, its transfer fails the communicator, so the
-    next call raises on every rank instead of hanging."""
-
-    def __init__(self, finish: Callable[[], Any]):
-        self._finish: Optional[Callable[[], Any]] = finish
-
-    def wait(self) -> Any:
-        if self._finish is None:
-            raise RuntimeError("this dispatch or combine was already waited on")
-        finish, self._finish = self._finish, None
-        return finish()
-
-
-@dataclass
-class _Plan:
-    """This rank's side of a dispatch, worked out on its device before
-    anything moves; the host parts come from the dispatch's one copy (none
-    under a fixed capacity)."""
-
-    ids: Any                  # [T, k] expert ids after capacity (-1: none)
-    gate: Any                 # [T, k] float32 weights
-    keys: Any                 # hop 1: sorted destination * T + row, one per slot
-    first: Any                # keys that start a (destination, row) copy
-    dropped: Any              # [E] on the device: assignments over capacity (None: no cap)
-    invalid: Any              # [1] on the device: ids outside [-1, E)
-    extremes: Any             # [2] on the device: the smallest and largest id given
-
-
-@dataclass
-class _Counts:
-    """The host counts of a dispatch without a fixed capacity, per chunk of
-    a pipelined two-hop dispatch (one chunk otherwise)."""
-
-    send: np.ndarray               # [chunks, P] rows to each rank on hop 1
-    forward: Optional[np.ndarray]  # two hops: [chunks, P] rows each owner will get
-    assigned: Optional[np.ndarray]  # two hops: [chunks, P] assignments to each owner
-    requested: np.ndarray         # assignments per expert after capacity
-    dropped: np.ndarray           # assignments per expert over capacity
-    id_range: Tuple[int, int]
-    receive: Optional[np.ndarray] = None  # flat: [P] rows from each rank, from the agreement
-
-
-@dataclass
-class _Wire:
-    """How x's rows travel: their bytes [T, n]; how the owner reads the
-    received bytes back (x's rows, FP8 values and scales, or those already
-    dequantized: once per received row, before the rows are expanded into
-    one per expert); and how the expanded parts make ``expert_x``."""
-
-    payload: Any
-    decode: Callable[[Any], Tuple[Any, ...]]
-    deliver: Callable[[Tuple[Any, ...]], Any]
-
-
-def _copy_keys(dest: Any) -> Tuple[Any, Any]:
-    """``dest`` [rows, k] (-1: nowhere) as sorted keys ``dest * rows + row``
-    and the mask of the keys that start a distinct (destination, row) copy:
-    one copy per distinct pair, rank-major. Fixed sizes: nothing is read on
-    the host."""
-    xp = namespace(dest)
-    rows = dest.shape[0]
-    row = xp.arange(rows, dtype=dest.dtype, device=device(dest))
-    keys = xp.sort(xp.reshape(dest * rows + row[:, None], (-1,)))
-    first = xp.concat([xp.ones(min(1, keys.shape[0]), dtype=xp.bool, device=device(dest)),
-                       keys[1:] != keys[:-1]])
-    return keys, first & (keys >= 0)  # invalid slots have negative keys
-
-
-def _lookup(table: Any, ids: Any) -> Any:
-    """``table[ids]`` where ``ids >= 0``, -1 elsewhere (same shape as ids)."""
-    xp = namespace(ids)
-    valid = ids >= 0
-    found = xp.take(table, xp.reshape(xp.where(valid, ids, 0), (-1,)))
-    return xp.where(valid, xp.reshape(found, ids.shape), -1)
-
-
-def _slots(keys: Any, first: Any, sources: int, caps: Any, starts: Any,
-           total: int) -> Tuple[Any, Any, Any]:
-    """Fixed capacity: each (destination, row) copy's place in the send
-    buffer, whose block for destination d holds ``caps[d]`` rows from
-    ``starts[d]`` on. Returns (the source row of each of the ``total``
-    sent rows, ``sources`` for an empty slot; the copies that did not fit,
-    per key; rows sent to each destination). Fixed sizes, on the device."""
-    xp = namespace(keys)
-    kind = keys.dtype
-    dest = xp.where(first, keys // max(sources, 1), 0)
-    copy = xp.cumulative_sum(xp.astype(first, kind)) - 1  # rank-major, over all copies
-    per_dest = bincount(xp.where(first, dest, -1), caps.shape[0])
-    slot = copy - xp.take(xp.cumulative_sum(per_dest) - per_dest, dest)
-    fits = first & (slot < xp.take(caps, dest))
-    target = xp.where(fits, xp.take(starts, dest) + slot, total)  # total: a spare slot
-    rows = xp.full(total + 1, sources, dtype=kind, device=device(keys))
-    rows = xpx.at(rows)[target].set(keys % max(sources, 1))[:total]
-    return rows, first & ~fits, xp.minimum(per_dest, caps)
-
-
-def _fixed_blocks(put: Callable[[np.ndarray], Any], rows: np.ndarray) -> tuple:
-    """A fixed-capacity hop's blocks of ``rows[d]`` rows to each rank d:
-    (rows and where each block starts, beside the data; the total; the
-    host rows)."""
-    return put(rows), put(np.cumsum(rows) - rows), int(rows.sum()), rows
-
-
-class Dispatcher:
+class Dispatcher(FixedCapacity):
     """Expert-parallel dispatch and combine over ``comm``: expert e of
     ``num_experts`` lives on rank ``e // (num_experts // comm.size)``.
     ``max_tokens_per_rank`` selects the fixed-capacity mode.
@@ -307,8 +177,8 @@ class Dispatcher:
             return self._dispatch_counted(plan, counts, meta, wire, total)
         return self._dispatch_fixed(plan, meta, wire)
 
-    def _dispatch_counted(self, plan: _Plan, counts: _Counts, meta: Any,
-                          wire: _Wire, total: Optional[np.ndarray] = None) -> PendingMoE:
+    def _dispatch_counted(self, plan: Plan, counts: Counts, meta: Any,
+                          wire: Wire, total: Optional[np.ndarray] = None) -> PendingMoE:
         """Counts known on the host: each hop's rows are exactly the copies,
         and each chunk's rows are placed in expert_x as the chunk lands."""
         xp = namespace(meta)
@@ -342,7 +212,7 @@ class Dispatcher:
 
             def forward_chunk(chunk: int, arrived: Any) -> Tuple[Any, Hop]:
                 sources = int(arrived.shape[0])
-                keys, first = _copy_keys(_lookup(maps[1], self._served(arrived, k, maps[0])))
+                keys, first = copy_keys(lookup(maps[1], self._served(arrived, k, maps[0])))
                 hop = Hop(compact(keys % max(sources, 1), first,
                                   int(chunked.forwarded[chunk].sum())),
                           chunked.forwarded[chunk], chunked.delivered[chunk], sources)
@@ -367,87 +237,6 @@ class Dispatcher:
             return wire.deliver(tuple(expansion.parts)), handle
         return PendingMoE(finish)
 
-    def _dispatch_fixed(self, plan: _Plan, meta: Any, wire: _Wire) -> PendingMoE:
-        """Capacity known in advance: every hop's blocks have a fixed number
-        of rows per destination (empty slots carry the id -1), so no count
-        crosses the host and the device is never read."""
-        xp = namespace(meta)
-        tokens, k = int(meta.shape[0]), plan.ids.shape[1]
-        row_bytes = int(wire.payload.shape[1])
-        layout = self._fixed_layout(meta, k, row_bytes)
-        maps = self._device_maps(meta)
-        blank = self._blank(meta, k)
-
-        def rows_of(meta: Any, payload: Any, send_rows: Any, sources: int) -> Any:
-            empty = (send_rows >= sources)[:, None]
-            return xp.concat([xp.where(empty, blank, take_sent(meta, send_rows, sources)),
-                              take_sent(payload, send_rows, sources)], axis=1)
-
-        caps, starts, total, host_caps = layout["hops"][0]
-        first_rows, lost, sent = _slots(plan.keys, plan.first, tokens, caps, starts, total)
-        first = Hop(first_rows, host_caps, host_caps, tokens)
-        overflow = self._overflowed(plan, lost, maps[0])
-        count = self.num_experts
-        # kept in [0, E), overflowed in [E, 2E): one count of both
-        both = bincount(xp.where(overflow & (plan.ids >= 0), plan.ids + count, plan.ids),
-                        2 * count)
-        counts = [both[:count], both[count:] + (plan.dropped if plan.dropped is not None else 0),
-                  plan.invalid, sent * row_bytes]
-
-        if self.hierarchical:
-            route: Union[Hop, TwoHopRoute] = TwoHopRoute(first, layout["pieces"],
-                                                         layout["pieces"], token_ranges=False)
-
-            def forward_chunk(chunk: int, arrived: Any) -> Tuple[Any, Hop]:
-                caps, starts, total, host_caps = layout["hops"][1 + chunk]
-                sources = int(arrived.shape[0])
-                keys, first = _copy_keys(_lookup(maps[1], self._served(arrived, k, maps[0])))
-                # never overflows (see _fixed_layout)
-                send_rows, _, more = _slots(keys, first, sources, caps, starts, total)
-                counts[3] = counts[3] + more * row_bytes
-                hop = Hop(send_rows, host_caps, host_caps, sources)
-                route.second.append(hop)
-                return rows_of(arrived[:, :8 * k], arrived[:, 8 * k:], send_rows, sources), hop
-            started = route.start(self.comm, lambda c: rows_of(meta, wire.payload,
-                                                               route.chunk_rows(c), tokens))
-        else:
-            route, forward_chunk = first, None
-            started = route.start(self.comm, lambda c: rows_of(meta, wire.payload, first_rows,
-                                                               tokens))
-
-        def finish():
-            arrived = pipeline.joined(list(route.arriving(self.comm, started, forward_chunk)))
-            ids = self._served(arrived, k, maps[-1])
-            gate = xp.concat([xp.reshape(from_bytes(arrived[:, 4 * k:8 * k], xp.float32, (k,)),
-                                         (-1,)), xp.zeros(1, dtype=xp.float32,
-                                                          device=device(ids))])
-            arrival, slot, pair, slot_rows, per_expert, spilled = \
-                self._expand_fixed(ids, layout["slots"])
-            received = int(arrived.shape[0])
-            expert_x = wire.deliver(tuple(
-                xp.reshape(take_sent(a, arrival, received),
-                           (self.local_experts, layout["slots"]) + tuple(a.shape[1:]))
-                for a in wire.decode(arrived[:, 8 * k:])))
-            counts[1] = counts[1] + spilled
-            counts[0] = counts[0] - spilled
-            self._note(xp.concat([xp.astype(c, index_dtype(ids)) for c in counts]))
-            expert_rows = self.local_experts * layout["slots"]
-            weights = xp.take(gate, pair)
-            if received * k <= expert_rows:  # gathering k slots per arrival touches fewer rows
-                slot_weights = xp.where(slot_rows < expert_rows, gate[:-1], 0.0)
-                split_rows, split_weights = (route.split(xp.reshape(a, (received, k)))
-                                             for a in (slot_rows, slot_weights))
-                owned = [GatheredRows(int(split_rows(c).shape[0]),
-                                      xp.reshape(split_rows(c), (-1,)),
-                                      xp.reshape(split_weights(c), (-1,)), k)
-                         for c in range(route.chunks)]
-            else:
-                owned = [ScatteredRows(received, None, arrival, slot, weights)]
-            handle = DispatchHandle(per_expert, None, route, owned, arrival, slot, weights,
-                                    received, (self.local_experts, layout["slots"]))
-            return expert_x, handle
-        return PendingMoE(finish)
-
     def _facts(self, x: Any, experts: Any, quantize: Optional[str],
                dequantize: bool) -> Tuple[str, ...]:
         """What every rank's dispatch must share."""
@@ -456,14 +245,14 @@ class Dispatcher:
                 f"quantize={quantize}", f"dequantize={bool(dequantize)}",
                 f"pipeline_chunks={self.pipeline_chunks}")
 
-    def _wire(self, x: Any, quantize: Optional[str], dequantize: bool) -> _Wire:
+    def _wire(self, x: Any, quantize: Optional[str], dequantize: bool) -> Wire:
         """x's rows as the bytes that travel and how the owner reads them:
         x's dtype as is, or FP8 (the scales' bytes, then the values')."""
         row_shape = tuple(x.shape[1:])
         def single(parts):
             return parts[0]
         if quantize is None:
-            return _Wire(as_bytes(contiguous(x)),
+            return Wire(as_bytes(contiguous(x)),
                          lambda raw: (from_bytes(raw, x.dtype, row_shape),), single)
         values, scales = quantize_fp8(x)
         split, blocks = scales.shape[1] * 4, tuple(scales.shape[1:])
@@ -473,10 +262,10 @@ class Dispatcher:
             parts = (from_bytes(raw[:, split:], values.dtype, row_shape),
                      from_bytes(raw[:, :split], xp.float32, blocks))
             return (dequantize_fp8(*parts, x.dtype),) if dequantize else parts
-        return _Wire(xp.concat([as_bytes(scales), as_bytes(values)], axis=1), decode,
+        return Wire(xp.concat([as_bytes(scales), as_bytes(values)], axis=1), decode,
                      single if dequantize else tuple)
 
-    def _plan(self, x: Any, experts: Any, weights: Any) -> _Plan:
+    def _plan(self, x: Any, experts: Any, weights: Any) -> Plan:
         """Capacity and hop 1's copies, on the device. Ids outside [-1, E)
         are treated as -1 here (counted in ``invalid``), so that no gather
         reads out of bounds before they are refused (or, under a fixed
@@ -496,10 +285,10 @@ class Dispatcher:
         ids = xp.where(inside, ids, -1)
         gate = float32(weights)
         ids, dropped = self._apply_capacity(ids, gate)
-        keys, first = _copy_keys(_lookup(maps[0], ids))
-        return _Plan(ids, gate, keys, first, dropped, invalid, extremes)
+        keys, first = copy_keys(lookup(maps[0], ids))
+        return Plan(ids, gate, keys, first, dropped, invalid, extremes)
 
-    def _host_counts(self, plan: _Plan) -> _Counts:
+    def _host_counts(self, plan: Plan) -> Counts:
         """The dispatch's one copy to the host: [rows per (chunk, rank) on
         hop 1 | (two hops) rows and assignments per (chunk, owner) after
         forwarding | assignments per expert | (capacity) drops per expert |
@@ -515,7 +304,7 @@ class Dispatcher:
             dest = pipeline.token_chunks(plan.keys % tokens, tokens, chunks) * size + dest
         parts = [bincount(xp.where(plan.first, dest, -1), chunks * size)]
         if self.hierarchical:  # distinct owners per token: the rows forwarded to each
-            owners = xp.sort(_lookup(maps[-1], plan.ids), axis=1)
+            owners = xp.sort(lookup(maps[-1], plan.ids), axis=1)
             starts = xp.concat([xp.ones((owners.shape[0], min(1, owners.shape[1])),
                                         dtype=xp.bool, device=device(owners)),
                                 owners[:, 1:] != owners[:, :-1]], axis=1)
@@ -537,7 +326,7 @@ class Dispatcher:
         if self.hierarchical:
             forward, assigned = (pieces.pop(1).reshape(chunks, size) for _ in range(2))
         dropped = pieces[2] if plan.dropped is not None else np.zeros(count, np.int64)
-        return _Counts(pieces[0].reshape(chunks, size), forward, assigned, pieces[1], dropped,
+        return Counts(pieces[0].reshape(chunks, size), forward, assigned, pieces[1], dropped,
                        (int(pieces[-1][0]), int(pieces[-1][1])))
 
     def _counted_chunks(self) -> int:
@@ -620,47 +409,6 @@ class Dispatcher:
         """The hop maps beside ``like``."""
         return self._beside(like, ("maps",), lambda put: [put(m) for m in self._hop_maps])
 
-    def _fixed_layout(self, like: Any, k: int, row_bytes: int) -> dict:
-        """Fixed capacity: rows per destination on each hop and slots per
-        local expert, from ``max_tokens_per_rank`` C alone, so that every
-        rank sizes every buffer alike. Per source rank an expert takes at
-        most ``per_source`` = C (or the capacity factor's cap) of its
-        tokens; a block to a rank holds at most min(C, its experts *
-        per_source) rows. Two hops: hop 1 to each forwarder (the rank with
-        this local rank on each node), ``first`` = min(C, L * ranks per
-        node * per_source) rows, cut into the pipeline's chunks of equal
-        slot ranges ("pieces"); hop 2 of a chunk, from the forwarder to each
-        owner of its node, nodes * min(chunk's slots, L * per_source) rows,
-        which the forwarder can never exceed (one exchange's hop 2: nodes *
-        min(C, L * per_source)). An expert's slots: P * per_source.
-        ``row_bytes``: a row's payload, whence the default chunk count."""
-        C = self.max_tokens_per_rank
-        per_source = min(C, self._capacity(C, k) or C)
-        size, local = self.comm.size, self.local_experts
-        topology = self.comm.topology
-        if not self.hierarchical:
-            blocks = [np.full(size, min(C, local * per_source), np.int64)]
-            return self._beside(like, ("fixed", k), lambda put: {
-                "hops": [_fixed_blocks(put, h) for h in blocks], "slots": size * per_source})
-        node_ranks = len(topology.ranks_of(topology.node_of(self.comm.rank)))
-        first = min(C, local * node_ranks * per_source)
-        chunks = self.pipeline_chunks or (
-            pipeline.auto_chunks(first * row_bytes) if topology.num_nodes > 1 else 1)
-
-        def make(put):
-            mine = np.arange(size)
-            same_local = np.array([topology.ranks_of(topology.node_of(r)).index(r)
-                                   == topology.local_rank for r in mine])
-            same_node = np.array([topology.node_of(r) == topology.node_of(self.comm.rank)
-                                  for r in mine])
-            slots = pipeline.even_pieces(np.array([first]), chunks)[:, 0]
-            blocks = [np.where(same_local, first, 0)] + [
-                np.where(same_node, topology.num_nodes * min(int(n), local * per_source), 0)
-                for n in slots]
-            return {"hops": [_fixed_blocks(put, h) for h in blocks], "slots": size * per_source,
-                    "pieces": pipeline.even_pieces(blocks[0], chunks)}
-        return self._beside(like, ("fixed", k, chunks), make)
-
     def _served(self, message: Any, k: int, destination: Any) -> Any:
         """The expert ids of arrived rows [rows, k] that ``destination`` (a
         hop map) sends to this rank, -1 for the others: every copy of a
@@ -668,53 +416,7 @@ class Dispatcher:
         xp = namespace(message)
         ids = xp.astype(from_bytes(message[:, :4 * k], xp.float32, (k,)),
                         destination.dtype)
-        return xp.where(_lookup(destination, ids) == self.comm.rank, ids, -1)
-
-    def _expand_fixed(self, ids: Any, slots: int) -> Tuple[Any, ...]:
-        """Fixed capacity: expert e's rows are the ``slots`` rows from
-        ``e * slots``, its arrivals first, as they came, padding after.
-        Returns
-        (arrival row per expert row, ``received`` for padding; its slot;
-        its (arrival, slot) pair, R*k for padding; the inverse: the expert
-        row of each pair, L * slots for none; rows per local expert;
-        assignments per global expert that found no slot)."""
-        xp = namespace(ids)
-        kind, where = ids.dtype, device(ids)
-        received, k = ids.shape
-        local, pairs = self.local_experts, ids.shape[0] * ids.shape[1]
-        flat = xp.reshape(ids, (-1,))
-        expert = xp.where(flat >= 0, flat - self.comm.rank * local, local)  # local: none
-        order = xp.argsort(expert, stable=True)
-        grouped = xp.take(expert, order)
-        position = xp.arange(pairs, dtype=kind, device=where) - xp.searchsorted(grouped, grouped)
-        served = grouped < local
-        fits = served & (position < slots)
-        target = xp.where(fits, grouped * slots + position, local * slots)
-        pair = xpx.at(xp.full(local * slots + 1, pairs, dtype=kind, device=where))[target] \
-            .set(order)[:local * slots]
-        padding = pair >= pairs
-        rows = xp.arange(local * slots, dtype=kind, device=where)
-        slot_rows = xpx.at(xp.full(pairs + 1, local * slots, dtype=kind, device=where))[pair] \
-            .set(rows)[:pairs]
-        # rows per local expert in [0, L), no slot per global expert in [L, L + E): one count
-        both = bincount(xp.where(fits, grouped, xp.where(
-            served, grouped + self.comm.rank * local + local, -1)), local + self.num_experts)
-        return (xp.where(padding, received, pair // max(k, 1)),
-                xp.where(padding, 0, pair % max(k, 1)), pair, slot_rows,
-                both[:local], both[local:])
-
-    def _overflowed(self, plan: _Plan, lost: Any, destination: Any) -> Any:
-        """[T, k]: the assignments whose (destination, token) copy found no
-        slot on hop 1 (more than ``max_tokens_per_rank`` tokens here)."""
-        xp = namespace(plan.ids)
-        tokens = plan.ids.shape[0]
-        if not math.prod(plan.ids.shape):
-            return plan.ids >= 0
-        dest = _lookup(destination, plan.ids)
-        row = xp.arange(tokens, dtype=dest.dtype, device=device(dest))[:, None]
-        key = xp.reshape(xp.where(dest >= 0, dest * tokens + row, -1), (-1,))
-        at = xp.clip(xp.searchsorted(plan.keys, key), 0, plan.keys.shape[0] - 1)
-        return xp.reshape(xp.take(lost, at) & (key >= 0), plan.ids.shape)
+        return xp.where(lookup(destination, ids) == self.comm.rank, ids, -1)
 
     def _note(self, counts: Any) -> None:
         """Fixed capacity: add a dispatch's counts [requested E | dropped E |

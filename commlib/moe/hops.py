@@ -12,7 +12,7 @@ tokens, asking for each chunk's rows only when that chunk can leave, and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -80,3 +80,25 @@ class Hop:
         pending = comm.alltoallv_async(xp.astype(sent, wire, copy=False), self.recv_counts,
                                        self.send_counts)
         return lambda: xp.astype(self.sum_back(pending.wait()), wire, copy=False)
+
+
+def copy_keys(dest: Any) -> Tuple[Any, Any]:
+    """``dest`` [rows, k] (-1: nowhere) as sorted keys ``dest * rows + row``
+    and the mask of the keys that start a distinct (destination, row) copy:
+    one copy per distinct pair, rank-major. Fixed sizes: nothing is read on
+    the host."""
+    xp = namespace(dest)
+    rows = dest.shape[0]
+    row = xp.arange(rows, dtype=dest.dtype, device=device(dest))
+    keys = xp.sort(xp.reshape(dest * rows + row[:, None], (-1,)))
+    first = xp.concat([xp.ones(min(1, keys.shape[0]), dtype=xp.bool, device=device(dest)),
+                       keys[1:] != keys[:-1]])
+    return keys, first & (keys >= 0)  # invalid slots have negative keys
+
+
+def lookup(table: Any, ids: Any) -> Any:
+    """``table[ids]`` where ``ids >= 0``, -1 elsewhere (same shape as ids)."""
+    xp = namespace(ids)
+    valid = ids >= 0
+    found = xp.take(table, xp.reshape(xp.where(valid, ids, 0), (-1,)))
+    return xp.where(valid, xp.reshape(found, ids.shape), -1)

@@ -1,0 +1,222 @@
+"""The fixed-capacity path of a ``Dispatcher`` (``max_tokens_per_rank`` C,
+DeepEP's low-latency layout): every hop's block to a rank has a fixed
+number of rows, known from C, the capacity factor and the topology alone;
+empty slots carry the id -1, so no count crosses the host and the device is
+never read. What does not fit is dropped and counted on the device."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Tuple, Union
+
+import array_api_extra as xpx
+import numpy as np
+
+from ..namespace import bincount, device, from_bytes, index_dtype, namespace
+from . import pipeline
+from .call import DispatchHandle, PendingMoE, Plan, Wire
+from .expand import GatheredRows, ScatteredRows
+from .hops import Hop, copy_keys, lookup, take_sent
+from .pipeline import TwoHopRoute
+
+__all__ = ["FixedCapacity", "slots", "fixed_blocks"]
+
+
+def slots(keys: Any, first: Any, sources: int, caps: Any, starts: Any,
+           total: int) -> Tuple[Any, Any, Any]:
+    """Fixed capacity: each (destination, row) copy's place in the send
+    buffer, whose block for destination d holds ``caps[d]`` rows from
+    ``starts[d]`` on. Returns (the source row of each of the ``total``
+    sent rows, ``sources`` for an empty slot; the copies that did not fit,
+    per key; rows sent to each destination). Fixed sizes, on the device."""
+    xp = namespace(keys)
+    kind = keys.dtype
+    dest = xp.where(first, keys // max(sources, 1), 0)
+    copy = xp.cumulative_sum(xp.astype(first, kind)) - 1  # rank-major, over all copies
+    per_dest = bincount(xp.where(first, dest, -1), caps.shape[0])
+    slot = copy - xp.take(xp.cumulative_sum(per_dest) - per_dest, dest)
+    fits = first & (slot < xp.take(caps, dest))
+    target = xp.where(fits, xp.take(starts, dest) + slot, total)  # total: a spare slot
+    rows = xp.full(total + 1, sources, dtype=kind, device=device(keys))
+    rows = xpx.at(rows)[target].set(keys % max(sources, 1))[:total]
+    return rows, first & ~fits, xp.minimum(per_dest, caps)
+
+
+def fixed_blocks(put: Callable[[np.ndarray], Any], rows: np.ndarray) -> tuple:
+    """A fixed-capacity hop's blocks of ``rows[d]`` rows to each rank d:
+    (rows and where each block starts, beside the data; the total; the
+    host rows)."""
+    return put(rows), put(np.cumsum(rows) - rows), int(rows.sum()), rows
+
+
+class FixedCapacity:
+    """The ``Dispatcher``'s methods for a fixed capacity (a mixin: they read
+    its communicator, experts and options)."""
+
+    def _dispatch_fixed(self, plan: Plan, meta: Any, wire: Wire) -> PendingMoE:
+        """Capacity known in advance: every hop's blocks have a fixed number
+        of rows per destination (empty slots carry the id -1), so no count
+        crosses the host and the device is never read."""
+        xp = namespace(meta)
+        tokens, k = int(meta.shape[0]), plan.ids.shape[1]
+        row_bytes = int(wire.payload.shape[1])
+        layout = self._fixed_layout(meta, k, row_bytes)
+        maps = self._device_maps(meta)
+        blank = self._blank(meta, k)
+
+        def rows_of(meta: Any, payload: Any, send_rows: Any, sources: int) -> Any:
+            empty = (send_rows >= sources)[:, None]
+            return xp.concat([xp.where(empty, blank, take_sent(meta, send_rows, sources)),
+                              take_sent(payload, send_rows, sources)], axis=1)
+
+        caps, starts, total, host_caps = layout["hops"][0]
+        first_rows, lost, sent = slots(plan.keys, plan.first, tokens, caps, starts, total)
+        first = Hop(first_rows, host_caps, host_caps, tokens)
+        overflow = self._overflowed(plan, lost, maps[0])
+        count = self.num_experts
+        # kept in [0, E), overflowed in [E, 2E): one count of both
+        both = bincount(xp.where(overflow & (plan.ids >= 0), plan.ids + count, plan.ids),
+                        2 * count)
+        counts = [both[:count], both[count:] + (plan.dropped if plan.dropped is not None else 0),
+                  plan.invalid, sent * row_bytes]
+
+        if self.hierarchical:
+            route: Union[Hop, TwoHopRoute] = TwoHopRoute(first, layout["pieces"],
+                                                         layout["pieces"], token_ranges=False)
+
+            def forward_chunk(chunk: int, arrived: Any) -> Tuple[Any, Hop]:
+                caps, starts, total, host_caps = layout["hops"][1 + chunk]
+                sources = int(arrived.shape[0])
+                keys, first = copy_keys(lookup(maps[1], self._served(arrived, k, maps[0])))
+                # never overflows (see _fixed_layout)
+                send_rows, _, more = slots(keys, first, sources, caps, starts, total)
+                counts[3] = counts[3] + more * row_bytes
+                hop = Hop(send_rows, host_caps, host_caps, sources)
+                route.second.append(hop)
+                return rows_of(arrived[:, :8 * k], arrived[:, 8 * k:], send_rows, sources), hop
+            started = route.start(self.comm, lambda c: rows_of(meta, wire.payload,
+                                                               route.chunk_rows(c), tokens))
+        else:
+            route, forward_chunk = first, None
+            started = route.start(self.comm, lambda c: rows_of(meta, wire.payload, first_rows,
+                                                               tokens))
+
+        def finish():
+            arrived = pipeline.joined(list(route.arriving(self.comm, started, forward_chunk)))
+            ids = self._served(arrived, k, maps[-1])
+            gate = xp.concat([xp.reshape(from_bytes(arrived[:, 4 * k:8 * k], xp.float32, (k,)),
+                                         (-1,)), xp.zeros(1, dtype=xp.float32,
+                                                          device=device(ids))])
+            arrival, slot, pair, slot_rows, per_expert, spilled = \
+                self._expand_fixed(ids, layout["slots"])
+            received = int(arrived.shape[0])
+            expert_x = wire.deliver(tuple(
+                xp.reshape(take_sent(a, arrival, received),
+                           (self.local_experts, layout["slots"]) + tuple(a.shape[1:]))
+                for a in wire.decode(arrived[:, 8 * k:])))
+            counts[1] = counts[1] + spilled
+            counts[0] = counts[0] - spilled
+            self._note(xp.concat([xp.astype(c, index_dtype(ids)) for c in counts]))
+            expert_rows = self.local_experts * layout["slots"]
+            weights = xp.take(gate, pair)
+            if received * k <= expert_rows:  # gathering k slots per arrival touches fewer rows
+                slot_weights = xp.where(slot_rows < expert_rows, gate[:-1], 0.0)
+                split_rows, split_weights = (route.split(xp.reshape(a, (received, k)))
+                                             for a in (slot_rows, slot_weights))
+                owned = [GatheredRows(int(split_rows(c).shape[0]),
+                                      xp.reshape(split_rows(c), (-1,)),
+                                      xp.reshape(split_weights(c), (-1,)), k)
+                         for c in range(route.chunks)]
+            else:
+                owned = [ScatteredRows(received, None, arrival, slot, weights)]
+            handle = DispatchHandle(per_expert, None, route, owned, arrival, slot, weights,
+                                    received, (self.local_experts, layout["slots"]))
+            return expert_x, handle
+        return PendingMoE(finish)
+
+    def _fixed_layout(self, like: Any, k: int, row_bytes: int) -> dict:
+        """Fixed capacity: rows per destination on each hop and slots per
+        local expert, from ``max_tokens_per_rank`` C alone, so that every
+        rank sizes every buffer alike. Per source rank an expert takes at
+        most ``per_source`` = C (or the capacity factor's cap) of its
+        tokens; a block to a rank holds at most min(C, its experts *
+        per_source) rows. Two hops: hop 1 to each forwarder (the rank with
+        this local rank on each node), ``first`` = min(C, L * ranks per
+        node * per_source) rows, cut into the pipeline's chunks of equal
+        slot ranges ("pieces"); hop 2 of a chunk, from the forwarder to each
+        owner of its node, nodes * min(chunk's slots, L * per_source) rows,
+        which the forwarder can never exceed (one exchange's hop 2: nodes *
+        min(C, L * per_source)). An expert's slots: P * per_source.
+        ``row_bytes``: a row's payload, whence the default chunk count."""
+        C = self.max_tokens_per_rank
+        per_source = min(C, self._capacity(C, k) or C)
+        size, local = self.comm.size, self.local_experts
+        topology = self.comm.topology
+        if not self.hierarchical:
+            blocks = [np.full(size, min(C, local * per_source), np.int64)]
+            return self._beside(like, ("fixed", k), lambda put: {
+                "hops": [fixed_blocks(put, h) for h in blocks], "slots": size * per_source})
+        node_ranks = len(topology.ranks_of(topology.node_of(self.comm.rank)))
+        first = min(C, local * node_ranks * per_source)
+        chunks = self.pipeline_chunks or (
+            pipeline.auto_chunks(first * row_bytes) if topology.num_nodes > 1 else 1)
+
+        def make(put):
+            mine = np.arange(size)
+            same_local = np.array([topology.ranks_of(topology.node_of(r)).index(r)
+                                   == topology.local_rank for r in mine])
+            same_node = np.array([topology.node_of(r) == topology.node_of(self.comm.rank)
+                                  for r in mine])
+            slots = pipeline.even_pieces(np.array([first]), chunks)[:, 0]
+            blocks = [np.where(same_local, first, 0)] + [
+                np.where(same_node, topology.num_nodes * min(int(n), local * per_source), 0)
+                for n in slots]
+            return {"hops": [fixed_blocks(put, h) for h in blocks], "slots": size * per_source,
+                    "pieces": pipeline.even_pieces(blocks[0], chunks)}
+        return self._beside(like, ("fixed", k, chunks), make)
+
+    def _expand_fixed(self, ids: Any, slots: int) -> Tuple[Any, ...]:
+        """Fixed capacity: expert e's rows are the ``slots`` rows from
+        ``e * slots``, its arrivals first, as they came, padding after.
+        Returns
+        (arrival row per expert row, ``received`` for padding; its slot;
+        its (arrival, slot) pair, R*k for padding; the inverse: the expert
+        row of each pair, L * slots for none; rows per local expert;
+        assignments per global expert that found no slot)."""
+        xp = namespace(ids)
+        kind, where = ids.dtype, device(ids)
+        received, k = ids.shape
+        local, pairs = self.local_experts, ids.shape[0] * ids.shape[1]
+        flat = xp.reshape(ids, (-1,))
+        expert = xp.where(flat >= 0, flat - self.comm.rank * local, local)  # local: none
+        order = xp.argsort(expert, stable=True)
+        grouped = xp.take(expert, order)
+        position = xp.arange(pairs, dtype=kind, device=where) - xp.searchsorted(grouped, grouped)
+        served = grouped < local
+        fits = served & (position < slots)
+        target = xp.where(fits, grouped * slots + position, local * slots)
+        pair = xpx.at(xp.full(local * slots + 1, pairs, dtype=kind, device=where))[target] \
+            .set(order)[:local * slots]
+        padding = pair >= pairs
+        rows = xp.arange(local * slots, dtype=kind, device=where)
+        slot_rows = xpx.at(xp.full(pairs + 1, local * slots, dtype=kind, device=where))[pair] \
+            .set(rows)[:pairs]
+        # rows per local expert in [0, L), no slot per global expert in [L, L + E): one count
+        both = bincount(xp.where(fits, grouped, xp.where(
+            served, grouped + self.comm.rank * local + local, -1)), local + self.num_experts)
+        return (xp.where(padding, received, pair // max(k, 1)),
+                xp.where(padding, 0, pair % max(k, 1)), pair, slot_rows,
+                both[:local], both[local:])
+
+    def _overflowed(self, plan: Plan, lost: Any, destination: Any) -> Any:
+        """[T, k]: the assignments whose (destination, token) copy found no
+        slot on hop 1 (more than ``max_tokens_per_rank`` tokens here)."""
+        xp = namespace(plan.ids)
+        tokens = plan.ids.shape[0]
+        if not math.prod(plan.ids.shape):
+            return plan.ids >= 0
+        dest = lookup(destination, plan.ids)
+        row = xp.arange(tokens, dtype=dest.dtype, device=device(dest))[:, None]
+        key = xp.reshape(xp.where(dest >= 0, dest * tokens + row, -1), (-1,))
+        at = xp.clip(xp.searchsorted(plan.keys, key), 0, plan.keys.shape[0] - 1)
+        return xp.reshape(xp.take(lost, at) & (key >= 0), plan.ids.shape)
