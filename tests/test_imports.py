@@ -4,9 +4,12 @@ A module that imports only after another one was imported (an import cycle
 broken by luck of order) fails here: each runs in a fresh interpreter."""
 
 import concurrent.futures
+import importlib
 import pkgutil
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +21,7 @@ import commlib.tools
 def _modules():
     """commlib's modules, and those of the folders installed under it
     (bindings/ as commlib.bindings, tools/ as commlib.tools)."""
-    found = {"commlib.bindings", "commlib.tools"}
+    found = {"commlib", "commlib.bindings", "commlib.tools"}
     for package in (commlib, commlib.bindings, commlib.tools):
         found |= {info.name for info in pkgutil.walk_packages(package.__path__,
                                                               package.__name__ + ".")}
@@ -26,13 +29,73 @@ def _modules():
 
 
 MODULES = _modules()
-PUBLIC = ("commlib.ring", "commlib.ulysses", "commlib.hybrid", "commlib.moe", "commlib.kernels",
-          "commlib.bindings.torch", "commlib.bindings.jax", "commlib.bindings.transformers",
-          "commlib.tools.cli")
+# the public API: docs/architecture.md's table lists each with its __all__
+PUBLIC = ("commlib", "commlib.sequence", "commlib.sequence.masks", "commlib.sequence.common_masks",
+          "commlib.sequence.balanced", "commlib.sequence.documents", "commlib.ring",
+          "commlib.ring.sparse", "commlib.ulysses", "commlib.hybrid", "commlib.kernels",
+          "commlib.moe", "commlib.moe.replicated", "commlib.inference", "commlib.recurrent",
+          "commlib.bindings.torch", "commlib.bindings.jax", "commlib.bindings.transformers")
+COMMAND = "commlib.tools.cli"  # the `commlib` command
+ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
+# where earlier releases documented modules that moved: the same module objects
+MOVED = {"commlib.masks": "commlib.sequence.masks",
+         "commlib.common_masks": "commlib.sequence.common_masks",
+         "commlib.balanced": "commlib.sequence.balanced",
+         "commlib.documents": "commlib.sequence.documents",
+         "commlib.visibility": "commlib.sequence.visibility",
+         "commlib.attention_inputs": "commlib.sequence.attention_call",
+         "commlib.handles": "commlib.graph_names", "commlib.arrays": "commlib.dlpack",
+         "commlib.ring.layout": "commlib.sequence.layout",
+         "commlib.ring.merge": "commlib.kernels.merge"}
+# names the docs of the last release showed under a path that is now an alias
+OLD_NAMES = {("commlib.masks", "Mask"), ("commlib.masks", "from_cu_seqlens"),
+             ("commlib.common_masks", "block_diagonal"), ("commlib.balanced", "solve"),
+             ("commlib.documents", "cu_seqlens_from_position_ids"),
+             ("commlib.ring", "shard_sequence"), ("commlib.ring", "unshard_sequence"),
+             ("commlib.ring", "merge"), ("commlib.ring", "attention_forward"),
+             ("commlib.handles", "lookup")}
 
 
 def test_the_public_modules_are_all_found():
-    assert set(PUBLIC) <= set(MODULES), sorted(set(PUBLIC) - set(MODULES))
+    assert set(PUBLIC) | {COMMAND} <= set(MODULES), sorted(set(PUBLIC) - set(MODULES))
+
+
+def _documented():
+    """docs/architecture.md's table: module -> the names it lists."""
+    text = ARCHITECTURE.read_text()
+    table = text[text.index("| module | its `__all__` |"):].split("\n\n")[0]
+    rows = re.findall(r"^\| `([\w.]+)` \| (.*) \|$", table, re.MULTILINE)
+    return {module: re.findall(r"`([\w]+)`", names) for module, names in rows}
+
+
+def test_one_public_api_list():
+    """The architecture page's table, this file's PUBLIC and each public
+    module's __all__ (and docstring) say the same."""
+    documented = _documented()
+    assert tuple(documented) == PUBLIC
+    for name in PUBLIC:
+        module = importlib.import_module(name)
+        assert module.__doc__, f"{name} has no docstring"
+        assert list(module.__all__) == documented[name], name
+        assert all(hasattr(module, attribute) for attribute in module.__all__), name
+
+
+def test_the_bindings_docstring_names_every_binding_package():
+    import commlib.bindings
+    assert all(f"commlib.bindings.{name}" in commlib.bindings.__doc__
+               for name in ("torch", "jax", "transformers"))
+
+
+def test_the_paths_the_last_release_documented_give_the_same_objects():
+    for old, new in MOVED.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+    for module, name in OLD_NAMES:
+        moved = MOVED.get(module, module)
+        old_object = getattr(importlib.import_module(module), name)
+        assert old_object is getattr(importlib.import_module(moved), name), (module, name)
+    from commlib.masks import Mask
+    from commlib.sequence.masks import Mask as Now
+    assert Mask is Now
 
 
 def _first_import(module):
@@ -48,3 +111,25 @@ def test_every_module_imports_first():
     with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
         failures = [f for f in pool.map(_first_import, MODULES) if f]
     assert not failures, "\n".join(failures)
+
+
+def test_the_file_map_matches_the_tree():
+    """docs/architecture.md's file map: every path it names exists, and every
+    module of commlib/ and bindings/ is named (a folder row names its files)."""
+    root = ARCHITECTURE.parents[1]
+    text = ARCHITECTURE.read_text()
+    rows = re.findall(r"^\| `([\w/.]+)` \| (.*) \|$", text[text.index("## File map"):],
+                      re.MULTILINE)
+    named = set()
+    for path, what in rows:
+        assert (root / path).exists(), path
+        named.add(path)
+        if path.endswith("/"):
+            named |= {path + name for name in re.findall(r"`([\w]+\.py)`", what)
+                      if (root / path / name).exists()}
+    for folder in ("commlib", "bindings"):
+        for module in (root / folder).rglob("*.py"):
+            relative = module.relative_to(root).as_posix()
+            folder_row = relative.rsplit("/", 1)[0] + "/"
+            assert relative in named or (relative.endswith("__init__.py")
+                                         and folder_row in named), relative
