@@ -161,3 +161,12 @@ def test_the_probe_length_is_no_size_of_the_tiny_models():
     assert PROBE_LENGTH not in (TINY["hidden_size"], TINY["num_attention_heads"],
                                 TINY["num_key_value_heads"], TINY["intermediate_size"],
                                 TINY["hidden_size"] // TINY["num_attention_heads"])
+
+
+def test_a_model_that_cannot_run_on_tokens_alone_is_named():
+    """The probe runs the model on tokens; a failure says so (a ValueError,
+    which the model check turns into a refusal on every rank)."""
+    model = tiny(FAMILIES["llama"][0]())
+    model.model.layers[0].mlp.forward = lambda hidden_states: 1 / 0
+    with pytest.raises(ValueError, match="runs LlamaForCausalLM once on 13 random tokens"):
+        token_mixers(model, parallel=lambda module: False)

@@ -31,7 +31,10 @@ def model_problem(model: nn.Module, comm, *, before: str, attention_replaced: bo
     ``attention_replaced``: generate attends itself), nor a recurrent mixer
     ``recurrent_parallel`` made parallel. Marks its attention layers
     checked, or not."""
-    mixers = probed(model, is_parallel_mixer) if comm.size > 1 else []
+    try:
+        mixers = probed(model, is_parallel_mixer) if comm.size > 1 else []
+    except ValueError as failed:  # the model could not be probed: the same on every rank
+        return failed
     problem = _refusal(type(model).__name__, mixers, before, attention_replaced)
     for mixer in mixers:
         config = getattr(mixer.module, "config", None)

@@ -433,9 +433,12 @@ def recurrent_parallel(model: nn.Module, comm) -> nn.Module:
         if type(module).__name__ in FAMILIES and not is_parallel_mixer(module)))
         if reason is not None]
     if not refusals:
-        mixers = [m for m in probed(model, is_parallel_mixer) if m.kind != "attention"]
-        refusals = [reason for reason in map(_refusal, mixers) if reason is not None]
-        if not mixers:
+        try:
+            mixers = [m for m in probed(model, is_parallel_mixer) if m.kind != "attention"]
+        except ValueError as failed:
+            refusals.append(str(failed))
+        refusals += [reason for reason in map(_refusal, mixers) if reason is not None]
+        if not mixers and not refusals:
             refusals.append(f"{type(model).__name__} has no recurrent mixer (no layer mixes "
                             f"tokens along the sequence but its attention)")
     problem = ValueError("; ".join(dict.fromkeys(refusals))) if refusals else None

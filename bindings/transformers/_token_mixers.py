@@ -237,7 +237,14 @@ def token_mixers(model: nn.Module, *, parallel: Callable[[nn.Module], bool]) -> 
                 _replaced(ExpertsInterface._global_mapping, experts), \
                 _forwards([(k.module, _zeros_like_hidden) for k in known]):
             model.eval()
-            model(input_ids=tokens.to(device), use_cache=False)
+            try:
+                model(input_ids=tokens.to(device), use_cache=False)
+            except Exception as error:  # what the model needs besides tokens, say
+                raise ValueError(f"commlib runs {type(model).__name__} once on "
+                                 f"{PROBE_LENGTH} random tokens to find the layers that mix "
+                                 f"them, and it failed ({type(error).__name__}: {error}); a "
+                                 f"model that cannot run on tokens alone cannot be checked"
+                                 ) from error
             for hook in hooks:
                 hook.remove()
             hooks = []
