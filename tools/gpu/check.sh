@@ -3,7 +3,7 @@
 #
 #   tools/gpu_check.sh --prepare    here, with the package registry: fetch into
 #                                   .whl/ the wheels the GPU image lacks
-#                                   (tools/gpu_wheels.txt), print their size
+#                                   (tools/gpu/wheels.txt), print their size
 #   tools/gpu_check.sh              on the GPU machine (no network): install
 #                                   commlib and .whl/, preflight, then the steps
 #   tools/gpu_check.sh --rehearse   the same on a machine without a GPU: every
@@ -25,7 +25,7 @@
 # after the preflight):
 #   pytest_gpu   the single-process gpu tests (the size-1 NCCL communicator,
 #                kernels, arrays)
-#   bench        python -m commlib.tools.bench_gpu -> $OUT/gpu_check.json
+#   bench        python -m commlib.tools.gpu.bench -> $OUT/gpu_check.json
 #   mpi1 mpi2    tests/mpi -m gpu at 1 and 2 ranks on the staged MPI path (the
 #                ranks share the one GPU, so backend "auto" falls back to MPI)
 #   nccl2 nccl4  the same at 2 ranks, and the collectives and GPU faults at 4,
@@ -45,7 +45,7 @@
 # step's log and junit reports, per rank), rewritten after each step so that a
 # run killed from outside still returns what it did.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 REPO=$PWD
 PY=${PYTHON:-python3}
 MODE=gpu
@@ -55,7 +55,7 @@ case "${1:-}" in
     --rehearse) MODE=rehearse ;;
     *) sed -n '2,12p' "$0"; exit 2 ;;
 esac
-PINS=$(grep -o '^[^#[:space:]]*' tools/gpu_wheels.txt)
+PINS=$(grep -o '^[^#[:space:]]*' tools/gpu/wheels.txt)
 
 if [[ $MODE == prepare ]]; then
     rm -rf .whl && mkdir .whl
@@ -153,7 +153,7 @@ step() {
     keep_logs
     return $code
 }
-summary() { $PY -m commlib.tools.gpu_check summary "$@" | tee -a "$OUT/summary.txt"; }
+summary() { $PY -m commlib.tools.gpu.check summary "$@" | tee -a "$OUT/summary.txt"; }
 # pytest_step NAME LIMIT_S PYTEST_ARGS...: one process
 pytest_step() {
     local name=$1 limit=$2
@@ -170,7 +170,7 @@ mpi_step() {
     [[ -e $LOGS/$name.log ]] && summary "$name" "$LOGS/$name"/rank*.xml
 }
 
-if step preflight 90 $PY -m commlib.tools.gpu_check preflight --site "$ENV_DIR/site" $rehearse
+if step preflight 90 $PY -m commlib.tools.gpu.check preflight --site "$ENV_DIR/site" $rehearse
 then
     grep -v "^  \.\.\. " "$LOGS/preflight.log" | tee -a "$OUT/summary.txt"
 else
@@ -179,7 +179,7 @@ fi
 
 LAST="cuda_graph or never_arrives"  # the last steps' tests
 pytest_step pytest_gpu 50 -m gpu -k "not ($LAST)" tests
-step bench 60 $PY -m commlib.tools.bench_gpu --device $device $bench_size \
+step bench 60 $PY -m commlib.tools.gpu.bench --device $device $bench_size \
     --out "$OUT/gpu_check.json" && tail -4 "$LOGS/bench.log"
 mpi_step mpi1 1 25 -m gpu -k "not ($LAST)" tests/mpi
 mpi_step mpi2 2 45 -m gpu -k "not ($LAST)" tests/mpi
@@ -191,7 +191,7 @@ with_nccl() {
     (export NCCL_MULTI_RANK_GPU_ENABLE=1 COMMLIB_EXPECT_BACKEND=${expect_nccl:-}
      "$@"; exit $status) || status=1
 }
-if peers=$($PY -m commlib.tools.gpu_check nccl-peers $rehearse 2>&1); then
+if peers=$($PY -m commlib.tools.gpu.check nccl-peers $rehearse 2>&1); then
     say "nccl: $peers"
     [[ $MODE == gpu ]] && expect_nccl=nccl
     with_nccl mpi_step nccl2 2 45 -m gpu -k "not ($LAST)" tests/mpi
