@@ -1,4 +1,4 @@
-"""tools/bench_compile.py at toy sizes: both blocks compile and report eager
+"""tools/bench/compile.py at toy sizes: both blocks compile and report eager
 and compiled step times, and each per-call line its parts and ratio."""
 
 import re
@@ -16,7 +16,7 @@ requires.module("transformers")
 
 
 def test_blocks_and_calls_on_two_ranks_report_times_and_ratios():
-    result = run(2, [sys.executable, "-m", "commlib.tools.bench_compile", "--seq", "16",
+    result = run(2, [sys.executable, "-m", "commlib.tools.bench.compile", "--seq", "16",
                      "--hidden", "64", "--calls", "32", "--repeats", "1"], timeout=600)
     assert result.returncode == 0, result.stdout
     for family in ("llama", "qwen3_moe"):

@@ -1,4 +1,4 @@
-"""tools/bench_gpu.py, which a GPU session runs through tools/gpu_check.sh,
+"""tools/gpu/bench.py, which a GPU session runs through tools/gpu_check.sh,
 must work before a GPU ever sees it: its CPU smoke mode runs every part and
 writes every number."""
 
@@ -18,7 +18,7 @@ requires.module("torch")
 
 def test_cpu_smoke_run_measures_every_part(tmp_path):
     out = tmp_path / "gpu_check.json"
-    subprocess.run([sys.executable, "-m", "commlib.tools.bench_gpu", "--device", "cpu",
+    subprocess.run([sys.executable, "-m", "commlib.tools.gpu.bench", "--device", "cpu",
                     "--quick", "--repeats", "1", "--out", str(out)],
                    check=True, capture_output=True, timeout=300)
     results = json.loads(out.read_text())

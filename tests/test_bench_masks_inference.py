@@ -1,4 +1,4 @@
-"""tools/bench_masks.py and tools/bench_inference.py at toy sizes, on two
+"""tools/bench/masks.py and tools/bench/inference.py at toy sizes, on two
 ranks: every line they report is there, and what they check holds (the
 greedy tokens of the sharded generate equal one process's; the balanced
 layout's spread of the shared-prefix mask)."""
@@ -19,7 +19,7 @@ requires.module("transformers")
 
 
 def test_bench_masks_reports_balance_bytes_solver_and_times():
-    result = run(2, [sys.executable, "-m", "commlib.tools.bench_masks", "--seq", "256",
+    result = run(2, [sys.executable, "-m", "commlib.tools.bench.masks", "--seq", "256",
                      "--heads", "2", "--kv-heads", "2", "--head-dim", "8", "--repeats", "1",
                      "--solver-tokens", "8192"], timeout=300)
     assert result.returncode == 0, result.stdout
@@ -35,7 +35,7 @@ def test_bench_masks_reports_balance_bytes_solver_and_times():
 
 
 def test_bench_inference_reports_prefill_decode_bytes_and_the_same_tokens():
-    result = run(2, [sys.executable, "-m", "commlib.tools.bench_inference", "--seq", "64",
+    result = run(2, [sys.executable, "-m", "commlib.tools.bench.inference", "--seq", "64",
                      "--new", "2", "--hidden", "32", "--heads", "2", "--kv-heads", "1",
                      "--layers", "1", "--repeats", "1", "--threads", "1"], timeout=300)
     assert result.returncode == 0, result.stdout

@@ -1,4 +1,4 @@
-"""tools/bench_moe.py frameworks at toy sizes, on two ranks: one line per
+"""tools/bench/moe.py frameworks at toy sizes, on two ranks: one line per
 framework's MoE path and the bare exchanges, each with its ratio (issue
 37: a change measured in one framework only had slowed another)."""
 
@@ -18,7 +18,7 @@ requires.module("jax")
 
 
 def test_bench_moe_frameworks_reports_every_path_against_the_bare_exchange():
-    result = run(2, [sys.executable, "-m", "commlib.tools.bench_moe", "frameworks",
+    result = run(2, [sys.executable, "-m", "commlib.tools.bench.moe", "frameworks",
                      "--tokens", "64", "--hidden", "16", "--iters", "1"], timeout=300)
     assert result.returncode == 0, result.stdout
     out = result.stdout

@@ -1,4 +1,4 @@
-"""tools/bench_recurrent.py at toy sizes: the bytes a recurrent layer
+"""tools/bench/recurrent.py at toy sizes: the bytes a recurrent layer
 receives are the same at every length while a ring's K/V grow with it, and
 the mixers' and the training step's lines report both timings and a ratio."""
 
@@ -19,7 +19,7 @@ requires.module("transformers")
 
 def test_bytes_are_flat_in_the_length_and_mixers_report_ratios(tmp_path):
     rows = tmp_path / "bytes.json"
-    result = run(2, [sys.executable, "-m", "commlib.tools.bench_recurrent", "bytes",
+    result = run(2, [sys.executable, "-m", "commlib.tools.bench.recurrent", "bytes",
                      "--lengths", "64,512", "--heads", "2", "--head-dim", "8",
                      "--channels", "16", "--json", str(rows)], timeout=300)
     assert result.returncode == 0, result.stdout
@@ -29,7 +29,7 @@ def test_bytes_are_flat_in_the_length_and_mixers_report_ratios(tmp_path):
     # 2 x 8 x 8 float32 state pairs from the one other rank, zigzag: 2 pieces a rank
     assert short["state_forward"] == long["state_forward"] == 2 * 2 * 2 * 8 * 8 * 4
     assert short["all"] == long["all"] and long["ring_kv_forward"] == 8 * short["ring_kv_forward"]
-    result = run(2, [sys.executable, "-m", "commlib.tools.bench_recurrent", "mixers",
+    result = run(2, [sys.executable, "-m", "commlib.tools.bench.recurrent", "mixers",
                      "--length", "96", "--heads", "2", "--head-dim", "8", "--state", "8",
                      "--repeats", "1"], timeout=300)
     assert result.returncode == 0, result.stdout
@@ -37,7 +37,7 @@ def test_bytes_are_flat_in_the_length_and_mixers_report_ratios(tmp_path):
         assert re.search(rf"{name}: sharded \S+ ms, one process \S+ ms \(speedup \S+x on 2 "
                          rf"ranks\)", result.stdout), result.stdout
     assert re.search(r"incoming_state .*: \d+ us; bare Allgather \d+ us \(\S+x", result.stdout)
-    result = run(2, [sys.executable, "-m", "commlib.tools.bench_recurrent", "train", "--seq",
+    result = run(2, [sys.executable, "-m", "commlib.tools.bench.recurrent", "train", "--seq",
                      "64", "--hidden", "64", "--repeats", "1"], timeout=300)
     assert result.returncode == 0, result.stdout
     assert re.search(r"bench_recurrent train: Qwen3-Next-shaped, 4 layers \(hidden 64\), 64 "

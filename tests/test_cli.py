@@ -13,7 +13,21 @@ from click.testing import CliRunner
 
 from commlib.backends import cuda_aware, nccl
 from commlib.moe import route
-from commlib.tools import cli
+from commlib.tools import cli, relaunch
+from commlib.tools.diag import alltoall
+from commlib.tools.diag.alltoall import Progress
+from commlib.tools.diag.blame import attribute_slow_links, slow_link_lines
+from commlib.tools.diag.sweep import parse_dtype, parse_size
+from commlib.tools.diag.table import RankTime, Row, bus_bandwidth
+from commlib.tools.diag.traffic import (
+    PATTERNS,
+    Traffic,
+    count_matrix,
+    count_wrong,
+    router_rows,
+    send_buffer,
+)
+from commlib.tools.relaunch import MPI_ENV_VARS
 from commlib.topology import Topology
 
 import requires
@@ -143,7 +157,7 @@ def test_alltoall_exits_nonzero_and_reports_wrong_elements(monkeypatch):
     def zeros(rank, send_counts, dtype):
         return np.zeros(int(np.sum(send_counts)), dtype=dtype)
 
-    monkeypatch.setattr(cli, "send_buffer", zeros)
+    monkeypatch.setattr(alltoall, "send_buffer", zeros)
     result = invoke("diag", "alltoall", "-e", "2K", *QUICK)
     assert result.exit_code == 1
     assert all(int(row[-1]) > 0 for row in table(result.stdout))
@@ -151,9 +165,9 @@ def test_alltoall_exits_nonzero_and_reports_wrong_elements(monkeypatch):
 
 
 def test_bus_bandwidth_is_nccl_tests_formula():
-    assert cli.bus_bandwidth(8.0, 1) == 0.0
-    assert cli.bus_bandwidth(8.0, 2) == 4.0
-    assert cli.bus_bandwidth(8.0, 4) == 6.0
+    assert bus_bandwidth(8.0, 1) == 0.0
+    assert bus_bandwidth(8.0, 2) == 4.0
+    assert bus_bandwidth(8.0, 4) == 6.0
 
 
 # -- usage errors ----------------------------------------------------------------
@@ -178,7 +192,7 @@ def test_alltoall_usage_errors_exit_2_with_a_reason(args, message):
 
 
 def test_router_experts_must_divide_over_the_world(monkeypatch):
-    monkeypatch.setattr(cli, "_world_size", lambda: 4)
+    monkeypatch.setattr(alltoall, "_world_size", lambda: 4)
     result = invoke("diag", "alltoall", "--pattern", "router", "--experts", "6")
     assert result.exit_code == 2, result.output
     assert "6 experts do not divide over 4 ranks" in result.output
@@ -187,70 +201,70 @@ def test_router_experts_must_divide_over_the_world(monkeypatch):
 @pytest.mark.parametrize("text, size", [("100", 100), ("1K", 1024), ("64k", 65536),
                                         ("2M", 2 * 1024 ** 2), ("1G", 1024 ** 3)])
 def test_parse_size_takes_powers_of_1024(text, size):
-    assert cli.parse_size(text) == size
+    assert parse_size(text) == size
 
 
 # -- the check ----------------------------------------------------------------
 def exchange(matrix, dtype):
     """What every rank receives from a correct all-to-all, done in NumPy."""
     nranks = len(matrix)
-    sends = [np.split(cli.send_buffer(r, matrix[r], dtype), np.cumsum(matrix[r])[:-1])
+    sends = [np.split(send_buffer(r, matrix[r], dtype), np.cumsum(matrix[r])[:-1])
              for r in range(nranks)]
     return [np.concatenate([sends[s][r] for s in range(nranks)]) for r in range(nranks)]
 
 
-@pytest.mark.parametrize("pattern", cli.PATTERNS)
-@pytest.mark.parametrize("dtype", [np.dtype("float32"), cli.parse_dtype("bfloat16")])
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("dtype", [np.dtype("float32"), parse_dtype("bfloat16")])
 def test_count_wrong_is_zero_on_correct_data(pattern, dtype):
-    traffic = cli.Traffic(pattern, seed=1, experts=6, topk=2)  # 6 experts over 3 ranks
-    matrix = cli.count_matrix(pattern, 300, 3, seed=1, traffic=traffic)
+    traffic = Traffic(pattern, seed=1, experts=6, topk=2)  # 6 experts over 3 ranks
+    matrix = count_matrix(pattern, 300, 3, seed=1, traffic=traffic)
     for rank, received in enumerate(exchange(matrix, dtype)):
-        assert cli.count_wrong(received, rank, matrix[:, rank]) == 0
+        assert count_wrong(received, rank, matrix[:, rank]) == 0
 
 
 def test_count_wrong_counts_corrupted_elements():
     dtype = np.dtype("float32")
-    matrix = cli.count_matrix("uniform", 300, 3, seed=0)
+    matrix = count_matrix("uniform", 300, 3, seed=0)
     received = exchange(matrix, dtype)[1]
     recv_counts = matrix[:, 1]
 
     flipped = received.copy()
     flipped[[3, 150]] += 1
-    assert cli.count_wrong(flipped, 1, recv_counts) == 2
+    assert count_wrong(flipped, 1, recv_counts) == 2
 
     nan = received.copy()
     nan[7] = np.nan
-    assert cli.count_wrong(nan, 1, recv_counts) == 1
+    assert count_wrong(nan, 1, recv_counts) == 1
 
     swapped = np.concatenate([received[100:200], received[:100], received[200:]])
-    assert cli.count_wrong(swapped, 1, recv_counts) > 150  # blocks of ranks 0 and 1 exchanged
+    assert count_wrong(swapped, 1, recv_counts) > 150  # blocks of ranks 0 and 1 exchanged
 
-    assert cli.count_wrong(received[:-5], 1, recv_counts) == 5  # missing elements
-    assert cli.count_wrong(received, 0, recv_counts) > 250  # rank 1's data at rank 0
+    assert count_wrong(received[:-5], 1, recv_counts) == 5  # missing elements
+    assert count_wrong(received, 0, recv_counts) > 250  # rank 1's data at rank 0
 
 
 def test_count_matrix_splits_every_rank_total():
-    uniform = cli.count_matrix("uniform", 10, 3, seed=0)
+    uniform = count_matrix("uniform", 10, 3, seed=0)
     assert (uniform == 3).all()  # rounded down to a multiple of the world size
-    random = cli.count_matrix("random", 1000, 4, seed=7)
+    random = count_matrix("random", 1000, 4, seed=7)
     assert (random.sum(axis=1) == 1000).all()
-    assert (random == cli.count_matrix("random", 1000, 4, seed=7)).all()
-    assert (random != cli.count_matrix("random", 1000, 4, seed=8)).any()
+    assert (random == count_matrix("random", 1000, 4, seed=7)).all()
+    assert (random != count_matrix("random", 1000, 4, seed=8)).any()
 
 
 def test_zipf_shares_fall_with_the_rank_offset():
-    matrix = cli.count_matrix("zipf", 100_000, 4, seed=3, traffic=cli.Traffic("zipf", 3, skew=1.0))
+    matrix = count_matrix("zipf", 100_000, 4, seed=3, traffic=Traffic("zipf", 3, skew=1.0))
     assert (matrix.sum(axis=1) == 100_000).all()
     for rank in range(4):
         by_offset = [matrix[rank, (rank + offset) % 4] for offset in range(4)]
         assert by_offset == sorted(by_offset, reverse=True)  # 1, 1/2, 1/3, 1/4 of the weight
-    assert (matrix == cli.count_matrix("zipf", 100_000, 4, seed=3,
-                                       traffic=cli.Traffic("zipf", 3, skew=1.0))).all()
+    assert (matrix == count_matrix("zipf", 100_000, 4, seed=3,
+                                       traffic=Traffic("zipf", 3, skew=1.0))).all()
 
 
 @pytest.mark.parametrize("size", [1, 2, 5])
 def test_hotspot_sends_half_to_rank_0_and_splits_the_rest(size):
-    matrix = cli.count_matrix("hotspot", 1001, size, seed=0)
+    matrix = count_matrix("hotspot", 1001, size, seed=0)
     assert (matrix.sum(axis=1) == 1001).all()
     assert (matrix[:, 0] >= 1001 // 2).all()
     assert len(set(matrix[:, 1:].ravel())) <= 1  # the others evenly
@@ -258,10 +272,10 @@ def test_hotspot_sends_half_to_rank_0_and_splits_the_rest(size):
 
 @pytest.mark.parametrize("size, skew", [(2, 0.0), (4, 0.0), (4, 2.0)])
 def test_router_counts_distinct_tokens_per_destination(size, skew):
-    traffic = cli.Traffic("router", seed=5, experts=16, topk=4, skew=skew)
+    traffic = Traffic("router", seed=5, experts=16, topk=4, skew=skew)
     count = 4096
-    matrix = cli.count_matrix("router", count, size, seed=5, traffic=traffic)
-    row = cli.router_rows(count, size, traffic)
+    matrix = count_matrix("router", count, size, seed=5, traffic=traffic)
+    row = router_rows(count, size, traffic)
     for sender in range(size):
         experts, _ = route(sender_logits(sender, count, traffic), traffic.topk)
         expected = np.zeros(size, dtype=np.int64)
@@ -270,7 +284,7 @@ def test_router_counts_distinct_tokens_per_destination(size, skew):
                 expected[dest] += row
         assert (matrix[sender] == expected).all()
         assert matrix[sender].sum() <= count
-    assert (matrix == cli.count_matrix("router", count, size, seed=5, traffic=traffic)).all()
+    assert (matrix == count_matrix("router", count, size, seed=5, traffic=traffic)).all()
 
 
 def sender_logits(sender, count, traffic):
@@ -283,9 +297,9 @@ def sender_logits(sender, count, traffic):
 
 
 def test_router_skew_concentrates_traffic():
-    flat = cli.count_matrix("router", 1 << 16, 8, 0, cli.Traffic("router", experts=64, topk=2))
-    skewed = cli.count_matrix("router", 1 << 16, 8, 0,
-                              cli.Traffic("router", experts=64, topk=2, skew=3.0))
+    flat = count_matrix("router", 1 << 16, 8, 0, Traffic("router", experts=64, topk=2))
+    skewed = count_matrix("router", 1 << 16, 8, 0,
+                              Traffic("router", experts=64, topk=2, skew=3.0))
     assert skewed.sum(axis=0).std() > flat.sum(axis=0).std()
 
 
@@ -302,13 +316,13 @@ def test_alltoall_json_has_a_row_per_size_with_busbw_and_wrong(tmp_path):
                 "busiest_rank", "ranks"} <= set(row)
         assert row["time_us_min"] <= row["time_us_avg"] <= row["time_us_max"]
         assert row["time_us_min"] <= row["time_us_p50"] <= row["time_us_p99"] <= row["time_us_max"]
-        assert row["busbw_gbps"] == cli.bus_bandwidth(row["algbw_gbps"], 1)
+        assert row["busbw_gbps"] == bus_bandwidth(row["algbw_gbps"], 1)
         assert row["wrong"] == 0 and row["dtype"] == "float32"
 
 
 def test_row_as_json_busbw_is_algbw_times_n_minus_1_over_n():
-    row = cli.Row(4096, 1024, "float32", 1e-5, 9e-6, 2e-5, 9.5e-6, 1.9e-5, 8.0,
-                  cli.bus_bandwidth(8.0, 4), None, 0, (cli.RankTime(0, 4096, 2048, 8e-6),))
+    row = Row(4096, 1024, "float32", 1e-5, 9e-6, 2e-5, 9.5e-6, 1.9e-5, 8.0,
+                  bus_bandwidth(8.0, 4), None, 0, (RankTime(0, 4096, 2048, 8e-6),))
     record = row.as_json()
     assert record["busbw_gbps"] == pytest.approx(8.0 * 3 / 4)
     assert record["time_us_avg"] == pytest.approx(10.0) and record["wrong"] is None
@@ -329,7 +343,7 @@ def test_new_patterns_check_clean_in_a_world_of_one(pattern):
 
 def test_slow_link_lines_star_the_slow_pair():
     times = np.array([[0, 1e-4, 2e-4], [1e-4, 0, 5e-4], [2e-4, 5e-4, 0]])
-    lines = cli.slow_link_lines(cli.attribute_slow_links(times, Topology(0, (0, 0, 0))))
+    lines = slow_link_lines(attribute_slow_links(times, Topology(0, (0, 0, 0))))
     body = [line.split() for line in lines if not line.startswith("#")]
     assert len(body) == 3 and all(len(cells) == 4 for cells in body)
     assert body[1][3] == "500.0*" and body[2][2] == "500.0*" and body[0][3] == "200.0"
@@ -338,15 +352,15 @@ def test_slow_link_lines_star_the_slow_pair():
 
 
 def test_progress_line_appears_after_a_while_and_is_cleared(monkeypatch, capsys):
-    quiet = cli.Progress(3, enabled=True)
+    quiet = Progress(3, enabled=True)
     quiet.show(1024)
     assert capsys.readouterr().err == ""  # a short sweep shows nothing
-    monkeypatch.setattr(cli, "_PROGRESS_AFTER_S", 0.0)
-    progress = cli.Progress(3, enabled=True)
+    monkeypatch.setattr(alltoall, "_PROGRESS_AFTER_S", 0.0)
+    progress = Progress(3, enabled=True)
     progress.show(1024)
     progress.clear()
     assert capsys.readouterr().err == "\r[1/3] 1024 B ...\r\033[K"
-    off = cli.Progress(3, enabled=False)
+    off = Progress(3, enabled=False)
     off.show(2048)
     off.clear()
     assert capsys.readouterr().err == ""
@@ -373,12 +387,12 @@ def test_every_command_that_runs_under_mpi_has_np_and_simulate_has_none():
 
 @pytest.mark.parametrize("argv", MPI_COMMANDS, ids=lambda argv: " ".join(argv[:2]))
 def test_np_relaunches_under_mpiexec_without_the_option(monkeypatch, argv):
-    for name in cli.MPI_ENV_VARS:
+    for name in MPI_ENV_VARS:
         monkeypatch.delenv(name, raising=False)
     given = [*argv[:2], "--np", "3", *argv[2:], "--np=3"]
     monkeypatch.setattr(sys, "argv", ["commlib", *given])
     launched = []
-    monkeypatch.setattr(cli.subprocess, "run",
+    monkeypatch.setattr(relaunch.subprocess, "run",
                         lambda command: launched.append(command) or
                         subprocess.CompletedProcess(command, 7))
     result = invoke(*given)
@@ -390,7 +404,8 @@ def test_np_relaunches_under_mpiexec_without_the_option(monkeypatch, argv):
 
 def test_np_is_ignored_under_mpi(monkeypatch):
     monkeypatch.setenv("PMI_SIZE", "1")
-    monkeypatch.setattr(cli.subprocess, "run", lambda command: pytest.fail(f"relaunched {command}"))
+    monkeypatch.setattr(relaunch.subprocess, "run",
+                        lambda command: pytest.fail(f"relaunched {command}"))
     result = invoke("info", "--np", "3")
     assert result.exit_code == 0, result.output
     assert "world size  1" in result.output

@@ -9,7 +9,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from commlib.tools import diag_attention
+from commlib.tools.diag import attention as diag_attention
 
 from launch import run
 
@@ -112,7 +112,7 @@ def test_ulysses_usage_error_exits_2():
 # -- two ranks under mpiexec ------------------------------------------------------
 @pytest.mark.parametrize("command", ["ring", "ulysses"])
 def test_two_ranks_run_and_print_the_planner_pick(command):
-    argv = [sys.executable, "-m", "commlib.tools.diag_attention", command, *SMALL, "--causal"]
+    argv = [sys.executable, "-m", "commlib.tools.diag.attention", command, *SMALL, "--causal"]
     result = run(2, argv, LAUNCH_TIMEOUT_S, env={"OPENBLAS_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout
     assert "# commlib diag " + command + ": 2 ranks" in result.stdout
@@ -123,7 +123,7 @@ def test_two_ranks_run_and_print_the_planner_pick(command):
 
 
 def test_two_ranks_reject_fewer_heads_than_ranks_with_exit_2():
-    argv = [sys.executable, "-m", "commlib.tools.diag_attention", "ulysses", "--seq", "256",
+    argv = [sys.executable, "-m", "commlib.tools.diag.attention", "ulysses", "--seq", "256",
             "--heads", "1", "--head-dim", "16"]
     result = run(2, argv, LAUNCH_TIMEOUT_S)
     assert result.returncode == 2, result.stdout

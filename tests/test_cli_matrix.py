@@ -11,6 +11,9 @@ import pytest
 from click.testing import CliRunner
 
 from commlib.tools import cli
+from commlib.tools.diag import alltoall
+from commlib.tools.diag.sweep import parse_dtype
+from commlib.tools.diag.traffic import Traffic, count_matrix, read_matrix
 
 from launch import run
 
@@ -53,7 +56,7 @@ def test_read_matrix_takes_commas_whitespace_blank_lines_and_comments(tmp_path):
                            "\n"
                            "  16\t0 ,32   # rank 1 sends nothing to itself\n"
                            "4,4,0,\n")
-    matrix = cli.read_matrix(path, 3, FLOAT32)
+    matrix = read_matrix(path, 3, FLOAT32)
     assert matrix.dtype == np.int64
     assert matrix.tolist() == [[0, 4096, 8], [16, 0, 32], [4, 4, 0]]
 
@@ -79,7 +82,7 @@ def test_read_matrix_takes_commas_whitespace_blank_lines_and_comments(tmp_path):
 ])
 def test_bad_matrix_runs_exit_2_with_the_reason(tmp_path, monkeypatch, text, world, extra,
                                                 message):
-    monkeypatch.setattr(cli, "_world_size", lambda: world)
+    monkeypatch.setattr(alltoall, "_world_size", lambda: world)
     result = invoke("--matrix", write(tmp_path, text), *extra)
     assert result.exit_code == 2, result.output
     assert message in result.output
@@ -120,12 +123,12 @@ def test_equal_b_and_e_at_or_above_the_busiest_rank_are_accepted(tmp_path):
 @pytest.mark.parametrize("size", [1, 2, 3, 5])
 @pytest.mark.parametrize("count", [10, 300, 1001])
 def test_spread_0_is_the_uniform_split(size, count):
-    matrix = cli.count_matrix("uniform", count, size, 0, cli.Traffic(spread=0.0))
+    matrix = count_matrix("uniform", count, size, 0, Traffic(spread=0.0))
     assert (matrix == count // size).all()
 
 
 def test_spread_1_weights_each_peer_by_its_ring_distance():
-    matrix = cli.count_matrix("uniform", 6000, 4, 0, cli.Traffic(spread=1.0))
+    matrix = count_matrix("uniform", 6000, 4, 0, Traffic(spread=1.0))
     for rank in range(4):
         by_distance = [matrix[rank, (rank + d) % 4] for d in range(4)]
         assert by_distance == [0, 1000, 2000, 3000]  # 6000 * d / (1 + 2 + 3)
@@ -133,7 +136,7 @@ def test_spread_1_weights_each_peer_by_its_ring_distance():
 
 
 def test_spread_between_blends_uniform_and_distance_linearly():
-    matrix = cli.count_matrix("uniform", 6000, 4, 0, cli.Traffic(spread=0.5))
+    matrix = count_matrix("uniform", 6000, 4, 0, Traffic(spread=0.5))
     assert [int(matrix[0, d]) for d in range(4)] == [750, 1250, 1750, 2250]
     assert (matrix.sum(axis=1) == 6000).all() and (matrix.sum(axis=0) == 6000).all()
 
@@ -191,7 +194,7 @@ def test_matrix_under_mpiexec_checks_clean_and_rates_the_busiest_rank(tmp_path, 
     send, recv = matrix.sum(axis=1), matrix.sum(axis=0)
     busiest = int(np.argmax(np.maximum(send, recv)))
     size = int(max(send[busiest], recv[busiest]))
-    itemsize = cli.parse_dtype(dtype).itemsize
+    itemsize = parse_dtype(dtype).itemsize
     out = tmp_path / "rows.json"
     result = launch(nprocs, "--matrix", write(tmp_path, text), "--dtype", dtype, "--per-rank",
                     "--json", str(out), *QUICK)

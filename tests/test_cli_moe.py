@@ -11,7 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from commlib.moe import quantize
-from commlib.tools import diag_moe, simulate
+from commlib.tools import simulate
+from commlib.tools.diag import moe as diag_moe
 
 from launch import run
 
@@ -177,7 +178,7 @@ def test_diag_moe_usage_errors_exit_2(args, hint, monkeypatch):
 # -- under mpiexec: measured against predicted ------------------------------------
 def launch_diag(tmp_path, nprocs, ranks_per_node, *args):
     path = tmp_path / "moe.json"
-    proc = run(nprocs, [sys.executable, "-m", "commlib.tools.diag_moe", *SMALL, "--iters", "2",
+    proc = run(nprocs, [sys.executable, "-m", "commlib.tools.diag.moe", *SMALL, "--iters", "2",
                         "--json", str(path), *args], LAUNCH_TIMEOUT_S,
                env={"COMMLIB_RANKS_PER_NODE": str(ranks_per_node)})
     assert proc.returncode == 0, proc.stdout
@@ -207,7 +208,7 @@ def test_simulate_predicts_the_measured_bytes(tmp_path, nprocs, ranks_per_node, 
 
 
 def test_diag_moe_usage_error_exits_2_on_every_rank(tmp_path):
-    proc = run(2, [sys.executable, "-m", "commlib.tools.diag_moe", "--experts", "15",
+    proc = run(2, [sys.executable, "-m", "commlib.tools.diag.moe", "--experts", "15",
                    "--tokens", "16", "--hidden", "8"], LAUNCH_TIMEOUT_S,
                env={"COMMLIB_RANKS_PER_NODE": "1"})
     assert proc.returncode == 2, proc.stdout

@@ -1,7 +1,7 @@
-"""gpu_check.sh's step summaries (commlib.tools.gpu_check): counted over every
+"""gpu_check.sh's step summaries (commlib.tools.gpu.check): counted over every
 rank's junit report, and honest about a step killed before it wrote one."""
 
-from commlib.tools.gpu_check import summarize
+from commlib.tools.gpu.check import summarize
 
 REPORT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" tests="4">
@@ -52,7 +52,7 @@ def test_nccl_peers_refuses_an_nccl_without_shared_gpus(monkeypatch):
     the NCCL steps are not run, and the reason is printed."""
     from click.testing import CliRunner
 
-    from commlib.tools import gpu_check
+    from commlib.tools.gpu import check as gpu_check
     main = gpu_check.main
     monkeypatch.setattr(gpu_check, "nccl_version_code", lambda: 22907)
     refused = CliRunner().invoke(main, ["nccl-peers"])

@@ -490,10 +490,10 @@ def test_the_real_probe_gives_every_rank_the_same_fabric(ranks, per_node):
 
 
 def test_the_grid_benchmark_times_every_priced_split(tmp_path):
-    """tools/bench_planner.py at 2 ranks as two emulated hosts, a tiny grid:
+    """tools/bench/planner.py at 2 ranks as two emulated hosts, a tiny grid:
     a row per shape, every priced split measured, the pick among them."""
     path = tmp_path / "grid.json"
-    argv = [sys.executable, "-m", "commlib.tools.bench_planner", "--seq", "256", "--heads",
+    argv = [sys.executable, "-m", "commlib.tools.bench.planner", "--seq", "256", "--heads",
             "4", "--kv-heads", "4", "--kv-heads", "1", "--head-dim", "16", "--repeats", "1",
             "--fabric", "test", "--json", str(path)]
     result = run(2, argv, LAUNCH_TIMEOUT_S,

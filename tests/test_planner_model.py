@@ -49,7 +49,7 @@ def test_the_bytes_are_the_core_all_gathers_and_flat_in_the_length(layout, piece
 
 
 def test_at_two_ranks_zigzag_the_price_is_what_bench_recurrent_measured():
-    """tools/bench_recurrent.py bytes, 2 ranks, zigzag, 32 x 128 x 128 and
+    """tools/bench/recurrent.py bytes, 2 ranks, zigzag, 32 x 128 x 128 and
     8192 channels in float32: 20.38 MiB received per rank a layer."""
     layers = RecurrentLayers(count=1, heads=32, rows=128, cols=128, matrix=True, channels=8192)
     cost = price_recurrent(2, 32768, layers, Fabric(0.0, 1e9, 0.0, 1e9, 1e12, math.inf),

@@ -13,6 +13,14 @@ from click.testing import CliRunner
 
 from commlib.tools import cli
 from commlib.tools import cluster as emulated
+from commlib.tools.diag.blame import (
+    _MAX_LINKS_NAMED,
+    LINK_BYTES,
+    LINK_ITERS,
+    SLOW_FACTOR,
+    attribute_slow_links,
+    slow_link_lines,
+)
 from commlib.topology import Topology
 
 import requires
@@ -42,7 +50,7 @@ def link_times(node_of_rank, slow_ranks=(), slow_nodes=(), slow_pairs=()):
 
 def verdict(node_of_rank, **slow):
     topology = Topology(0, tuple(node_of_rank))
-    return cli.attribute_slow_links(link_times(node_of_rank, **slow), topology)
+    return attribute_slow_links(link_times(node_of_rank, **slow), topology)
 
 
 def named(links):
@@ -58,7 +66,7 @@ def test_a_slow_host_of_three_is_named_not_its_links():
     assert links.culprits[0].ratio == pytest.approx(SLOW / FAST)
     assert links.slow.tolist() == [[False, True, False], [True, False, True],
                                    [False, True, False]]
-    lines = cli.slow_link_lines(links)
+    lines = slow_link_lines(links)
     assert lines[-1] == ("# slow host node1 (rank 1): its links to other hosts 5.0x slower "
                          "than the median healthy link between hosts")
 
@@ -66,7 +74,7 @@ def test_a_slow_host_of_three_is_named_not_its_links():
 def test_a_slow_host_of_two_ranks_is_named_with_both_and_not_as_ranks():
     links = verdict([0, 0, 1, 1, 2, 2], slow_nodes=[1])
     assert named(links) == [("host", (2, 3), 1)]  # its shared memory is fine: no slow rank
-    assert "# slow host node1 (ranks 2, 3): its links" in cli.slow_link_lines(links)[-1]
+    assert "# slow host node1 (ranks 2, 3): its links" in slow_link_lines(links)[-1]
 
 
 def test_two_slow_hosts_of_four_are_both_named():
@@ -84,7 +92,7 @@ def test_two_hosts_alone_cannot_tell_a_slow_host_from_a_slow_network():
 def test_a_single_slow_pair_is_named_as_a_link():
     links = verdict([0, 1, 2], slow_pairs=[(0, 2)])
     assert named(links) == [("link", (0, 2), None)]
-    assert cli.slow_link_lines(links)[-1] == (
+    assert slow_link_lines(links)[-1] == (
         "# slow link: 0 <-> 2, 100000.0 us, 5.0x slower than the median healthy link "
         "between hosts")
 
@@ -92,7 +100,7 @@ def test_a_single_slow_pair_is_named_as_a_link():
 def test_a_slow_pair_inside_a_host_is_judged_against_shared_memory():
     links = verdict([0, 0, 0, 1, 1, 1], slow_pairs=[(0, 1)])
     assert named(links) == [("link", (0, 1), None)]
-    assert cli.slow_link_lines(links)[-1].endswith("inside a host")
+    assert slow_link_lines(links)[-1].endswith("inside a host")
 
 
 @pytest.mark.parametrize("node_of_rank, rank", [([0, 0, 1, 1], 3), ([0, 0, 0], 2)])
@@ -100,7 +108,7 @@ def test_a_rank_whose_every_link_is_slow_is_named_not_its_host(node_of_rank, ran
     links = verdict(node_of_rank, slow_ranks=[rank])
     node = node_of_rank[rank]
     assert named(links) == [("rank", (rank,), node)]
-    assert cli.slow_link_lines(links)[-1].startswith(
+    assert slow_link_lines(links)[-1].startswith(
         f"# slow rank {rank} (on node{node}): its links ")
 
 
@@ -108,7 +116,7 @@ def test_a_rank_whose_every_link_is_slow_is_named_not_its_host(node_of_rank, ran
 def test_nothing_slow_says_so(node_of_rank):
     links = verdict(node_of_rank)
     assert named(links) == [] and not links.slow.any()
-    assert cli.slow_link_lines(links)[-1] == (
+    assert slow_link_lines(links)[-1] == (
         "# no slow links: none takes over 2x the fastest link of its kind")
 
 
@@ -116,23 +124,23 @@ def test_many_slow_links_are_named_up_to_a_few_and_counted():
     pairs = [(0, 1), (2, 3), (4, 5), (6, 7), (0, 2), (1, 3), (4, 6)]
     links = verdict([0] * 8, slow_pairs=pairs)
     assert len(named(links)) == len(pairs)
-    lines = cli.slow_link_lines(links)
-    assert sum(line.startswith("# slow link: ") for line in lines) == cli._MAX_LINKS_NAMED
+    lines = slow_link_lines(links)
+    assert sum(line.startswith("# slow link: ") for line in lines) == _MAX_LINKS_NAMED
     assert lines[-1] == "# ... and 2 more slow links (starred above)"
 
 
 def test_noise_under_the_factor_is_not_slow():
     times = link_times([0, 1, 2])
     times[0, 2] = times[2, 0] = 1.9 * FAST
-    assert named(cli.attribute_slow_links(times, Topology(0, (0, 1, 2)))) == []
+    assert named(attribute_slow_links(times, Topology(0, (0, 1, 2)))) == []
 
 
 # -- JSON -----------------------------------------------------------------------------
 def test_the_links_json_has_the_matrix_and_the_verdict():
     links = verdict([0, 1, 2], slow_nodes=[1])
     record = json.loads(json.dumps(links.as_json()))
-    assert record["bytes"] == cli.LINK_BYTES and record["iters"] == cli.LINK_ITERS
-    assert record["factor"] == cli.SLOW_FACTOR and record["node_of_rank"] == [0, 1, 2]
+    assert record["bytes"] == LINK_BYTES and record["iters"] == LINK_ITERS
+    assert record["factor"] == SLOW_FACTOR and record["node_of_rank"] == [0, 1, 2]
     assert np.allclose(record["time_us"], link_times([0, 1, 2], slow_nodes=[1]) * 1e6)
     assert record["slow"] == links.slow.tolist()
     assert record["typical_us"] == {"inside": None, "between": pytest.approx(FAST * 1e6)}

@@ -1,4 +1,5 @@
-"""The communicator every CLI command runs on."""
+"""The launch every CLI command runs in: its communicator, the mpiexec
+beside this Python, and how its topology reads."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Callable, Iterator, Optional
 import click
 
 import commlib
+from commlib.topology import RANKS_PER_NODE_ENV, Topology
 
 
 @contextmanager
@@ -40,3 +42,17 @@ def mpiexec_path() -> Optional[str]:
     the one on PATH (None: there is none)."""
     local = Path(sys.executable).parent / "mpiexec"
     return str(local) if local.exists() else shutil.which("mpiexec")
+
+
+def describe_topology(topology: Topology) -> str:
+    """Nodes, ranks per node, and where the node boundaries come from."""
+    per_node = [len(topology.ranks_of(node)) for node in range(topology.num_nodes)]
+    ranks = (plural(per_node[0], "rank") + " per node" if topology.is_uniform
+             else "ranks per node " + ",".join(map(str, per_node)))
+    source = f"emulated by {RANKS_PER_NODE_ENV}" if topology.emulated else "from shared memory"
+    return f"{plural(topology.num_nodes, 'node')}, {ranks} ({source})"
+
+
+def plural(count: int, noun: str) -> str:
+    """``1 rank``, ``3 ranks``."""
+    return f"{count} {noun}{'s' if count != 1 else ''}"

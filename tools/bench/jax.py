@@ -4,8 +4,8 @@ the same shapes and cores (interleaved in one launch), and the cost of one
 jitted ring shift against the raw commlib call on NumPy.
 
     XLA_FLAGS=--xla_cpu_multi_thread_eigen=false OPENBLAS_NUM_THREADS=1 \\
-        mpiexec -bind-to core -n 2 python -m commlib.tools.bench_jax
-    python -m commlib.tools.bench_jax --alone   # jax.nn.dot_product_attention, one process
+        mpiexec -bind-to core -n 2 python -m commlib.tools.bench.jax
+    python -m commlib.tools.bench.jax --alone   # jax.nn.dot_product_attention, one process
 
 ``-bind-to core`` matters: XLA's CPU runtime runs a second thread whatever
 its flags say, so two unbound ranks put four threads on two cores (measured:

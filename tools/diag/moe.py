@@ -1,7 +1,7 @@
-"""``commlib diag moe`` (or ``python -m commlib.tools.diag_moe``): time MoE
+"""``commlib diag moe`` (or ``python -m commlib.tools.diag.moe``): time MoE
 dispatch + combine on this launch and report the traffic it caused.
 
-    COMMLIB_RANKS_PER_NODE=2 mpiexec -n 4 python -m commlib.tools.diag_moe --hierarchical
+    COMMLIB_RANKS_PER_NODE=2 mpiexec -n 4 python -m commlib.tools.diag.moe --hierarchical
 
 Each rank routes seeded synthetic logits (``simulate.synthetic_routing``:
 standard normal logits plus a ``--skew`` popularity bias towards low expert

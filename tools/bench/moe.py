@@ -2,12 +2,12 @@
 run in the same launch, interleaved, the slowest rank's time per iteration,
 the median reported.
 
-    mpiexec -n 4 python -m commlib.tools.bench_moe throughput --ranks-per-node 2
-    mpiexec -bind-to core -n 2 python -m commlib.tools.bench_moe modes
-    mpiexec -bind-to core -n 2 python -m commlib.tools.bench_moe latency
-    mpiexec -bind-to core -n 2 python -m commlib.tools.bench_moe decode
-    mpiexec -bind-to core -n 2 python -m commlib.tools.bench_moe overlap
-    mpiexec -bind-to core -n 2 python -m commlib.tools.bench_moe frameworks
+    mpiexec -n 4 python -m commlib.tools.bench.moe throughput --ranks-per-node 2
+    mpiexec -bind-to core -n 2 python -m commlib.tools.bench.moe modes
+    mpiexec -bind-to core -n 2 python -m commlib.tools.bench.moe latency
+    mpiexec -bind-to core -n 2 python -m commlib.tools.bench.moe decode
+    mpiexec -bind-to core -n 2 python -m commlib.tools.bench.moe overlap
+    mpiexec -bind-to core -n 2 python -m commlib.tools.bench.moe frameworks
 
 ``throughput``: commlib (flat, two-hop) against a hand-written mpi4py
 dispatcher that sends every token-expert pair (the Megatron-style path),
@@ -28,9 +28,7 @@ exchange of the same bytes.
 from __future__ import annotations
 
 import functools
-import json
 import math
-import time
 from itertools import accumulate
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -40,6 +38,7 @@ from mpi4py import MPI
 
 import commlib
 from commlib import moe
+from commlib.tools.bench.timing import interleaved, json_option, write_json
 
 
 def megatron_style(world: MPI.Comm, num_experts: int) -> Callable:
@@ -82,27 +81,6 @@ def commlib_path(dispatcher: moe.Dispatcher) -> Callable:
     return run
 
 
-def _slowest(world, call) -> float:
-    world.Barrier()
-    start = time.perf_counter()
-    call()
-    return world.allreduce(time.perf_counter() - start, op=MPI.MAX)
-
-
-def interleaved(world, contenders: Dict[str, Callable[[], Any]], iters: int,
-                warmup: int = 1) -> Dict[str, List[float]]:
-    """Each contender ``iters`` times, in turns, after ``warmup`` untimed
-    rounds: the slowest rank's seconds per call."""
-    for _ in range(warmup):
-        for call in contenders.values():
-            call()
-    times: Dict[str, List[float]] = {name: [] for name in contenders}
-    for _ in range(iters):
-        for name, call in contenders.items():
-            times[name].append(_slowest(world, call))
-    return times
-
-
 def _loop(call: Callable[[], Any], repeat: int) -> Callable[[], None]:
     """``call`` ``repeat`` times: one timed unit for microsecond calls."""
     def run() -> None:
@@ -111,19 +89,9 @@ def _loop(call: Callable[[], Any], repeat: int) -> Callable[[], None]:
     return run
 
 
-def _report(say, rows: List[dict], json_path: Optional[str], rank: int) -> None:
-    if json_path and rank == 0:
-        with open(json_path, "w") as f:
-            json.dump(rows, f, indent=1)
-
-
 @click.group()
 def main() -> None:
     """MoE benchmarks (see the module docstring)."""
-
-
-_json_option = click.option("--json", "json_path", type=click.Path(dir_okay=False),
-                            default=None, help="Write the rows here (rank 0).")
 
 
 @main.command()
@@ -134,7 +102,7 @@ _json_option = click.option("--json", "json_path", type=click.Path(dir_okay=Fals
 @click.option("--ranks-per-node", type=int, default=None,
               help="Emulate nodes of this many ranks (two-hop needs 2+ nodes).")
 @click.option("--iters", default=5, show_default=True)
-@_json_option
+@json_option
 def throughput(tokens: int, hidden: int, num_experts: int, topk: int,
                ranks_per_node: Optional[int], iters: int, json_path: Optional[str]) -> None:
     """Dispatch + combine: commlib (flat, two-hop) vs every-pair mpi4py."""
@@ -181,7 +149,7 @@ def throughput(tokens: int, hidden: int, num_experts: int, topk: int,
         say(f"{name:>18}: {seconds * 1e3:8.1f} ms ({row['ratio_to_every_pair']:.2f}x), "
             f"{row['tokens_per_s'] / 1e3:7.1f} k tokens/s, {row['bytes_per_token']:7.0f} "
             f"payload B/token dispatched{nodes}", flush=True)
-    _report(say, rows, json_path, comm.rank)
+    write_json(json_path, rows, comm.rank)
     raw.Free()
     comm.free()
 
@@ -218,7 +186,7 @@ def _pair(d: moe.Dispatcher, x, experts, weights, quantize: Optional[str] = None
               help="Both modes; it also sizes the fixed capacity's expert slots (without "
                    "one they would be P x tokens per expert).")
 @click.option("--iters", default=5, show_default=True)
-@_json_option
+@json_option
 def modes(tokens: int, small_tokens: int, hidden: int, num_experts: int, topk: int,
           capacity_factor: float, iters: int, json_path: Optional[str]) -> None:
     """FP8 vs bfloat16 rows, fixed capacity vs counted: dispatch alone and
@@ -265,7 +233,7 @@ def modes(tokens: int, small_tokens: int, hidden: int, num_experts: int, topk: i
                          "payload_bytes": narrow if "fp8" in name else wide})
             say(f"{name:>22}: {median * 1e3:9.3f} ms ({median / base[kind]:.2f}x counted "
                 f"bf16)", flush=True)
-    _report(say, rows, json_path, comm.rank)
+    write_json(json_path, rows, comm.rank)
     comm.free()
 
 
@@ -368,7 +336,7 @@ def _cupy() -> Any:
 @click.option("--experts", "num_experts", default=8, show_default=True)
 @click.option("--topk", default=2, show_default=True)
 @click.option("--iters", default=15, show_default=True)
-@_json_option
+@json_option
 def frameworks(tokens: int, hidden: int, num_experts: int, topk: int, iters: int,
                json_path: Optional[str]) -> None:
     """One line per framework's MoE path (NumPy core, torch Dispatcher, JAX
@@ -426,7 +394,7 @@ def frameworks(tokens: int, hidden: int, num_experts: int, topk: int, iters: int
         rows.append(row)
         say(f"{name:>30}: {seconds * 1e3:8.1f} ms ({seconds / bare:.2f}x bare{note})",
             flush=True)
-    _report(say, rows, json_path, comm.rank)
+    write_json(json_path, rows, comm.rank)
     raw.Free()
     comm.free()
 
@@ -436,7 +404,7 @@ def frameworks(tokens: int, hidden: int, num_experts: int, topk: int, iters: int
               help="Bytes per destination, comma-separated (K = 1024).")
 @click.option("--repeat", default=200, show_default=True, help="Calls per timed unit.")
 @click.option("--iters", default=15, show_default=True)
-@_json_option
+@json_option
 def latency(sizes: str, repeat: int, iters: int, json_path: Optional[str]) -> None:
     """The fixed cost of a call: commlib's alltoall / alltoallv against
     mpi4py's Alltoall / count exchange + Alltoallv, same bytes."""
@@ -474,7 +442,7 @@ def latency(sizes: str, repeat: int, iters: int, json_path: Optional[str]) -> No
             rows.append({"bytes_per_destination": per_peer, "contender": name, "us": micros,
                          "gap_us": micros - times[baseline] if baseline else 0.0})
             say(f"{name:>38}: {micros:7.1f} us{gap}", flush=True)
-    _report(say, rows, json_path, comm.rank)
+    write_json(json_path, rows, comm.rank)
     raw.Free()
     comm.free()
 
@@ -487,7 +455,7 @@ def latency(sizes: str, repeat: int, iters: int, json_path: Optional[str]) -> No
 @click.option("--topk", default=8, show_default=True)
 @click.option("--repeat", default=20, show_default=True, help="Pairs per timed unit.")
 @click.option("--iters", default=9, show_default=True)
-@_json_option
+@json_option
 def decode(tokens: str, hidden: int, num_experts: int, topk: int, repeat: int, iters: int,
            json_path: Optional[str]) -> None:
     """A decode step's dispatch + combine of bfloat16 rows, counted and under
@@ -536,7 +504,7 @@ def decode(tokens: str, hidden: int, num_experts: int, topk: int, repeat: int, i
             say(f"{name:>22}: {micros:9.1f} us per pair ({ratio:.2f}x bare)", flush=True)
         for d in fixed_ones:
             d.collect_stats()
-    _report(say, rows, json_path, comm.rank)
+    write_json(json_path, rows, comm.rank)
     raw.Free()
     comm.free()
 
@@ -549,7 +517,7 @@ def decode(tokens: str, hidden: int, num_experts: int, topk: int, repeat: int, i
 @click.option("--topk", default=4, show_default=True)
 @click.option("--fixed", is_flag=True, help="The fixed-capacity mode.")
 @click.option("--iters", default=5, show_default=True)
-@_json_option
+@json_option
 def overlap(tokens: int, hidden: int, ffn: int, num_experts: int, topk: int, fixed: bool,
             iters: int, json_path: Optional[str]) -> None:
     """Two micro-batches, an expert MLP (torch float32, one thread) between
@@ -610,8 +578,8 @@ def overlap(tokens: int, hidden: int, ffn: int, num_experts: int, topk: int, fix
         say(f"{name:>18}: {seconds * 1e3:8.1f} ms")
     say(f"communication (sequential - MLP): {communication * 1e3:.1f} ms; hidden by the "
         f"overlap: {hidden_fraction * 100:.0f}%")
-    _report(say, [dict(times, communication=communication, hidden_fraction=hidden_fraction,
-                       fixed=fixed)], json_path, comm.rank)
+    write_json(json_path, [dict(times, communication=communication,
+                                hidden_fraction=hidden_fraction, fixed=fixed)], comm.rank)
     comm.free()
 
 

@@ -1,6 +1,6 @@
 """Benchmark: commlib's ``alltoallv`` against raw mpi4py and torch gloo.
 
-    mpiexec -n 2 python -m commlib.tools.bench_alltoallv [--json rows.json]
+    mpiexec -n 2 python -m commlib.tools.bench.alltoallv [--json rows.json]
 
 Speed in commlib is a ratio against baselines measured in the same process
 at the same moment (docs/benchmarks.md), so the contenders
@@ -9,7 +9,7 @@ noise the machine has. Every timed call starts right after a Barrier, and
 an iteration's time is the slowest rank's (a collective is done when its
 last rank is), so the per-rank times are reduced with MAX; the median over
 iterations is reported. Untimed calls before each timed one make these
-steady-state times (see ``time_interleaved``), like those of the OSU and
+steady-state times (see ``timing.time_interleaved``), like those of the OSU and
 nccl-tests loops, not the cost of a first call after other work.
 
 Each contender does the whole job a caller has: given rows and per-rank send
@@ -29,12 +29,10 @@ hot expert would; same total bytes per rank).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
 import sys
-import time
 import traceback
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -45,13 +43,13 @@ import numpy as np
 from mpi4py import MPI
 
 import commlib
+from commlib.tools.bench.timing import auto_iters, time_interleaved, write_json
 
 ROW_FLOATS = 256
 ROW_BYTES = ROW_FLOATS * 4
 SIZE_FACTOR = 4
 PATTERNS = ("uniform", "skewed")
 SKEW_EXPONENT = 2.0          # share of a rank's k-th favourite destination ~ 1 / k**2
-MIN_AUTO_ITERS, MAX_AUTO_ITERS = 10, 1000
 QUARTILES = (25, 50, 75)
 
 # A contender: (rows, send counts) -> (received rows, receive counts)
@@ -206,41 +204,6 @@ def verify(contenders: Dict[str, Exchange], x: np.ndarray, counts: np.ndarray,
                    f"vs {want_counts.tolist()}, shape {got.shape} vs {want.shape})")
 
 
-def time_interleaved(contenders: Sequence[Exchange], x: np.ndarray, counts: np.ndarray,
-                     iters: int, primers: int, world: MPI.Comm) -> np.ndarray:
-    """[iters, contenders] seconds: the slowest rank's time of each timed call.
-
-    In each iteration every contender makes ``primers`` untimed calls, then
-    a Barrier, then the timed call. On these machines the MPI calls right
-    after a gloo call run slow: the first one 2-4x its steady time, the
-    second 20-35% over, the fourth still 4-10% over. The primers absorb most
-    of that, and the first two contenders (commlib, mpi4py) swap places
-    every iteration so that the rest falls on both alike. One Allreduce at
-    the end, not one per call, keeps reductions out of the timed stretch."""
-    local = np.empty((iters, len(contenders)))
-    for i in range(iters):
-        order = list(range(len(contenders)))
-        if i % 2 and len(order) > 1:
-            order[:2] = order[1::-1]
-        for j in order:
-            for _ in range(primers):
-                contenders[j](x, counts)
-            world.Barrier()
-            start = time.perf_counter()
-            contenders[j](x, counts)
-            local[i, j] = time.perf_counter() - start
-    slowest = np.empty_like(local)
-    world.Allreduce(local, slowest, op=MPI.MAX)
-    return slowest
-
-
-def auto_iters(warmup_seconds: np.ndarray, primers: int, budget: float) -> int:
-    """Iterations that fill ``budget`` seconds, judged from the warm-up;
-    identical on all ranks, the warm-up times being reduced already."""
-    per_iter = (primers + 1) * float(np.median(warmup_seconds, axis=0).sum())
-    return int(np.clip(budget / max(per_iter, 1e-9), MIN_AUTO_ITERS, MAX_AUTO_ITERS))
-
-
 def measure(contenders: Dict[str, Exchange], pattern: str, nbytes: int, seed: int,
             iters: Optional[int], warmup: int, primers: int, budget: float,
             world: MPI.Comm) -> Row:
@@ -371,11 +334,10 @@ def benchmark(min_bytes: int, max_bytes: int, iters: Optional[int], warmup: int,
                                    primers, seconds, world))
             say(format_table(results[-1:]).splitlines()[-1], flush=True)
     say("\n" + format_table(results))
-    if json_path is not None and world.Get_rank() == 0:
-        meta = {"ranks": world.Get_size(), "mpi": mpi, "mpi4py": mpi4py.__version__,
-                "gloo": gloo_note, "row_bytes": ROW_BYTES, "seed": seed, "primers": primers}
-        with open(json_path, "w") as f:
-            json.dump({"meta": meta, "rows": [asdict(r) for r in results]}, f, indent=1)
+    meta = {"ranks": world.Get_size(), "mpi": mpi, "mpi4py": mpi4py.__version__,
+            "gloo": gloo_note, "row_bytes": ROW_BYTES, "seed": seed, "primers": primers}
+    write_json(json_path, {"meta": meta, "rows": [asdict(r) for r in results]},
+               world.Get_rank())
     if gloo is not None:
         import torch.distributed as dist
         dist.destroy_process_group()

@@ -3,9 +3,9 @@ whether the GPU run is worth its minutes, and the one-line summary of each
 pytest step, read from its junit reports (which pytest writes even when the
 step's time limit interrupts it).
 
-    python -m commlib.tools.gpu_check preflight --site DIR [--rehearse]
-    python -m commlib.tools.gpu_check summary STEP REPORT.xml...
-    python -m commlib.tools.gpu_check nccl-peers [--rehearse]
+    python -m commlib.tools.gpu.check preflight --site DIR [--rehearse]
+    python -m commlib.tools.gpu.check summary STEP REPORT.xml...
+    python -m commlib.tools.gpu.check nccl-peers [--rehearse]
 
 A failed preflight check says what to fix; the script stops there rather
 than spend the lent machine's minutes on steps that cannot work.
@@ -31,7 +31,7 @@ from commlib.tools.cli import nccl_version_text
 
 # imported by the steps: each must import before any step runs
 STEP_MODULES = ("commlib.bindings.torch", "commlib.bindings.jax", "commlib.bindings.transformers",
-                "commlib.tools.bench_gpu")
+                "commlib.tools.gpu.bench")
 MPI4PY_FLOOR = (4, 1)  # pyproject.toml's lower bound
 NCCL_MULTI_RANK_GPU = 23000  # NCCL 2.30: several ranks of a communicator on one GPU
 # one write per rank: unbuffered, print() writes its parts apart and two ranks' interleave
@@ -87,7 +87,7 @@ def check_imports(setting: Setting) -> str:
             importlib.import_module(name)
         except Exception as error:  # any failure here stops the run
             raise PreflightError(f"import {name} failed: {type(error).__name__}: {error}; "
-                                 f"carry what is missing in .whl/ (tools/gpu_wheels.txt, "
+                                 f"carry what is missing in .whl/ (tools/gpu/wheels.txt, "
                                  f"then gpu_check.sh --prepare)") from error
     names = ("torch", "jax", "jaxlib", "transformers", "cupy-cuda13x", "numpy", "mpi4py")
     return ", ".join(f"{name} {_version(name)}" for name in names)

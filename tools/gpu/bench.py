@@ -2,7 +2,7 @@
 runs it); ``--device cpu --quick`` runs the same code on a CPU as a smoke
 test.
 
-    python -m commlib.tools.bench_gpu --out gpu_check.json
+    python -m commlib.tools.gpu.bench --out gpu_check.json
 
 One process (a world of one; NCCL is a size-1 communicator there), torch
 arrays on ``--device``, every time taken after a warm-up, with the device
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import json
-import time
 from typing import Callable, Dict
 
 import click
@@ -44,6 +43,7 @@ import commlib
 from commlib import moe
 from commlib.bindings import torch as ct
 from commlib.kernels import kernel_for
+from commlib.tools.bench.timing import best_local
 
 FULL = dict(seq=8192, heads=32, kv_heads=8, head_dim=128, tokens=8192, hidden=4096,
             experts=64, topk=8, sizes=(2**20, 2**26, 2**30))
@@ -53,18 +53,8 @@ QUICK = dict(seq=256, heads=4, kv_heads=2, head_dim=32, tokens=256, hidden=64,
 
 def _best(call: Callable[[], object], device: str, repeats: int) -> float:
     """Seconds of the fastest of ``repeats`` calls, after one warm-up."""
-    def sync():
-        if device == "cuda":
-            torch.cuda.synchronize()
     call()
-    best = float("inf")
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        call()
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return best_local(call, repeats, torch.cuda.synchronize if device == "cuda" else lambda: None)
 
 
 def _alltoallv(comm, device: str, sizes, repeats: int) -> Dict[str, dict]:

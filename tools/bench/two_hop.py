@@ -7,7 +7,7 @@ Then ``commlib simulate``'s prediction for flat and two-hop, from the
 fabric's rates as ``commlib diag alltoall`` measures them on the same
 cluster (inside a host and between hosts), against the measured times.
 
-    python -m commlib.tools.bench_two_hop --rate 300mbit --rate unshaped
+    python -m commlib.tools.bench.two_hop --rate 300mbit --rate unshaped
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from typing import Dict, List, Optional, Tuple
 
 import click
 
-from commlib.tools import diag_moe, simulate
+from commlib.tools import simulate
 from commlib.tools.cluster import Cluster, ClusterError, parse_rate
+from commlib.tools.diag import moe as diag_moe
 
 # name -> diag moe options
 PATHS = {"flat": [], "two-hop, one exchange": ["--hierarchical", "--pipeline-chunks", "1"],
@@ -39,7 +40,7 @@ def measure(cluster: Cluster, ranks_per_host: int, shape: List[str], rate: Optio
             for name, options in PATHS.items():
                 limit = ["--link-rate", rate] if rate else []
                 done = cluster.run(ranks_per_host, [
-                    sys.executable, "-m", "commlib.tools.diag_moe", *shape, *options, *limit,
+                    sys.executable, "-m", "commlib.tools.diag.moe", *shape, *options, *limit,
                     "--json", str(report)], capture_output=True, text=True, timeout=600)
                 if done.returncode != 0:
                     raise click.ClickException(f"diag moe {name} failed:\n{done.stderr[-2000:]}")

@@ -5,7 +5,7 @@ or jit, on the same arrays in each binding's framework, interleaved in one
 launch.
 
     XLA_FLAGS=--xla_cpu_multi_thread_eigen=false OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \\
-        mpiexec -bind-to core -n 2 python -m commlib.tools.bench_bindings
+        mpiexec -bind-to core -n 2 python -m commlib.tools.bench.bindings
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 causal load balance and peak memory, each as a ratio against a baseline run
 in the same launch.
 
-    OPENBLAS_NUM_THREADS=1 mpiexec -n 2 python -m commlib.tools.bench_ring scaling overlap balance
-    OPENBLAS_NUM_THREADS=1 mpiexec -n 4 python -m commlib.tools.bench_ring overlap memory
+    OPENBLAS_NUM_THREADS=1 mpiexec -n 2 python -m commlib.tools.bench.ring scaling overlap balance
+    OPENBLAS_NUM_THREADS=1 mpiexec -n 4 python -m commlib.tools.bench.ring overlap memory
 
 One BLAS thread per rank (the environment variable must be set before NumPy
 loads), so that P ranks on P cores compare fairly with one rank on one core.
@@ -22,8 +22,6 @@ loads), so that P ranks on P cores compare fairly with one rank on one core.
 from __future__ import annotations
 
 import functools
-import json
-import time
 import tracemalloc
 from typing import Callable, Dict, List, Optional
 
@@ -34,6 +32,7 @@ from mpi4py import MPI
 import commlib
 from commlib import ring
 from commlib.kernels.tiled import choose_tile
+from commlib.tools.bench.timing import best_slowest, json_option, slowest, write_json
 
 
 class _NoTransfer:
@@ -64,18 +63,6 @@ def _inputs(seq_local: int, heads: int, dim: int, seed: int):
             for _ in range(3)]
 
 
-def _slowest(world: MPI.Comm, call: Callable[[], object]) -> float:
-    """Seconds of the slowest rank for one call, after a barrier."""
-    world.Barrier()
-    start = time.perf_counter()
-    call()
-    return world.allreduce(time.perf_counter() - start, op=MPI.MAX)
-
-
-def _best(world, call, repeats: int) -> float:
-    return min(_slowest(world, call) for _ in range(repeats))
-
-
 def scaling(comm, world, seq: int, heads: int, dim: int, repeats: int) -> List[dict]:
     """Efficiency of the ring against one rank, non-causal and causal zigzag."""
     alone = comm.split(comm.rank)  # a world of one per rank
@@ -83,10 +70,10 @@ def scaling(comm, world, seq: int, heads: int, dim: int, repeats: int) -> List[d
     for causal, layout in ((False, "contiguous"), (True, "zigzag")):
         q, k, v = _inputs(seq // comm.size, heads, dim, comm.rank)
         fq, fk, fv = _inputs(seq, heads, dim, comm.rank)
-        t_ring = _best(world, functools.partial(ring.ring_attention, q, k, v, comm,
-                                                layout=layout, causal=causal), repeats)
-        t_one = _best(world, functools.partial(ring.ring_attention, fq, fk, fv, alone,
-                                               layout=layout, causal=causal), repeats)
+        t_ring = best_slowest(world, functools.partial(ring.ring_attention, q, k, v, comm,
+                                                       layout=layout, causal=causal), repeats)
+        t_one = best_slowest(world, functools.partial(ring.ring_attention, fq, fk, fv, alone,
+                                                      layout=layout, causal=causal), repeats)
         rows.append({"test": "scaling", "seq": seq, "causal": causal, "layout": layout,
                      "ranks": comm.size, "t_one_s": t_one, "t_ring_s": t_ring,
                      "efficiency": t_one / (comm.size * t_ring)})
@@ -98,10 +85,10 @@ def overlap(comm, world, seq: int, heads: int, dim: int, repeats: int) -> List[d
     """Ring forward against the same compute without communication."""
     q, k, v = _inputs(seq // comm.size, heads, dim, comm.rank)
     stand_in = _NoTransfer(comm.rank, comm.size)
-    t_ring = _best(world, lambda: ring.ring_attention(q, k, v, comm, layout="contiguous",
-                                                      causal=False), repeats)
-    t_compute = _best(world, lambda: ring.ring_attention(q, k, v, stand_in, layout="contiguous",
-                                                         causal=False), repeats)
+    t_ring = best_slowest(world, lambda: ring.ring_attention(
+        q, k, v, comm, layout="contiguous", causal=False), repeats)
+    t_compute = best_slowest(world, lambda: ring.ring_attention(
+        q, k, v, stand_in, layout="contiguous", causal=False), repeats)
     return [{"test": "overlap", "seq": seq, "ranks": comm.size, "t_ring_s": t_ring,
              "t_compute_s": t_compute, "exposed_ratio": t_ring / t_compute}]
 
@@ -109,8 +96,8 @@ def overlap(comm, world, seq: int, heads: int, dim: int, repeats: int) -> List[d
 def balance(comm, world, seq: int, heads: int, dim: int, repeats: int) -> List[dict]:
     """Causal zigzag against causal contiguous on the same global problem."""
     q, k, v = _inputs(seq // comm.size, heads, dim, comm.rank)
-    times = {layout: _best(world, functools.partial(ring.ring_attention, q, k, v, comm,
-                                                    layout=layout, causal=True), repeats)
+    times = {layout: best_slowest(world, functools.partial(ring.ring_attention, q, k, v, comm,
+                                                           layout=layout, causal=True), repeats)
              for layout in ("contiguous", "zigzag")}
     return [{"test": "balance", "seq": seq, "ranks": comm.size,
              "t_contiguous_s": times["contiguous"], "t_zigzag_s": times["zigzag"],
@@ -125,7 +112,7 @@ def memory(comm, world, seq: int, heads: int, dim: int, repeats: int) -> List[di
     need = 4 * tensor + 2 * (2 * tensor) + tile  # Q K V O, two K/V buffers, a score tile
     tracemalloc.start()
     q, k, v = _inputs(local, heads, dim, comm.rank)
-    t = _slowest(world, lambda: ring.ring_attention(q, k, v, comm, layout="zigzag", causal=True))
+    t = slowest(world, lambda: ring.ring_attention(q, k, v, comm, layout="zigzag", causal=True))
     peak = world.allreduce(tracemalloc.get_traced_memory()[1], op=MPI.MAX)
     tracemalloc.stop()
     return [{"test": "memory", "seq": seq, "ranks": comm.size, "need_bytes": need,
@@ -162,7 +149,7 @@ def describe(row: dict) -> str:
 @click.option("--seq", type=int, default=None, help="Global sequence length "
               "[default: 4096 scaling, 16384 overlap, 8192 balance, 32768 memory].")
 @click.option("--repeats", default=2, show_default=True, help="Best of this many runs.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@json_option
 def main(tests, heads: int, head_dim: int, seq: Optional[int], repeats: int,
          json_path: Optional[str]) -> None:
     """Ring Attention benchmarks; run under mpiexec (see the module docstring)."""
@@ -177,9 +164,7 @@ def main(tests, heads: int, head_dim: int, seq: Optional[int], repeats: int,
                                repeats):
             rows.append(row)
             say(describe(row), flush=True)
-    if json_path and comm.rank == 0:
-        with open(json_path, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(json_path, rows, comm.rank)
     comm.free()
 
 

@@ -1,9 +1,9 @@
 """Context-parallel attention against the user's real alternative: torch's
 own SDPA in one process on the same cores.
 
-    mpiexec -n 2 python -m commlib.tools.bench_attention            # 2 ranks x 1 thread
-    mpiexec -n 1 python -m commlib.tools.bench_attention            # 1 rank  x 1 thread
-    mpiexec -n 2 python -m commlib.tools.bench_attention --dtype bfloat16
+    mpiexec -n 2 python -m commlib.tools.bench.attention            # 2 ranks x 1 thread
+    mpiexec -n 1 python -m commlib.tools.bench.attention            # 1 rank  x 1 thread
+    mpiexec -n 2 python -m commlib.tools.bench.attention --dtype bfloat16
 
 Forward + backward of causal attention over the global sequence, through
 ``commlib.bindings.torch`` (Ring with the zigzag layout, Ulysses) with one
@@ -26,24 +26,9 @@ from mpi4py import MPI
 import commlib
 from commlib import ring
 from commlib.bindings import torch as ct
+from commlib.tools.bench.timing import first_rank_alone, idle_barrier
 
 TARGETS = {1: 1.05, 2: 1.10}
-
-
-def idle_barrier(world: MPI.Comm) -> None:
-    """A barrier that sleeps instead of spinning, so that a rank waiting for
-    rank 0 leaves its core to rank 0's threads."""
-    request = world.Ibarrier()
-    while not request.Test():
-        time.sleep(0.002)
-
-
-def first_rank_alone(world: MPI.Comm, call: Callable[[], object]) -> object:
-    """``call()`` on rank 0 while the other ranks sleep in ``idle_barrier``
-    (a one-process baseline gets every core); its result on every rank."""
-    result = call() if world.Get_rank() == 0 else None
-    idle_barrier(world)
-    return world.bcast(result, root=0)
 
 
 def _sdpa_on_rank0(world: MPI.Comm, full: List[torch.Tensor], threads: int) -> float:

@@ -1,7 +1,7 @@
 """What the reliability layer costs: alltoallv (and allreduce) with and
 without checks, against raw mpi4py, interleaved in one process.
 
-    mpiexec -n 4 python -m commlib.tools.bench_reliability
+    mpiexec -n 4 python -m commlib.tools.bench.reliability
 
 alltoallv contenders: raw mpi4py (count exchange + Alltoallv, by hand);
 commlib with recv_counts given (no exchange, no check); commlib as users
@@ -10,13 +10,12 @@ the same under COMMLIB_CHECK=1 (no extra work: the check rides on the
 exchange); COMMLIB_CHECK=1 with recv_counts given (the exchange happens
 anyway, and every rank verifies its recv_counts against the peers'). allreduce contenders:
 raw ``Allreduce``, commlib, and commlib under COMMLIB_CHECK=1 (one extra
-fingerprint all-to-all). Timing as in bench_alltoallv: primers, a Barrier,
+fingerprint all-to-all). Timing as in bench.alltoallv (bench.timing): primers, a Barrier,
 the slowest rank's time, the median over iterations.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Callable, Dict, List, Optional
 
 import click
@@ -24,14 +23,8 @@ import numpy as np
 from mpi4py import MPI
 
 import commlib
-from commlib.tools.bench_alltoallv import (
-    auto_iters,
-    make_rows,
-    mpi4py_exchange,
-    parse_size,
-    send_counts,
-    time_interleaved,
-)
+from commlib.tools.bench.alltoallv import make_rows, mpi4py_exchange, parse_size, send_counts
+from commlib.tools.bench.timing import auto_iters, time_interleaved, write_json
 
 SIZES = ("4K", "16M")
 
@@ -97,9 +90,7 @@ def main(sizes: str, primers: int, seconds: float, json_path: Optional[str]) -> 
             rows.append({"op": name, "bytes_per_rank": nbytes, "us": us})
             say(f"{name} {nbytes:>10} B: " + "; ".join(
                 f"{k} {v:.1f} ({v / base:.2f})" for k, v in us.items()), flush=True)
-    if json_path and world.Get_rank() == 0:
-        with open(json_path, "w") as f:
-            json.dump({"ranks": world.Get_size(), "rows": rows}, f, indent=1)
+    write_json(json_path, {"ranks": world.Get_size(), "rows": rows}, world.Get_rank())
     raw.Free()
     checked.free()
     plain.free()

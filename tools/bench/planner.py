@@ -3,7 +3,7 @@ shape of a grid, forward+backward of ``hybrid_attention`` at every allowed
 Ulysses degree and ring method (torch tensors, causal, zigzag), the plan's
 pick (priced forward and backward), and pick / fastest (target <= 1.10).
 
-    OPENBLAS_NUM_THREADS=1 mpiexec -n 4 python -m commlib.tools.bench_planner \\
+    OPENBLAS_NUM_THREADS=1 mpiexec -n 4 python -m commlib.tools.bench.planner \\
         --seq 8192 --seq 32768 --kv-heads 8 --kv-heads 1 --fabric "50 Mbit/s" --json out.json
 
 Run under any mpiexec; across hosts the probe measures both fabrics, and
@@ -17,7 +17,6 @@ docs/ulysses.md.
 from __future__ import annotations
 
 import functools
-import json
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -28,7 +27,7 @@ from mpi4py import MPI
 import commlib
 from commlib import hybrid, ring
 from commlib.hybrid.planner import probe
-from commlib.tools.bench_ulysses import _interleaved
+from commlib.tools.bench.timing import interleaved_medians, json_option, write_json
 
 
 def step(comm, shards: Sequence[torch.Tensor], dout: torch.Tensor, ulysses_size: int,
@@ -51,7 +50,7 @@ def shape_row(world, comm, seq: int, heads: int, kv_heads: int, head_dim: int,
     calls = [functools.partial(step, comm, (q, k, v), dout, u, method) for u, method in splits]
     for call in calls:  # untimed: the first call of a split makes its sub-communicators
         call()
-    times = dict(zip(splits, _interleaved(world, calls, repeats)))
+    times = dict(zip(splits, interleaved_medians(world, calls, repeats)))
     fastest = min(times, key=times.get)
     pick = (picked.ulysses_size, picked.method)
     return {"ranks": comm.size, "hosts": comm.topology.num_nodes, "seq": seq, "heads": heads,
@@ -98,7 +97,7 @@ def markdown(rows: List[dict], fabric: str) -> List[str]:
               help="Interleaved timed rounds (median).")
 @click.option("--fabric", default="", help="A label for the rows: the link's rate, say.")
 @click.option("--markdown", "as_markdown", is_flag=True, help="Print the docs table.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@json_option
 def main(seqs: Tuple[int, ...], heads: int, kv_heads: Tuple[int, ...], head_dim: int,
          repeats: int, fabric: str, as_markdown: bool, json_path: Optional[str]) -> None:
     """The planner's pick against the fastest split, over a grid; run under mpiexec."""
@@ -119,10 +118,8 @@ def main(seqs: Tuple[int, ...], heads: int, kv_heads: Tuple[int, ...], head_dim:
             say(describe(rows[-1], label))
     if as_markdown:
         say("\n".join(markdown(rows, label)))
-    if json_path and comm.rank == 0:
-        with open(json_path, "w") as handle:
-            json.dump({"fabric": label, "probe_s": probe_s,
-                       "probed": fabric_probed.describe(), "rows": rows}, handle, indent=1)
+    write_json(json_path, {"fabric": label, "probe_s": probe_s,
+                           "probed": fabric_probed.describe(), "rows": rows}, comm.rank)
     comm.free()
 
 

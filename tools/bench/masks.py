@@ -3,7 +3,7 @@ bytes the sparse exchange moves, the solver's speed, and a masked
 forward+backward on P ranks against torch SDPA with the same dense mask in
 one process on the same cores, in one launch.
 
-    mpiexec -n 2 python -m commlib.tools.bench_masks
+    mpiexec -n 2 python -m commlib.tools.bench.masks
 
 Computed, not timed (rank 0): for each mask, the busiest rank's visible
 query-key pairs over the mean under ``balanced``, ``zigzag`` and
@@ -25,7 +25,6 @@ backward, the slowest rank's time, best of ``--repeats``; and which of them
 from __future__ import annotations
 
 import functools
-import json
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -39,8 +38,7 @@ from commlib.bindings import torch as ct
 from commlib.ring.sparse import SPARSE_SHARE, routes
 from commlib.sequence.common_masks import block_diagonal, multimodal, prefix_lm, shared_prefix
 from commlib.sequence.masks import Mask, from_cu_seqlens
-from commlib.tools.bench_attention import first_rank_alone
-from commlib.tools.bench_ulysses import _slowest
+from commlib.tools.bench.timing import best_slowest, first_rank_alone, json_option, write_json
 
 
 def masks(length: int) -> Dict[str, Mask]:
@@ -111,7 +109,7 @@ def _alone(full, mask: Optional[Mask], args: dict) -> float:
     torch.set_num_threads(args["threads"])
     step = _sdpa_step(full, mask)
     step()
-    seconds = _slowest(MPI.COMM_SELF, step, args["repeats"])
+    seconds = best_slowest(MPI.COMM_SELF, step, args["repeats"])
     torch.set_num_threads(1)
     return seconds
 
@@ -162,7 +160,7 @@ def timed(comm, named: Dict[str, Mask], args: dict) -> List[dict]:
         for algorithm in ALGORITHMS:
             step = _step(comm, full, mask, algorithm)
             step()
-            times[algorithm] = _slowest(world, step, args["repeats"])
+            times[algorithm] = best_slowest(world, step, args["repeats"])
         share = routes(mask, balanced.solve(mask, comm.size)).busiest_share()
         auto = "sparse" if share <= SPARSE_SHARE else "ring"   # what method="auto" runs
         plan = hybrid.plan(comm, mask.length, args["heads"], args["kv_heads"], args["head_dim"],
@@ -187,7 +185,7 @@ def timed(comm, named: Dict[str, Mask], args: dict) -> List[dict]:
               help="torch threads of the one-process SDPA (the launch's cores).")
 @click.option("--repeats", default=2, show_default=True)
 @click.option("--solver-tokens", default=2 ** 20, show_default=True)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@json_option
 def main(seq: int, heads: int, kv_heads: int, head_dim: int, threads: int, repeats: int,
          solver_tokens: int, json_path: Optional[str]) -> None:
     """Balance, bytes, solver speed and masked attention against SDPA."""
@@ -227,9 +225,7 @@ def main(seq: int, heads: int, kv_heads: int, head_dim: int, threads: int, repea
         if row["sdpa_is_causal_s"]:
             click.echo(f"{'':28s} against SDPA is_causal=True {row['sdpa_is_causal_s']:.2f} s: "
                        f"commlib {row['auto_s'] / row['sdpa_is_causal_s']:.2f}x")
-    if json_path:
-        with open(json_path, "w") as handle:
-            json.dump({**computed, "timed": rows}, handle, indent=2)
+    write_json(json_path, {**computed, "timed": rows}, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Ulysses and the planner on this machine, as ratios against baselines run
 in the same launch.
 
-    OPENBLAS_NUM_THREADS=1 mpiexec -n 2 python -m commlib.tools.bench_ulysses relayout fused
-    OPENBLAS_NUM_THREADS=1 mpiexec -n 4 python -m commlib.tools.bench_ulysses relayout fused planner
+    OPENBLAS_NUM_THREADS=1 mpiexec -n 2 python -m commlib.tools.bench.ulysses relayout fused
+    OPENBLAS_NUM_THREADS=1 mpiexec -n 4 python -m commlib.tools.bench.ulysses relayout fused planner
 
 - relayout: ``seq_to_head`` of [1, 8192, 16, 128] float32 against the same
   relayout written by hand: NumPy pack, mpi4py ``Alltoall``, NumPy unpack.
@@ -16,9 +16,7 @@ in the same launch.
 from __future__ import annotations
 
 import functools
-import json
-import time
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import click
 import numpy as np
@@ -26,27 +24,8 @@ from mpi4py import MPI
 
 import commlib
 from commlib import hybrid, ulysses
+from commlib.tools.bench.timing import interleaved_medians, json_option, write_json
 from commlib.ulysses.relayout import divisors
-
-
-def _slowest(world: MPI.Comm, call: Callable[[], object], repeats: int) -> float:
-    """Best over ``repeats`` of the slowest rank's time, interleaving-safe."""
-    best = float("inf")
-    for _ in range(repeats):
-        world.Barrier()
-        start = time.perf_counter()
-        call()
-        best = min(best, world.allreduce(time.perf_counter() - start, op=MPI.MAX))
-    return best
-
-
-def _interleaved(world, calls: List[Callable[[], object]], repeats: int) -> List[float]:
-    """Median time of each call, the calls alternating within every round."""
-    times = [[] for _ in calls]
-    for _ in range(repeats):
-        for i, call in enumerate(calls):
-            times[i].append(_slowest(world, call, 1))
-    return [float(np.median(t)) for t in times]
 
 
 def by_hand(world: MPI.Comm, x: np.ndarray) -> np.ndarray:
@@ -66,8 +45,8 @@ def relayout(comm, world, repeats: int) -> List[dict]:
     raw = world.Dup()
     if not np.array_equal(ulysses.seq_to_head(x, comm), by_hand(raw, x)):
         raise AssertionError("seq_to_head differs from the hand-written relayout")
-    t_lib, t_hand = _interleaved(world, [lambda: ulysses.seq_to_head(x, comm),
-                                         lambda: by_hand(raw, x)], repeats)
+    t_lib, t_hand = interleaved_medians(world, [lambda: ulysses.seq_to_head(x, comm),
+                                                lambda: by_hand(raw, x)], repeats)
     raw.Free()
     return [{"test": "relayout", "ranks": comm.size, "shape": [1, 8192, 16, 128],
              "commlib_s": t_lib, "by_hand_s": t_hand, "ratio": t_lib / t_hand}]
@@ -81,7 +60,7 @@ def fused(comm, world, repeats: int) -> List[dict]:
         k = rng.standard_normal((1, seq // comm.size, 4, 64), dtype=np.float32) \
             if comm.size <= 4 else q
         v = k.copy()
-        t_three, t_one = _interleaved(world, [  # sub-millisecond calls: many rounds
+        t_three, t_one = interleaved_medians(world, [  # sub-millisecond calls: many rounds
             lambda q=q, k=k, v=v: [ulysses.seq_to_head(t, comm) for t in (q, k, v)],
             functools.partial(ulysses.seq_to_head_many, [q, k, v], comm)], 40 * repeats)
         rows.append({"test": "fused", "ranks": comm.size, "seq": seq, "three_calls_s": t_three,
@@ -102,7 +81,7 @@ def planner(comm, world, repeats: int, seq: int = 4096, head_dim: int = 64) -> L
         pick = hybrid.plan(comm, seq, heads, kv_heads, head_dim, itemsize=4, causal=False,
                            layout="contiguous", methods=("ring",))
         allowed = [c.ulysses_size for c in pick.candidates]
-        times = dict(zip(allowed, _interleaved(world, [
+        times = dict(zip(allowed, interleaved_medians(world, [
             functools.partial(hybrid.hybrid_attention, q, k, v, comm, u, layout="contiguous",
                               causal=False)
             for u in allowed],
@@ -144,7 +123,7 @@ TESTS = {"relayout": relayout, "fused": fused, "planner": planner}
 @click.command()
 @click.argument("tests", nargs=-1, type=click.Choice(sorted(TESTS)))
 @click.option("--repeats", default=5, show_default=True)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@json_option
 def main(tests, repeats: int, json_path: Optional[str]) -> None:
     """Ulysses relayout and planner benchmarks; run under mpiexec."""
     world = MPI.COMM_WORLD
@@ -156,9 +135,7 @@ def main(tests, repeats: int, json_path: Optional[str]) -> None:
         for row in TESTS[name](comm, world, repeats):
             rows.append(row)
             say(describe(row), flush=True)
-    if json_path and comm.rank == 0:
-        with open(json_path, "w") as f:
-            json.dump(rows, f, indent=1, default=str)
+    write_json(json_path, rows, comm.rank, default=str)
     comm.free()
 
 

@@ -1,9 +1,9 @@
 """Context parallelism for recurrent mixers (issue 39): what it moves and
 what it costs.
 
-    mpiexec -bind-to core -n 2 python -m commlib.tools.bench_recurrent bytes
-    mpiexec -bind-to core -n 2 python -m commlib.tools.bench_recurrent mixers
-    mpiexec -bind-to core -n 2 python -m commlib.tools.bench_recurrent train
+    mpiexec -bind-to core -n 2 python -m commlib.tools.bench.recurrent bytes
+    mpiexec -bind-to core -n 2 python -m commlib.tools.bench.recurrent mixers
+    mpiexec -bind-to core -n 2 python -m commlib.tools.bench.recurrent train
 
 ``bytes``: the bytes a rank receives for one layer's forward and backward
 (``incoming_state``, its backward, the convolution's ``halo`` and its
@@ -31,9 +31,13 @@ import commlib
 from commlib import recurrent
 from commlib.bindings.torch import gated_delta_rule, mamba2_scan
 from commlib.ring import shard_sequence
-from commlib.tools.bench_attention import first_rank_alone
-from commlib.tools.bench_moe import _json_option, _report
-from commlib.tools.bench_ulysses import _slowest
+from commlib.tools.bench.timing import (
+    best_local,
+    best_slowest,
+    first_rank_alone,
+    json_option,
+    write_json,
+)
 
 
 class _CountingComm:
@@ -71,7 +75,7 @@ def main() -> None:
 @click.option("--channels", default=8192, show_default=True,
               help="The convolution's channels (q, k and v together).")
 @click.option("--layout", default="zigzag", show_default=True)
-@_json_option
+@json_option
 def moved(lengths: str, heads: int, head_dim: int, channels: int, layout: str,
           json_path: Optional[str]) -> None:
     """Bytes received per rank for one Gated DeltaNet layer (float32 state
@@ -101,7 +105,7 @@ def moved(lengths: str, heads: int, head_dim: int, channels: int, layout: str,
         say(f"{length:>8} tokens: recurrent layer {counting.received / 2**20:8.2f} MiB "
             f"(state forward {forward / 2**20:.2f}); ring attention K/V forward "
             f"{kv / 2**20:10.2f} MiB", flush=True)
-    _report(say, rows, json_path, comm.rank)
+    write_json(json_path, rows, comm.rank)
     comm.free()
 
 
@@ -139,7 +143,7 @@ def _forward_backward(run: Callable[..., torch.Tensor], tensors: List[Any]) -> C
 @click.option("--threads", default=2, show_default=True,
               help="Threads of the one-process reference (every core).")
 @click.option("--repeats", default=3, show_default=True)
-@_json_option
+@json_option
 def mixers(length: int, heads: int, head_dim: int, state: int, layout: str, threads: int,
            repeats: int, json_path: Optional[str]) -> None:
     """Forward + backward of each sharded mixer against transformers'
@@ -171,18 +175,18 @@ def mixers(length: int, heads: int, head_dim: int, state: int, layout: str, thre
             torch.set_num_threads(threads)
             call = _forward_backward(alone, full)
             call()
-            best = min(_timed(call) for _ in range(repeats))
+            best = best_local(call, repeats)
             torch.set_num_threads(1)
             return best
         reference = first_rank_alone(world, one_process)
         call = _forward_backward(sharded, shards)
         call()
-        ours = _slowest(world, call, repeats)
+        ours = best_slowest(world, call, repeats)
         rows.append({"mixer": name, "sharded_s": ours, "one_process_s": reference})
         say(f"{name}: sharded {ours * 1e3:.1f} ms, one process {reference * 1e3:.1f} ms "
             f"(speedup {reference / ours:.2f}x on {comm.size} ranks)", flush=True)
     _state_against_allgather(world, comm, heads, head_dim, layout, repeats, say, rows)
-    _report(say, rows, json_path, comm.rank)
+    write_json(json_path, rows, comm.rank)
     comm.free()
 
 
@@ -194,7 +198,7 @@ def mixers(length: int, heads: int, head_dim: int, state: int, layout: str, thre
 @click.option("--threads", default=2, show_default=True,
               help="Threads of the one-process reference (every core).")
 @click.option("--repeats", default=2, show_default=True)
-@_json_option
+@json_option
 def train(seq: int, hidden: int, layers: int, threads: int, repeats: int,
           json_path: Optional[str]) -> None:
     """A Qwen3-Next-shaped model's training step (forward, backward, the
@@ -234,7 +238,7 @@ def train(seq: int, hidden: int, layers: int, threads: int, repeats: int,
         def step() -> None:
             model(input_ids=data, labels=data).loss.backward()
         step()
-        best = min(_timed(step) for _ in range(repeats))
+        best = best_local(step, repeats)
         torch.set_num_threads(1)
         return best
     reference = first_rank_alone(world, one_process)
@@ -245,19 +249,13 @@ def train(seq: int, hidden: int, layers: int, threads: int, repeats: int,
         model(**shard).loss.backward()
         cht.allreduce_gradients(model, comm)
     sharded()
-    ours = _slowest(world, sharded, repeats)
+    ours = best_slowest(world, sharded, repeats)
     say(f"bench_recurrent train: Qwen3-Next-shaped, {layers} layers (hidden {hidden}), "
         f"{seq} tokens: {comm.size} ranks x 1 thread {ours:.2f} s per step, one process x "
         f"{threads} threads {reference:.2f} s (speedup {reference / ours:.2f}x)")
-    _report(say, [{"seq": seq, "sharded_s": ours, "one_process_s": reference}], json_path,
-            comm.rank)
+    write_json(json_path, [{"seq": seq, "sharded_s": ours, "one_process_s": reference}],
+               comm.rank)
     comm.free()
-
-
-def _timed(call: Callable[[], None]) -> float:
-    start = MPI.Wtime()
-    call()
-    return MPI.Wtime() - start
 
 
 def _state_against_allgather(world, comm, heads: int, head_dim: int, layout: str, repeats: int,
@@ -269,9 +267,9 @@ def _state_against_allgather(world, comm, heads: int, head_dim: int, layout: str
     transition = torch.randn(count, 1, heads, head_dim, head_dim) / head_dim
     pairs = np.zeros(2 * offset.numel(), np.float32)
     gathered = np.empty(comm.size * pairs.size, np.float32)
-    ours = _slowest(world, lambda: recurrent.incoming_state(transition, offset, comm,
-                                                            layout=layout), repeats * 5)
-    bare = _slowest(world, lambda: world.Allgather(pairs, gathered), repeats * 5)
+    ours = best_slowest(world, lambda: recurrent.incoming_state(transition, offset, comm,
+                                                                layout=layout), repeats * 5)
+    bare = best_slowest(world, lambda: world.Allgather(pairs, gathered), repeats * 5)
     rows.append({"call": "incoming_state", "us": ours * 1e6, "allgather_us": bare * 1e6})
     say(f"incoming_state ({heads} x {head_dim} x {head_dim} float32 a piece, {count} "
         f"piece(s) a rank): {ours * 1e6:.0f} us; bare Allgather {bare * 1e6:.0f} us "

@@ -1,7 +1,7 @@
 """Long-context generation with commlib's sharded KV cache against the same
 model's ``model.generate`` in one process on the same cores, in one launch.
 
-    mpiexec -n 2 python -m commlib.tools.bench_inference
+    mpiexec -n 2 python -m commlib.tools.bench.inference
 
 First rank 0 alone (the other ranks wait without spinning) runs
 ``model.generate`` with SDPA and ``--threads`` torch threads (all the
@@ -19,7 +19,6 @@ cores); then every rank, one thread each, runs
 
 from __future__ import annotations
 
-import json
 from typing import Dict, Optional
 
 import click
@@ -29,8 +28,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import commlib
 from commlib.bindings import transformers as cht
-from commlib.tools.bench_attention import first_rank_alone
-from commlib.tools.bench_ulysses import _slowest
+from commlib.tools.bench.timing import best_slowest, first_rank_alone, json_option, write_json
 
 
 def _model(hidden: int, heads: int, kv_heads: int, layers: int, positions: int):
@@ -56,8 +54,8 @@ def _alone(model, ids, new: int, threads: int, repeats: int) -> Dict[str, object
             return model.generate(ids, max_new_tokens=count, do_sample=False,
                                   return_dict_in_generate=True)
     run(2)  # warm-up
-    prefill = _slowest(single, lambda: run(1), repeats)
-    whole = _slowest(single, lambda: run(1 + new), repeats)
+    prefill = best_slowest(single, lambda: run(1), repeats)
+    whole = best_slowest(single, lambda: run(1 + new), repeats)
     out = run(1 + new)
     cache = out.cache if hasattr(out, "cache") else out.past_key_values
     return {"prefill_s": prefill, "decode_s_per_token": (whole - prefill) / new,
@@ -73,8 +71,8 @@ def _sharded(comm, model, ids, new: int, repeats: int) -> Dict[str, object]:
         return cht.generate(model, ids, comm, max_new_tokens=count,
                             return_dict_in_generate=True)
     run(2)
-    prefill = _slowest(world, lambda: run(1), repeats)
-    whole = _slowest(world, lambda: run(1 + new), repeats)
+    prefill = best_slowest(world, lambda: run(1), repeats)
+    whole = best_slowest(world, lambda: run(1 + new), repeats)
     out = run(1 + new)
     cache = out.cache if hasattr(out, "cache") else out.past_key_values
     return {"prefill_s": prefill, "decode_s_per_token": (whole - prefill) / new,
@@ -95,7 +93,7 @@ def _sharded(comm, model, ids, new: int, repeats: int) -> Dict[str, object]:
 @click.option("--repeats", default=2, show_default=True)
 @click.option("--memory-mib", default=1024, show_default=True,
               help="KV cache budget per process for the longest-context line.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@json_option
 def main(seq: int, new: int, hidden: int, heads: int, kv_heads: int, layers: int,
          threads: int, repeats: int, memory_mib: int, json_path: Optional[str]) -> None:
     """Prefill, decode per token, KV bytes per rank and the longest context
@@ -137,9 +135,7 @@ def main(seq: int, new: int, hidden: int, heads: int, kv_heads: int, layers: int
         f"longest context, {memory_mib} MiB KV  {result['longest_context_sharded']} tokens "
         f"vs {result['longest_context_alone']} alone\n"
         f"same greedy tokens            {result['same_tokens']}")
-    if json_path:
-        with open(json_path, "w") as handle:
-            json.dump(result, handle, indent=2)
+    write_json(json_path, result, indent=2)
 
 
 if __name__ == "__main__":

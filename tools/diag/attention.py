@@ -1,8 +1,8 @@
 """``commlib diag ring`` and ``commlib diag ulysses``: where an attention
 shape's time goes on this launch, next to what the planner would pick.
 
-    mpiexec -n 2 python -m commlib.tools.diag_attention ring --seq 4096 --causal
-    mpiexec -n 2 python -m commlib.tools.diag_attention ulysses --heads 8
+    mpiexec -n 2 python -m commlib.tools.diag.attention ring --seq 4096 --causal
+    mpiexec -n 2 python -m commlib.tools.diag.attention ulysses --heads 8
 
 ``ring`` replays ring_attention's schedule step by step (the same exchange,
 block kernel, merge and causal visibility), so that each step's compute and

@@ -1,8 +1,8 @@
 """A transformers model trained with commlib's Ring Attention against the same
 model with PyTorch's SDPA in one process on the same cores.
 
-    OPENBLAS_NUM_THREADS=1 mpiexec -bind-to core -n 2 python -m commlib.tools.bench_transformers
-    python -m commlib.tools.bench_transformers --alone --threads 2   # sdpa, one process
+    OPENBLAS_NUM_THREADS=1 mpiexec -bind-to core -n 2 python -m commlib.tools.bench.transformers
+    python -m commlib.tools.bench.transformers --alone --threads 2   # sdpa, one process
 
 A tiny Llama (hidden 512, 8 heads, 4 layers by default), one sequence,
 forward + backward (+ the gradient sum over ranks), best of ``--repeats``
@@ -19,7 +19,7 @@ import click
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from .bench_gpu import _best
+from commlib.tools.bench.timing import best_local
 
 
 def _model(hidden: int, heads: int, layers: int, seq: int, attn: str):
@@ -61,7 +61,8 @@ def main(seq: int, hidden: int, heads: int, layers: int, repeats: int, threads: 
 
         def step():
             model(input_ids=data, labels=data).loss.backward()
-        seconds = _best(step, "cpu", repeats)
+        step()
+        seconds = best_local(step, repeats)
         print(f"sdpa, one process, {threads} threads, seq {seq}: {seconds:.3f} s per step, "
               f"peak RSS {_peak_mib():.0f} MiB")
         print("  top operators by self CPU time:\n" + _top_ops(step))
@@ -79,7 +80,8 @@ def main(seq: int, hidden: int, heads: int, layers: int, repeats: int, threads: 
         comm.barrier()  # the ranks start together
         model(**shard).loss.backward()
         cht.allreduce_gradients(model, comm)
-    seconds = _best(step, "cpu", repeats)
+    step()
+    seconds = best_local(step, repeats)
     ops = _top_ops(step)
     peaks = comm.allgather(torch.tensor([_peak_mib()]))
     if comm.rank == 0:

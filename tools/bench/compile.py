@@ -1,7 +1,7 @@
 """torch.compile over commlib, and what one commlib call costs at small sizes.
 
-    OPENBLAS_NUM_THREADS=1 mpiexec -n 2 python -m commlib.tools.bench_compile
-    mpiexec -n 2 python -m commlib.tools.bench_compile blocks --seq 256 --repeats 5
+    OPENBLAS_NUM_THREADS=1 mpiexec -n 2 python -m commlib.tools.bench.compile
+    mpiexec -n 2 python -m commlib.tools.bench.compile blocks --seq 256 --repeats 5
 
 - blocks: a training step (forward + backward) of a Llama decoder block and
   a Qwen3-MoE decoder block (its experts held by every rank: the

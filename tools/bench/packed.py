@@ -1,8 +1,8 @@
 """Context parallelism on real data, as ratios against baselines run in the
 same launch (torch tensors: the fused CPU SDPA kernels; one thread a rank).
 
-    mpiexec -bind-to core -n 2 python -m commlib.tools.bench_packed balance packed allgather
-    python -m commlib.tools.bench_packed sdpa --threads 2
+    mpiexec -bind-to core -n 2 python -m commlib.tools.bench.packed balance packed allgather
+    python -m commlib.tools.bench.packed sdpa --threads 2
 
 - balance: causal work (visible query-key pairs) of the busiest rank over
   the mean, for documents of long-tailed lengths summing to ``--tokens``,
@@ -21,8 +21,6 @@ same launch (torch tensors: the fused CPU SDPA kernels; one thread a rank).
 
 from __future__ import annotations
 
-import json
-import time
 from typing import List, Optional
 
 import click
@@ -34,7 +32,7 @@ import commlib
 from commlib import hybrid, ring
 from commlib.sequence.documents import needed_length, packing_for
 from commlib.sequence.visibility import blocks, bounds
-from commlib.tools.bench_ulysses import _slowest
+from commlib.tools.bench.timing import best_local, best_slowest, json_option, write_json
 
 
 def long_tailed_documents(tokens: int, longest: int, seed: int = 0) -> np.ndarray:
@@ -99,7 +97,7 @@ def packed(world, comm, offsets, args) -> List[dict]:
     runs = {"zigzag_docs": _step(comm, full, "zigzag_docs", {"cu_seqlens": cu}),
             "zigzag": _step(comm, full, "zigzag", {"cu_seqlens": cu}),
             "padded": _step(comm, padded, "zigzag", {})}
-    times = {name: _slowest(world, run, args["repeats"]) for name, run in runs.items()}
+    times = {name: best_slowest(world, run, args["repeats"]) for name, run in runs.items()}
     row = {"test": "packed", "ranks": size, "tokens": int(offsets[-1]),
            "documents": len(lengths), "longest": int(lengths.max()), "heads": heads,
            "dim": dim, **{f"{name}_s": t for name, t in times.items()},
@@ -114,7 +112,7 @@ def sdpa(world, comm, offsets, args) -> List[dict]:
         raise click.UsageError("sdpa is the one-process baseline: run it without mpiexec")
     torch.set_num_threads(args["threads"])
     full = _qkv(1, int(offsets[-1]), args["heads"], args["heads"], args["head_dim"])
-    seconds = _best_local(lambda: _sdpa_documents(full, offsets), args["repeats"])
+    seconds = best_local(lambda: _sdpa_documents(full, offsets), args["repeats"])
     return [{"test": "sdpa", "threads": args["threads"], "tokens": int(offsets[-1]),
              "documents": len(offsets) - 1, "seconds": seconds}]
 
@@ -127,22 +125,13 @@ def _sdpa_documents(full, offsets) -> None:
     torch.cat(outs, dim=2).sum().backward()
 
 
-def _best_local(call, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def allgather(world, comm, offsets, args) -> List[dict]:
     rows = []
     heads, dim, seq = args["heads"], args["head_dim"], args["seq"]
     for kv_heads in (heads // 8, heads):
         full = _qkv(1, seq, heads, kv_heads, dim)
-        times = {method: _slowest(world, _step(comm, full, "zigzag", {"method": method}),
-                                  args["repeats"]) for method in ("ring", "allgather")}
+        times = {method: best_slowest(world, _step(comm, full, "zigzag", {"method": method}),
+                                      args["repeats"]) for method in ("ring", "allgather")}
         plan = hybrid.plan(comm, seq, heads, kv_heads, dim, itemsize=4, causal=True,
                            layout="zigzag")
         as_ring = min((c for c in plan.candidates if c.ulysses_size == 1),
@@ -192,7 +181,7 @@ def describe(row: dict) -> str:
 @click.option("--head-dim", default=64, show_default=True)
 @click.option("--threads", default=2, show_default=True, help="Torch threads (sdpa).")
 @click.option("--repeats", default=2, show_default=True, help="Best of this many runs.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@json_option
 def main(tests, tokens: int, longest: int, seq: int, heads: int, head_dim: int, threads: int,
          repeats: int, json_path: Optional[str]) -> None:
     """Packed documents, per-document balance and the all-gather mode."""
@@ -207,9 +196,7 @@ def main(tests, tokens: int, longest: int, seq: int, heads: int, head_dim: int, 
     if comm.rank == 0:
         for row in rows:
             click.echo(describe(row))
-        if json_path:
-            with open(json_path, "w") as handle:
-                json.dump(rows, handle, indent=1)
+    write_json(json_path, rows, comm.rank)
     comm.free()
 
 

@@ -1,0 +1,3 @@
+"""The benchmarks, run on your own fabric under mpiexec, e.g.
+``mpiexec -n 2 python -m commlib.tools.bench.moe throughput`` (docs/benchmarks.md).
+Each times its contenders in the same launch through ``timing``; none imports another."""
