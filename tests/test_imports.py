@@ -115,7 +115,7 @@ def test_every_module_imports_first():
 
 def test_the_file_map_matches_the_tree():
     """docs/architecture.md's file map: every path it names exists, and every
-    module of commlib/ and bindings/ is named (a folder row names its files)."""
+    module of commlib/, bindings/ and tools/ is named (a folder row names its files)."""
     root = ARCHITECTURE.parents[1]
     text = ARCHITECTURE.read_text()
     rows = re.findall(r"^\| `([\w/.]+)` \| (.*) \|$", text[text.index("## File map"):],
@@ -127,7 +127,7 @@ def test_the_file_map_matches_the_tree():
         if path.endswith("/"):
             named |= {path + name for name in re.findall(r"`([\w]+\.py)`", what)
                       if (root / path / name).exists()}
-    for folder in ("commlib", "bindings"):
+    for folder in ("commlib", "bindings", "tools"):
         for module in (root / folder).rglob("*.py"):
             relative = module.relative_to(root).as_posix()
             folder_row = relative.rsplit("/", 1)[0] + "/"

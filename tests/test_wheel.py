@@ -3,6 +3,7 @@ listed: a new subpackage cannot go missing from it), and the ``commlib``
 command it declares starts from the wheel's own files."""
 
 import configparser
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -16,9 +17,13 @@ FOLDERS = {"commlib": "commlib", "bindings": "commlib/bindings", "tools": "comml
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
-    out = tmp_path_factory.mktemp("wheel")
+    """Built from a copy of the tree: setuptools reuses a checkout's build/
+    folder, which can hold modules the tree no longer has."""
+    source, out = tmp_path_factory.mktemp("source") / "commlib", tmp_path_factory.mktemp("wheel")
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", "build", "*.egg-info", ".*venv*", "__pycache__", ".*_cache", ".hypothesis"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(out), str(ROOT)], check=True, timeout=300)
+                    "-q", "-w", str(out), str(source)], check=True, timeout=300)
     (built,) = out.glob("commlib-*.whl")
     return built
 
