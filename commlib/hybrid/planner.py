@@ -235,7 +235,7 @@ def _by(method: str, ring: int) -> str:
 
 
 # -- the probe ------------------------------------------------------------------------
-def _slowest(world, calls: Sequence[Optional[Callable[[], object]]], samples: int,
+def _probe_samples(world, calls: Sequence[Optional[Callable[[], object]]], samples: int,
              warm_up: bool = True) -> np.ndarray:
     """[samples, calls] seconds: per sample, each call's time on the slowest
     rank of ``world``. The calls alternate within each sample (drift hits
@@ -265,7 +265,7 @@ def _link(world, transfer: Optional[Callable[[int], Callable[[], object]]],
     not told apart is only a lower bound (``Link``)."""
     for large, samples in _PROBE_LADDER:
         calls = [None, None] if transfer is None else [transfer(_PROBE_SMALL), transfer(large)]
-        times = _slowest(world, calls, samples)
+        times = _probe_samples(world, calls, samples)
         small_s, large_s = np.median(times, axis=0)
         noise = float(np.max(np.median(np.abs(times - [small_s, large_s]), axis=0)))
         gap, threshold = large_s - small_s, max(_NOISE_DEVIATIONS * noise, small_s)
@@ -339,9 +339,10 @@ def probe(comm) -> Fabric:
     alltoall, hop = inside
     # long enough (tens of ms) that ranks sharing a core show it
     q = np.random.default_rng(0).standard_normal((1, 1024, 4, 64), dtype=np.float32)
-    t_kernel = np.median(_slowest(comm, [lambda: attention_forward(q, q, q, False)], 3, False))
+    t_kernel = np.median(_probe_samples(comm, [lambda: attention_forward(q, q, q, False)], 3,
+                                        False))
     block = np.zeros(4 * 2**20 // 4, np.float32)
-    t_copy = np.median(_slowest(comm, [block.copy], 5))
+    t_copy = np.median(_probe_samples(comm, [block.copy], 5))
     bounds = tuple(name for name, link in (("all-to-all", alltoall), ("ring hop", hop))
                    if not link.resolved)
     fabric = Fabric(alltoall.latency, alltoall.bandwidth, hop.latency, hop.bandwidth,
