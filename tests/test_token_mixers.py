@@ -170,3 +170,36 @@ def test_a_model_that_cannot_run_on_tokens_alone_is_named():
     model.model.layers[0].mlp.forward = lambda hidden_states: 1 / 0
     with pytest.raises(ValueError, match="runs LlamaForCausalLM once on 13 random tokens"):
         token_mixers(model, parallel=lambda module: False)
+
+
+class Reads(torch.nn.Module):
+    """A made-up mixer around an MLP: ``weight`` times the token ``offset``
+    places before each (the first token, when offset is None)."""
+
+    def __init__(self, inner, offset, weight):
+        super().__init__()
+        self.inner, self.offset, self.weight = inner, offset, weight
+
+    def forward(self, hidden_states):
+        if self.offset is None:
+            read = hidden_states[:, :1].expand_as(hidden_states)
+        else:
+            read = torch.roll(hidden_states, self.offset, dims=1)
+            read[:, :self.offset] = 0
+        return self.inner(hidden_states + self.weight * read)
+
+
+@pytest.mark.parametrize("offset, weight, dtype", [
+    (None, 1.0, torch.float32),     # every token reads the first
+    (8, 1.0, torch.float32),        # a dilated read, past the middle
+    (1, 0.003, torch.bfloat16),     # a small weight, in 16 bits
+])
+def test_mixers_far_apart_or_faint_are_found(offset, weight, dtype):
+    model = tiny(FAMILIES["llama"][0]()).to(dtype)
+    model.model.layers[0].mlp = Reads(model.model.layers[0].mlp, offset, weight)
+    assert ("model.layers.0.mlp", "Reads", "unknown") in found(model)
+
+
+def test_a_bfloat16_model_s_token_local_layers_are_not_mistaken():
+    assert found(tiny(FAMILIES["qwen3_moe"][0]()).to(torch.bfloat16)) == \
+        FAMILIES["qwen3_moe"][1]

@@ -36,7 +36,7 @@ from commlib.ulysses.relayout import check_heads
 from ..torch import hybrid_attention, ring_attention, ulysses_attention
 
 __all__ = ["register_attention", "layout_of", "LAYOUTS", "PositionCheck", "mark_checked",
-           "is_checked"]
+           "model_check", "forget_checked", "is_checked"]
 
 # the sequence layout of each implementation (shard_batch shards in it): the
 # ring and the hybrid balance causal work with zigzag shards; Ulysses gathers
@@ -49,8 +49,7 @@ LAYOUTS = {"commlib_ring": "zigzag", "commlib_ring_docs": "zigzag_docs",
 # inputs travel through the model's **kwargs; the longest document is
 # flash-attention's, commlib reads the offsets), and output switches.
 BOOKKEEPING = frozenset({"position_ids", "use_cache", "num_items_in_batch", "shift_labels",
-                         "output_hidden_states", "output_router_logits", "max_length_q",
-                         "max_length_k"})
+                         "output_hidden_states", "max_length_q", "max_length_k"})
 
 # read by the attention function itself (the packed documents)
 DOCUMENTS = ("cu_seq_lens_q", "cu_seq_lens_k")
@@ -64,6 +63,8 @@ UNSUPPORTED = {
     "output_attentions": "returning attention weights",
     "seq_idx": "per-token sequence indices (packed sequences travel as cu_seq_lens_q/k: "
                "shard_batch makes them from position_ids)",
+    "output_router_logits": "the routers' load-balancing loss (each rank would count its "
+                            "own tokens' and add it to its share of the loss)",
 }
 
 # attend(q, k, v, causal=, softmax_scale=, cu_seqlens=, window=) on [b, s_local, h, d] shards
@@ -197,33 +198,68 @@ def _check_model_checked(name: str, module: torch.nn.Module) -> None:
     """A sharded batch may reach only a model whose every token-mixing
     layer is context-parallel, which ``shard_batch`` checks (the model is
     the same on every rank, so every rank raises). A batch sharded by other
-    means reaches a model nobody checked: refused. A compiled step trusts
-    the eager step before it (a dict read by id breaks the graph)."""
-    if torch.compiler.is_compiling() or is_checked(getattr(module, "config", None)):
-        return
-    raise ValueError(f"{name}: this model was not checked for layers that mix tokens along the "
-                     f"sequence (a convolution or recurrence would read nothing beyond its "
-                     f"shard's edges): make its batch with commlib.bindings.transformers."
-                     f"shard_batch(batch, comm, attn_implementation=model), which checks it")
+    means, a model nobody checked (another built from the same config, say),
+    or a model changed since its check is refused. Under torch.compile the
+    check runs when the graph is traced."""
+    checked = _checked_when_traced(module) if torch.compiler.is_compiling() else \
+        is_checked(module)
+    if not checked:
+        raise ValueError(f"{name}: this model was not checked for layers that mix tokens along "
+                         f"the sequence, or changed since (a convolution or recurrence would "
+                         f"read nothing beyond its shard's edges): make its batch with "
+                         f"commlib.bindings.transformers.shard_batch(batch, comm, "
+                         f"attn_implementation=model), which checks it")
 
 
-# the configs of checked models' attention layers, kept beside them, not in them: a config
-# attribute would be saved with the model and vouch for a model loaded from it unchecked
-_checked: Dict[int, "weakref.ref[Any]"] = {}
+@torch.compiler.assume_constant_result
+def _checked_when_traced(module: torch.nn.Module) -> bool:
+    return is_checked(module)
 
 
-def mark_checked(config: Any, checked: bool) -> None:
-    """Whether the model of this attention layer's ``config`` passed
-    ``_model_check`` when it last ran."""
-    if checked:
-        _checked[id(config)] = weakref.ref(config, lambda _: _checked.pop(id(config), None))
-    else:
-        _checked.pop(id(config), None)
+class _Check:
+    """A model's check, shared by its attention layers: whether the model is
+    still the one checked (``still`` None: a layer vouched for alone), asked
+    again at its first attention layer, so once per forward."""
+
+    def __init__(self, still: Optional[Callable[[], bool]], first: Optional[int]):
+        self.still, self.first, self.held = still, first, None
+
+    def holds(self, module: torch.nn.Module) -> bool:
+        if self.still is None:
+            return True
+        if self.held is None or id(module) == self.first:
+            self.held = self.still()
+        return self.held
 
 
-def is_checked(config: Any) -> bool:
-    ref = _checked.get(id(config))
-    return ref is not None and ref() is config
+# checked attention layers, kept beside them, not in their config: a config attribute would be
+# saved with the model and vouch for a model loaded from it unchecked (or built from it twice)
+_checked: Dict[int, Tuple["weakref.ref[Any]", _Check]] = {}
+
+
+def mark_checked(module: torch.nn.Module, check: Optional[_Check] = None) -> None:
+    """Vouch for an attention layer: its model passed the check
+    (``_model_check``: ``check`` says whether the model is unchanged since),
+    or, ``check`` None, a layer used alone, with no model around it to check
+    (a test, a benchmark)."""
+    key = id(module)
+    _checked[key] = (weakref.ref(module, lambda _: _checked.pop(key, None)),
+                     check or _Check(None, None))
+
+
+def model_check(still: Callable[[], bool], first: torch.nn.Module) -> _Check:
+    """The check its attention layers share: ``still()`` whether the model is
+    unchanged, asked at ``first`` (its first attention layer)."""
+    return _Check(still, id(first))
+
+
+def forget_checked(module: torch.nn.Module) -> None:
+    _checked.pop(id(module), None)
+
+
+def is_checked(module: Any) -> bool:
+    entry = _checked.get(id(module))
+    return entry is not None and entry[0]() is module and entry[1].holds(module)
 
 
 class PositionCheck:
@@ -253,12 +289,20 @@ class PositionCheck:
             want = torch.as_tensor(positions_of(packing, self.comm.rank))
             given = position_ids.detach().reshape(-1, local_length)[0].cpu()
             if not torch.equal(given, want.to(given.dtype)):
+                at = int((given != want.to(given.dtype)).nonzero()[0, 0]) \
+                    if given.shape == want.shape else 0
                 problem = ValueError(
                     f"{self.name} reads shards in the {self.layout} layout, but this rank's "
-                    f"position_ids {reprlib.repr(given.tolist())} are not its positions in "
-                    f"that layout {reprlib.repr(want.tolist())}: the batch was sharded for "
-                    f"another layout. Make it with shard_batch(batch, comm, "
-                    f"attn_implementation={self.name!r}) (or pass the model)")
+                    f"position_ids are not its positions in that layout ({given.shape[0]} "
+                    f"given, {want.shape[0]} expected; from index {at}: "
+                    f"{reprlib.repr(given[at:].tolist())} given, "
+                    f"{reprlib.repr(want[at:].tolist())} expected): "
+                    + ("the batch was sharded for another layout, or the model does not pass "
+                       "the documents shard_batch adds (cu_seq_lens_q) on to its attention, "
+                       "which then cannot tell padding and documents apart (not supported). "
+                       if cu_seqlens is None else
+                       "the batch was sharded for another layout. ")
+                    + "Make the batch with shard_batch(batch, comm, attn_implementation=model)")
         except ValueError as error:
             problem = error
         self.comm.agree(f"{self.name} positions", problem=problem)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import reprlib
 from typing import Any, Dict, List
 
+import numpy as np
 import torch
 
 from commlib.ring import shard_sequence
@@ -86,7 +87,10 @@ def shard_batch(batch: Dict[str, Any], comm, *,
                          f"{model!r}: it checks that every layer of the model that mixes "
                          f"tokens along the sequence runs on shards; a name says nothing of "
                          f"the model's other layers (docs/transformers.md)")
-    check_model(model, comm, before="shard_batch")
+    input_ids = batch.get("input_ids")
+    offsets = _offsets(batch, input_ids.shape[1]) if isinstance(input_ids, torch.Tensor) else None
+    check_model(model, comm, before="shard_batch", training=True,
+                longest=None if offsets is None else max(np.diff(offsets), default=0))
     return sharded_batch(batch, comm, layout=layout_of(model))
 
 

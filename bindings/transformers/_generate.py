@@ -266,7 +266,8 @@ def _input_problem(model, input_ids: torch.Tensor, cache: Optional[ShardedKVCach
                    plan: _Plan, name: str, comm, prefill_method: str,
                    compile_decode: bool) -> Optional[ValueError]:
     """What is wrong with this call's inputs on this rank (None: nothing)."""
-    unparallel = model_problem(model, comm, before="generate", attention_replaced=True)
+    unparallel = model_problem(model, comm, before="generate", attention_replaced=True,
+                               longest=input_ids.shape[1])
     if unparallel is not None:
         return unparallel
     recurrent = has_parallel_recurrent_layers(model)

@@ -10,8 +10,9 @@ would read zeros, or nothing, at its shard's edges: silently wrong. So the
 model is probed once per structure: it runs on a short random sequence in
 one process (commlib's attention, experts and parallel mixers stood in for by
 local computations, so nothing is communicated), every module's inputs are
-kept, and each module is run again with its input changed at one position.
-A module whose outputs change at other positions mixes tokens; running its
+kept, and each module is run again with its input changed at its first
+position, and at its last. A module whose outputs change at other positions
+mixes tokens; running its
 attention as the identity (each token's own value) and its mixing
 descendants frozen at their outputs tells whether the mixing is its
 attention's, a descendant's or its own code's.
@@ -32,10 +33,12 @@ from transformers.integrations.moe import ExpertsInterface
 
 from ._attention import LAYOUTS
 
-__all__ = ["Mixer", "token_mixers", "probed", "probing", "PROBE_LENGTH"]
+__all__ = ["Mixer", "token_mixers", "probed", "probing", "structure", "PROBE_LENGTH"]
 
 PROBE_LENGTH = 13  # tokens: prime, so that no hidden size or head count is mistaken for it
-_CHANGED = PROBE_LENGTH // 2  # the position whose input changes
+# the positions whose input changes, one at a time: the first (every later token may read it)
+# and the last (every earlier one may); a mixer of tokens further apart than this is not seen
+_CHANGED = (0, PROBE_LENGTH - 1)
 
 
 @dataclass(frozen=True)
@@ -161,16 +164,17 @@ def _sequence_input(args: Tuple[Any, ...], kwargs: Dict[str, Any]
     return None
 
 
-def _changed(value: torch.Tensor) -> torch.Tensor:
-    """``value`` changed at one position, by far more than rounding."""
+def _changed(value: torch.Tensor, position: int) -> torch.Tensor:
+    """``value`` changed at ``position``, by far more than its own values (so
+    that a mixer reading it with a small weight still moves the others by
+    more than rounding)."""
     changed = value.clone()
     if value.is_floating_point():
-        signs = torch.ones(value[:, _CHANGED].shape, dtype=value.dtype, device=value.device)
+        signs = torch.ones(value[:, position].shape, dtype=value.dtype, device=value.device)
         signs.view(-1)[::2] = -1
-        scale = 4 * (float(value.abs().max()) + 1)
-        changed[:, _CHANGED] += scale * signs
+        changed[:, position] += 64 * (float(value.abs().max()) + 1) * signs
     else:  # token ids: the next id (the probe draws none at the top of the vocabulary)
-        changed[:, _CHANGED] += 1
+        changed[:, position] += 1
     return changed
 
 
@@ -187,12 +191,12 @@ def _sequences(output: Any) -> List[torch.Tensor]:
     return []
 
 
-def _mixes(before: Any, after: Any) -> bool:
-    """Whether some output changed at a position other than the changed one,
+def _mixes(before: Any, after: Any, position: int) -> bool:
+    """Whether some output changed at a position other than ``position``,
     beyond the square root of its dtype's rounding (a token-local module
     changes nothing there, up to reassociated sums)."""
+    others = [i for i in range(PROBE_LENGTH) if i != position]
     for a, b in zip(_sequences(before), _sequences(after)):
-        others = [i for i in range(PROBE_LENGTH) if i != _CHANGED]
         difference = torch.nan_to_num((a - b)[:, others].abs().float(), nan=0.0)
         scale = float(torch.nan_to_num(a.abs().float(), nan=0.0).max())
         if float(difference.max()) > math.sqrt(torch.finfo(a.dtype).eps) * scale:
@@ -272,8 +276,8 @@ def _own_mixers(order: List[nn.Module],
                 calls: Dict[int, Tuple[Tuple[Any, ...], Dict[str, Any], Any]]
                 ) -> List[nn.Module]:
     """The modules whose own code (or undelegated attention) mixes tokens:
-    each run twice on its kept inputs, the second time changed at one
-    position, with the attention as the identity and the mixers found
+    each run on its kept inputs, then on them changed at the first position
+    and at the last, with the attention as the identity and the mixers found
     inside it (innermost first: ``order`` is the order modules finished)
     returning what they returned in the probe."""
     found: List[nn.Module] = []
@@ -284,18 +288,27 @@ def _own_mixers(order: List[nn.Module],
             continue
         inside = {id(m) for m in module.modules()}
         frozen = [(m, _returning(calls[id(m)][2])) for m in found if id(m) in inside]
-        index, key = where
-        changed_args, changed_kwargs = list(args), dict(kwargs)
-        if key is None:
-            changed_args[index] = _changed(args[index])
-        else:
-            changed_kwargs[key] = _changed(kwargs[key])
         with _forwards(frozen):
             before = module(*_copy(args), **_copy(kwargs))
-            after = module(*changed_args, **changed_kwargs)
-        if _mixes(before, after):
-            found.append(module)
+            for position in _CHANGED:
+                changed_args, changed_kwargs = _with_changed(args, kwargs, where, position)
+                if _mixes(before, module(*changed_args, **changed_kwargs), position):
+                    found.append(module)
+                    break
     return found
+
+
+def _with_changed(args: Tuple[Any, ...], kwargs: Dict[str, Any],
+                  where: Tuple[Optional[int], Optional[str]], position: int
+                  ) -> Tuple[List[Any], Dict[str, Any]]:
+    """The module's inputs with its sequence changed at ``position``."""
+    index, key = where
+    changed_args, changed_kwargs = list(args), dict(kwargs)
+    if key is None:
+        changed_args[index] = _changed(args[index], position)
+    else:
+        changed_kwargs[key] = _changed(kwargs[key], position)
+    return changed_args, changed_kwargs
 
 
 def _returning(output: Any) -> Callable:
@@ -310,7 +323,7 @@ _verdicts: "weakref.WeakKeyDictionary[nn.Module, Tuple[Any, List[Mixer]]]" = \
     weakref.WeakKeyDictionary()
 
 
-def _structure(model: nn.Module) -> Tuple[Any, ...]:
+def structure(model: nn.Module) -> Tuple[Any, ...]:
     """What the probe's answer depends on: the modules, their own forwards
     (commlib's patches), the attention implementation."""
     return (getattr(getattr(model, "config", None), "_attn_implementation", None),
@@ -320,7 +333,7 @@ def _structure(model: nn.Module) -> Tuple[Any, ...]:
 def probed(model: nn.Module, parallel: Callable[[nn.Module], bool]) -> List[Mixer]:
     """``token_mixers(model)``, probed again only when the model changed."""
     model = getattr(model, "_orig_mod", model)
-    key = _structure(model)
+    key = structure(model)
     kept = _verdicts.get(model)
     if kept is None or kept[0] != key:
         kept = _verdicts[model] = (key, token_mixers(model, parallel=parallel))

@@ -276,9 +276,9 @@ def _block(comm, family, implementation, expert_parallel=None):
     config = _config(family)
     config._attn_implementation = implementation
     config._experts_implementation = "grouped_mm"  # traceable (eager loops over experts hit)
-    mark_checked(config, True)  # a layer alone: no model for shard_batch to check
     torch.manual_seed(0)
     layer = (LlamaDecoderLayer if family == "llama" else Qwen3MoeDecoderLayer)(config, 0)
+    mark_checked(layer.self_attn)  # a layer alone: no model for shard_batch to check
     with torch.no_grad():  # a layer alone is not initialised (its experts: torch.empty)
         for parameter in layer.parameters():
             parameter.normal_(std=0.1)

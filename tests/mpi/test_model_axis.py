@@ -169,3 +169,84 @@ def test_a_batch_sharded_for_one_layout_never_runs_in_another(comm):
     shard = cht.shard_batch({"input_ids": tokens}, comm, attn_implementation=ring)
     raises_everywhere(ValueError, lambda: ulysses(**shard),
                       match="the batch was sharded for another layout")
+
+
+# -- beyond token mixers: what else would make a sharded model silently wrong --------------
+
+def llama(**options):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**TINY, **options})
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                         attn_implementation="commlib_ring")
+
+
+def one_step_loss(model, comm, tokens):
+    return float(comm.allreduce(np.array([model(**cht.shard_batch(
+        {"input_ids": tokens}, comm, attn_implementation=model)).loss.item()]))[0])
+
+
+def test_a_router_loss_each_rank_would_count_alone_is_refused(comm):
+    """Mixtral's load-balancing loss (output_router_logits) over each rank's
+    tokens, added to each rank's share: refused, in the config and as a
+    forward argument."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2,
+                                        output_router_logits=True, router_aux_loss_coef=0.1)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                          attn_implementation="commlib_ring")
+    tokens = torch.randint(6, VOCAB, (1, LENGTH), generator=torch.Generator().manual_seed(3))
+    raises_everywhere(ValueError, lambda: cht.shard_batch({"input_ids": tokens}, comm,
+                                                          attn_implementation=model),
+                      match="config.output_router_logits")
+    model.config.output_router_logits = False
+    shard = cht.shard_batch({"input_ids": tokens}, comm, attn_implementation=model)
+    raises_everywhere(ValueError, lambda: model(**shard, output_router_logits=True),
+                      match="load-balancing loss")
+
+
+def test_a_length_dependent_rotary_embedding_is_right_within_its_length_or_refused(comm):
+    """Dynamic RoPE picks its frequencies from the largest position it is
+    given: right while the sequence stays within max_position_embeddings
+    (no rank switches), refused past it."""
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    tokens = torch.randint(6, VOCAB, (1, LENGTH), generator=torch.Generator().manual_seed(4))
+    within = llama(max_position_embeddings=LENGTH, rope_parameters=rope)
+    want = copy.deepcopy(within)
+    want.set_attn_implementation("sdpa")
+    reference = float(want(input_ids=tokens, labels=tokens, use_cache=False).loss)
+    got = one_step_loss(within, comm, tokens)
+    assert all_ranks(abs(got - reference) <= TOL * abs(reference)), (got, reference)
+    past = llama(max_position_embeddings=16, rope_parameters=rope)
+    raises_everywhere(ValueError, lambda: one_step_loss(past, comm, tokens),
+                      match="'dynamic' rotary embedding")
+
+
+def test_the_attention_refuses_a_model_other_than_the_one_checked(comm):
+    """Checked is a property of the model, not of its config: another model
+    built from the same config, or the checked one changed since, is
+    refused by its attention (also under torch.compile)."""
+    config = transformers.LlamaConfig(**TINY)
+    torch.manual_seed(0)
+    checked = transformers.LlamaForCausalLM(config)
+    other = transformers.LlamaForCausalLM(config)
+    checked.set_attn_implementation("commlib_ring")
+    tokens = torch.randint(6, VOCAB, (1, LENGTH), generator=torch.Generator().manual_seed(5))
+    shard = cht.shard_batch({"input_ids": tokens}, comm, attn_implementation=checked)
+    raises_everywhere(ValueError, lambda: other(**shard), match="was not checked")
+    compiled = torch.compile(other, backend="aot_eager")
+    raises_everywhere(ValueError, lambda: compiled(**shard), match="was not checked")
+    checked(**shard)
+    with_made_up_mixer(checked, comm)
+    raises_everywhere(ValueError, lambda: checked(**shard), match="or changed since")
+
+
+def test_a_probe_that_fails_on_one_rank_is_refused_on_every_rank(comm):
+    """Rank 0's model fails inside the probe (out of memory, say): every
+    rank raises, none waits for the agreement's deadline."""
+    model = llama()
+    if comm.rank == 0:
+        model.model.layers[0].mlp.forward = lambda hidden_states: 1 / 0
+    tokens = torch.randint(6, VOCAB, (1, LENGTH), generator=torch.Generator().manual_seed(6))
+    raises_everywhere(ValueError, lambda: cht.shard_batch({"input_ids": tokens}, comm,
+                                                          attn_implementation=model),
+                      match="ZeroDivisionError")

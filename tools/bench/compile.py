@@ -81,9 +81,9 @@ def _block(comm, family: str, hidden: int, seq: int):
         make = Qwen3MoeDecoderLayer
     config._attn_implementation = "commlib_ring"
     config._experts_implementation = "grouped_mm"  # traceable (eager loops over experts hit)
-    mark_checked(config, True)  # a layer alone: no model for shard_batch to check
     torch.manual_seed(0)
     layer, rope = make(config, 0), LlamaRotaryEmbedding(config)
+    mark_checked(layer.self_attn)  # a layer alone: no model for shard_batch to check
     with torch.no_grad():  # a layer alone is not initialised (its experts: torch.empty)
         for parameter in layer.parameters():
             parameter.normal_(std=0.02)
