@@ -376,6 +376,7 @@ def test_compiled_model_equals_eager(comm, family, implementation):
         _config(family), attn_implementation=implementation, dtype=torch.float32)
     twin = copy.deepcopy(model)
     batch = _batch(comm, model)
+    _batch(comm, twin)  # checks the twin too: the attention refuses a model nobody checked
     count, reasons = breaks(lambda **b: model(**b).loss, **batch)
     compiled = torch.compile(twin, backend=Counting(), fullgraph=True)
     results = []
