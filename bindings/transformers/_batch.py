@@ -25,7 +25,6 @@ from __future__ import annotations
 import reprlib
 from typing import Any, Dict, List
 
-import numpy as np
 import torch
 
 from commlib.ring import shard_sequence
@@ -87,16 +86,21 @@ def shard_batch(batch: Dict[str, Any], comm, *,
                          f"{model!r}: it checks that every layer of the model that mixes "
                          f"tokens along the sequence runs on shards; a name says nothing of "
                          f"the model's other layers (docs/transformers.md)")
-    input_ids = batch.get("input_ids")
-    offsets = _offsets(batch, input_ids.shape[1]) if isinstance(input_ids, torch.Tensor) else None
-    check_model(model, comm, before="shard_batch", training=True,
-                longest=None if offsets is None else max(np.diff(offsets), default=0))
-    return sharded_batch(batch, comm, layout=layout_of(model))
+    offsets = _checked_documents(batch)
+    check_model(model, comm, before="shard_batch", training=True, longest=_longest(offsets))
+    return _shard(batch, offsets, comm, layout_of(model))
 
 
 def sharded_batch(batch: Dict[str, Any], comm, *, layout: str) -> Dict[str, Any]:
     """``shard_batch``'s shard in ``layout``, for a model already checked
     (generate's prefill)."""
+    return _shard(batch, _checked_documents(batch), comm, layout)
+
+
+def _checked_documents(batch: Dict[str, Any]) -> List[int]:
+    """The batch's documents' global offsets, after refusing what
+    ``shard_batch`` does not shard (the same batch on every rank: every rank
+    raises alike)."""
     unknown = sorted(set(batch) - set(_SHARDED) - set(_DOCUMENTS))
     if unknown:
         raise ValueError(f"shard_batch does not know how to shard {', '.join(unknown)}; it "
@@ -106,8 +110,15 @@ def sharded_batch(batch: Dict[str, Any], comm, *, layout: str) -> Dict[str, Any]
         raise ValueError("shard_batch: the attention_mask pads some tokens; padding masks are "
                          "not implemented: pack the sequences instead (position_ids restarting "
                          "at 0 per document, as DataCollatorWithFlattening makes them)")
+    return _offsets(batch, batch["input_ids"].shape[1])
+
+
+def _longest(offsets: List[int]) -> int:
+    return max(stop - start for start, stop in zip(offsets, offsets[1:]))
+
+
+def _shard(batch: Dict[str, Any], offsets: List[int], comm, layout: str) -> Dict[str, Any]:
     input_ids = batch["input_ids"]
-    offsets = _offsets(batch, input_ids.shape[1])
     positions = _positions(batch, offsets, input_ids)
 
     def shard(x: torch.Tensor) -> torch.Tensor:
@@ -117,7 +128,7 @@ def sharded_batch(batch: Dict[str, Any], comm, *, layout: str) -> Dict[str, Any]
     shift_labels = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     real = shard(torch.ones_like(shift_labels)).bool()  # shard_sequence pads with zeros
     cu_seq_lens = torch.tensor(offsets, dtype=torch.int32)
-    longest = max(stop - start for start, stop in zip(offsets, offsets[1:]))
+    longest = _longest(offsets)
     shard_labels = torch.where(real, shard(shift_labels), IGNORE_INDEX)
     return {"input_ids": shard(input_ids), "position_ids": shard(positions),
             "shift_labels": shard_labels, "labels": shard_labels,
