@@ -33,8 +33,9 @@ _routed: Dict[type, type] = {}
 def routable(processor: Any) -> bool:
     """Whether this processor's ``__call__`` calls ``dispatch_attention_fn``
     itself and reads ``_parallel_config``."""
-    code = getattr(vars(type(processor)).get("__call__") or type(processor).__call__,
-                   "__code__", None)
+    call = next((vars(c)["__call__"] for c in type(processor).__mro__ if "__call__" in vars(c)),
+                None)
+    code = getattr(call, "__code__", None)
     return code is not None and DISPATCH in code.co_names and hasattr(processor, "_parallel_config")
 
 

@@ -84,6 +84,7 @@ def _length(x: Any) -> Optional[int]:
 
 def _checksum(x: torch.Tensor) -> str:
     """Sums that differ where two ranks' tensors differ (in practice)."""
-    flat = x.detach().reshape(-1).to(torch.float64)
+    x = x.detach()
+    flat = (torch.view_as_real(x) if x.is_complex() else x).reshape(-1).to(torch.float64)
     weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
     return f"{float(flat.sum())!r}/{float((flat * weights).sum())!r}"

@@ -1,0 +1,293 @@
+"""diffusers over commlib: tiny Flux, QwenImage and Wan transformers made
+context-parallel with their own ``_cp_plan`` equal the unsharded model
+(float64 within 1e-10), with Ulysses, Ring and the hybrid, image and text
+lengths the world size divides and not, the text sharded and whole, a
+per-row text mask, uneven heads; a short denoising loop equals the
+unsharded one; cross-attention over the whole text moves nothing; other
+models in the process are untouched; what is refused, on every rank."""
+
+import pytest
+
+import requires
+from conftest import all_ranks, raises_everywhere
+from cuda_probe import cuda_skip_reason
+
+torch = requires.module("torch")
+diffusers = requires.module("diffusers")
+cd = requires.module("commlib.bindings.diffusers")
+from commlib import CollectiveMismatchError  # noqa: E402
+
+# odd sizes cut every length unevenly; 4 is the 2 x 2 hybrid
+WORLD_SIZES = (2, 3, 4)
+
+HEADS, HEAD_DIM = 5, 8  # 5 heads: uneven over a Ulysses degree of 2, 3 and 4
+# (image tokens, text tokens): 12 and 12 divide over 2, 3 and 4 ranks; 13 and 7 over none
+LENGTHS = {"divisible": ((3, 4), 12), "uneven": ((1, 13), 7)}
+MODELS = ("flux", "qwenimage", "wan")
+ALGORITHMS = ("ulysses", "ring", "hybrid")
+TOL64 = 1e-10
+
+
+def _randomized(model, dtype):
+    """Zero-initialized weights (output projections, gates) drawn too, so
+    that every path reaches the output."""
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.abs().sum():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model.to(dtype).eval()
+
+
+def build(kind, dtype=torch.float64, heads=HEADS):
+    torch.manual_seed(0)
+    if kind == "flux":
+        model = diffusers.FluxTransformer2DModel(
+            patch_size=1, in_channels=8, num_layers=1, num_single_layers=1,
+            attention_head_dim=HEAD_DIM, num_attention_heads=heads, joint_attention_dim=12,
+            pooled_projection_dim=12, axes_dims_rope=(2, 2, 4))
+    elif kind == "qwenimage":
+        model = diffusers.QwenImageTransformer2DModel(
+            patch_size=1, in_channels=8, out_channels=8, num_layers=2,
+            attention_head_dim=HEAD_DIM, num_attention_heads=heads, joint_attention_dim=12,
+            axes_dims_rope=(2, 2, 4))
+    else:
+        model = diffusers.WanTransformer3DModel(
+            patch_size=(1, 1, 1), num_attention_heads=heads, attention_head_dim=HEAD_DIM,
+            in_channels=4, out_channels=4, text_dim=12, freq_dim=16, ffn_dim=32, num_layers=2,
+            rope_max_seq_len=32)
+    return _randomized(model, dtype)
+
+
+def inputs(kind, lengths, dtype=torch.float64, batch=2, seed=1):
+    """The same global inputs on every rank. QwenImage's text mask hides the
+    last two text tokens of row 1 only (a mask per row)."""
+    (h, w), text = LENGTHS[lengths] if isinstance(lengths, str) else lengths
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+    timestep = torch.full((batch,), 0.5, dtype=dtype)
+    if kind == "flux":
+        return dict(hidden_states=rand(batch, h * w, 8), encoder_hidden_states=rand(batch, text, 12),
+                    pooled_projections=rand(batch, 12), timestep=timestep,
+                    img_ids=rand(h * w, 3), txt_ids=rand(text, 3))
+    if kind == "qwenimage":
+        mask = torch.ones(batch, text, dtype=torch.long)
+        mask[1, -2:] = 0
+        return dict(hidden_states=rand(batch, h * w, 8), encoder_hidden_states=rand(batch, text, 12),
+                    encoder_hidden_states_mask=mask, timestep=timestep,
+                    img_shapes=[[(1, h, w)]] * batch)
+    return dict(hidden_states=rand(batch, 4, 1, h, w), encoder_hidden_states=rand(batch, text, 12),
+                timestep=timestep * 1000)
+
+
+def degrees(algorithm, size):
+    """(ring_degree, ulysses_degree) of an algorithm at this world size."""
+    if algorithm == "ulysses":
+        return 1, size
+    if algorithm == "ring":
+        return size, 1
+    if size != 4:
+        pytest.skip("the hybrid needs a world size with a proper divisor (4 = 2 x 2)")
+    return 2, 2
+
+
+def sharded(model, comm, call, **options):
+    cd.context_parallel(model, comm, **options)
+    try:
+        return call()
+    finally:
+        cd.remove_context_parallel(model)
+
+
+def max_error(a, b):
+    return float((a.detach().double() - b.detach().double()).abs().max())
+
+
+_models = {}
+
+
+def cached(kind):
+    if kind not in _models:
+        _models[kind] = build(kind)
+    return _models[kind]
+
+
+CASES = [(kind, algorithm, text, lengths) for kind in MODELS for algorithm in ALGORITHMS
+         for text in ("sharded", "whole") for lengths in LENGTHS
+         if not (kind == "wan" and text == "whole")]  # Wan's plan never splits the text
+
+
+@pytest.mark.quick_sample(8)
+@pytest.mark.parametrize("kind,algorithm,text,lengths", CASES,
+                         ids=["-".join(case) for case in CASES])
+def test_sharded_model_equals_the_unsharded(comm, kind, algorithm, text, lengths):
+    ring, ulysses = degrees(algorithm, comm.size)
+    model = cached(kind)
+    with torch.no_grad():
+        want = model(**inputs(kind, lengths)).sample
+        got = sharded(model, comm, lambda: model(**inputs(kind, lengths)).sample,
+                      ring_degree=ring, ulysses_degree=ulysses, text=text)
+    assert got.shape == want.shape
+    assert all_ranks(max_error(got, want) < TOL64), max_error(got, want)
+
+
+def test_float32_within_rounding(comm):
+    """float32, uneven lengths, the hybrid where it exists: within 1e-5 of
+    the unsharded float32 model (measured: below 2e-6)."""
+    model = build("flux", torch.float32)
+    ring = 2 if comm.size == 4 else 1
+    with torch.no_grad():
+        want = model(**inputs("flux", "uneven", torch.float32)).sample
+        got = sharded(model, comm, lambda: model(**inputs("flux", "uneven", torch.float32)).sample,
+                      ring_degree=ring)
+    assert all_ranks(max_error(got, want) < 1e-5), max_error(got, want)
+
+
+def test_gradients_equal_the_unsharded(comm):
+    """Training through it: the gathered output's loss, every rank's weight
+    gradients summed (each rank's are its tokens' share), gives every weight
+    the gradient of the unsharded model."""
+    model = cached("flux")
+
+    def grads():
+        model.zero_grad()
+        model(**inputs("flux", "uneven")).sample.square().sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+    want = grads()
+    got = [comm.allreduce(g) for g in sharded(model, comm, grads, ring_degree=comm.size)]
+    error = max(max_error(g, w) for g, w in zip(got, want))
+    assert all_ranks(error < TOL64), error
+
+
+def test_denoising_loop_equals_the_unsharded(comm):
+    """Three Euler steps of flow matching with the model sharded give the
+    latents of the unsharded loop."""
+    model = cached("flux")
+
+    def denoise():
+        scheduler = diffusers.FlowMatchEulerDiscreteScheduler()
+        scheduler.set_timesteps(3)
+        step = inputs("flux", "uneven")
+        latents = step.pop("hidden_states")
+        with torch.no_grad():
+            for t in scheduler.timesteps:
+                step["timestep"] = torch.full((2,), float(t) / 1000, dtype=torch.float64)
+                velocity = model(hidden_states=latents, **step).sample
+                latents = scheduler.step(velocity, t, latents).prev_sample
+        return latents
+    want = denoise()
+    got = sharded(model, comm, denoise, ring_degree=1)
+    assert all_ranks(max_error(got, want) < TOL64), max_error(got, want)
+
+
+def test_cross_attention_moves_nothing(comm):
+    """Wan's cross-attention reads the whole text on every rank: no
+    collective runs inside it; its self-attention does communicate."""
+    model = cached("wan")
+    calls, inside = [], {}
+    names = ("alltoall", "alltoall_many", "alltoallv", "allgather", "ring_shift",
+             "ring_shift_async", "agree")
+    originals = {name: getattr(comm, name) for name in names}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return originals[name](*args, **kwargs)
+        return call
+    hooks = []
+    for i, block in enumerate(model.blocks):
+        for attn in ("attn1", "attn2"):
+            module = getattr(block, attn)
+            key = f"{i}.{attn}"
+            hooks.append(module.register_forward_pre_hook(
+                lambda *_, key=key: inside.__setitem__(key, len(calls))))
+            hooks.append(module.register_forward_hook(
+                lambda *_, key=key: inside.__setitem__(key, len(calls) - inside[key])))
+    for name in names:
+        setattr(comm, name, counting(name))
+    try:
+        with torch.no_grad():
+            sharded(model, comm, lambda: model(**inputs("wan", ((2, 3), 9))))
+    finally:
+        for name in names:
+            delattr(comm, name)
+        for hook in hooks:
+            hook.remove()
+    crossing = {key: n for key, n in inside.items() if key.endswith("attn2")}
+    selfs = {key: n for key, n in inside.items() if key.endswith("attn1")}
+    assert all_ranks(all(n == 0 for n in crossing.values())
+                     and all(n > 0 for n in selfs.values())), (crossing, selfs)
+
+
+def test_other_models_are_untouched(comm):
+    """A second Flux in the same process runs unsharded, on this rank alone,
+    while the first is context-parallel; the first, undone, too."""
+    first, second = cached("flux"), build("flux")
+    with torch.no_grad():
+        want = second(**inputs("flux", "uneven")).sample
+        got = sharded(first, comm, lambda: second(**inputs("flux", "uneven")).sample)
+        again = first(**inputs("flux", "uneven")).sample
+    assert all_ranks(max_error(got, want) == 0 and max_error(again, want) == 0)
+
+
+def test_refused_on_every_rank(comm):
+    model = cached("flux")
+    raises_everywhere(ValueError, lambda: cd.context_parallel(model, comm,
+                                                              ring_degree=comm.size + 1),
+                      match="must divide the number of ranks")
+    raises_everywhere(ValueError, lambda: cd.context_parallel(model, comm, ring_degree=1,
+                                                              ulysses_degree=1),
+                      match="must equal the number of ranks")
+    raises_everywhere(ValueError, lambda: cd.context_parallel(model, comm, text="half"),
+                      match="text='half'")
+    raises_everywhere(ValueError, lambda: cd.remove_context_parallel(model),
+                      match="is not context-parallel")
+    cd.context_parallel(model, comm)
+    try:
+        raises_everywhere(ValueError, lambda: cd.context_parallel(model, comm),
+                          match="already parallel")
+        # each rank its own latents: refused before they are split
+        mine = inputs("flux", "uneven", seed=comm.rank)
+        raises_everywhere(CollectiveMismatchError, lambda: model(**mine))
+    finally:
+        cd.remove_context_parallel(model)
+
+
+def test_without_a_plan_refused_by_name(comm):
+    model = diffusers.SD3Transformer2DModel(
+        sample_size=4, patch_size=1, in_channels=4, num_layers=1, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=8, caption_projection_dim=16,
+        pooled_projection_dim=8, out_channels=4)
+    error = raises_everywhere(ValueError, lambda: cd.context_parallel(model, comm),
+                              match="SD3Transformer2DModel has no _cp_plan")
+    assert "FluxTransformer2DModel" in str(error) and "WanTransformer3DModel" in str(error)
+
+
+def test_fewer_heads_than_the_ulysses_degree_refused(comm):
+    model = build("flux", heads=1)
+    raises_everywhere(ValueError, lambda: sharded(model, comm,
+                                                  lambda: model(**inputs("flux", "uneven"))),
+                      match="fewer than the Ulysses degree")
+
+
+_NO_CUDA = cuda_skip_reason("torch")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_NO_CUDA is not None, reason=str(_NO_CUDA))
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_on_the_gpu(comm, algorithm):
+    """CUDA tensors, float32 and bfloat16: within rounding of the unsharded
+    model on the same GPU."""
+    ring, ulysses = degrees(algorithm, comm.size)
+    device = torch.device("cuda", torch.cuda.current_device())
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+        model = build("flux", dtype).to(device)
+        step = {k: v.to(device) for k, v in inputs("flux", "uneven", dtype).items()}
+        with torch.no_grad():
+            want = model(**step).sample
+            got = sharded(model, comm, lambda: model(**step).sample, ring_degree=ring,
+                          ulysses_degree=ulysses)
+        assert all_ranks(max_error(got, want) < tol * max(1.0, float(want.abs().max())))
