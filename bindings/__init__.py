@@ -2,8 +2,9 @@
 (autograd functions and ``torch.library`` ops), ``commlib.bindings.jax``
 (jit-able ``custom_vjp`` functions over a traced communicator) and
 ``commlib.bindings.transformers`` (Hugging Face models: attention, experts,
-recurrent mixers, batches, generate). Each package's ``__all__`` is its API;
-its modules are private (``_``-prefixed).
+recurrent mixers, batches, generate) and ``commlib.bindings.diffusers``
+(diffusion transformers context-parallel by their own ``_cp_plan``). Each
+package's ``__all__`` is its API; its modules are private (``_``-prefixed).
 
 Plain collectives already take and return any framework's arrays through
 ``commlib.dlpack``; these packages add differentiation (each backward runs

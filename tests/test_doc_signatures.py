@@ -51,6 +51,7 @@ PAGES = {
                  "commlib.sequence.balanced", "commlib.ring.sparse"],
     "inference.md": ["commlib.inference", "commlib.bindings.transformers"],
     "moe.md": ["commlib.moe"],
+    "diffusers.md": ["commlib.bindings.diffusers"],
 }
 ALIASES = {"ring": "commlib.ring", "ulysses": "commlib.ulysses", "hybrid": "commlib.hybrid",
            "moe": "commlib.moe", "ct": "commlib.bindings.torch", "cj": "commlib.bindings.jax"}

@@ -34,7 +34,8 @@ PUBLIC = ("commlib", "commlib.sequence", "commlib.sequence.masks", "commlib.sequ
           "commlib.sequence.balanced", "commlib.sequence.documents", "commlib.ring",
           "commlib.ring.sparse", "commlib.ulysses", "commlib.hybrid", "commlib.kernels",
           "commlib.moe", "commlib.moe.replicated", "commlib.inference", "commlib.recurrent",
-          "commlib.bindings.torch", "commlib.bindings.jax", "commlib.bindings.transformers")
+          "commlib.bindings.torch", "commlib.bindings.jax", "commlib.bindings.transformers",
+          "commlib.bindings.diffusers")
 COMMAND = "commlib.tools.cli"  # the `commlib` command
 ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 # where earlier releases documented modules that moved: the same module objects
@@ -83,7 +84,7 @@ def test_one_public_api_list():
 def test_the_bindings_docstring_names_every_binding_package():
     import commlib.bindings
     assert all(f"commlib.bindings.{name}" in commlib.bindings.__doc__
-               for name in ("torch", "jax", "transformers"))
+               for name in ("torch", "jax", "transformers", "diffusers"))
 
 
 def test_the_paths_the_last_release_documented_give_the_same_objects():

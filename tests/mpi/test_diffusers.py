@@ -21,8 +21,9 @@ from commlib import CollectiveMismatchError  # noqa: E402
 WORLD_SIZES = (2, 3, 4)
 
 HEADS, HEAD_DIM = 5, 8  # 5 heads: uneven over a Ulysses degree of 2, 3 and 4
-# (image tokens, text tokens): 12 and 12 divide over 2, 3 and 4 ranks; 13 and 7 over none
-LENGTHS = {"divisible": ((3, 4), 12), "uneven": ((1, 13), 7)}
+# (image tokens, text tokens): 12 and 24 divide over 2, 3 and 4 ranks; 13 and 7 over none
+# (text as long as the image: text="whole" cannot tell their RoPE tables apart, refused)
+LENGTHS = {"divisible": ((3, 4), 24), "uneven": ((1, 13), 7)}
 MODELS = ("flux", "qwenimage", "wan")
 ALGORITHMS = ("ulysses", "ring", "hybrid")
 TOL64 = 1e-10
@@ -69,16 +70,19 @@ def inputs(kind, lengths, dtype=torch.float64, batch=2, seed=1):
         return torch.randn(*shape, generator=gen).to(dtype)
     timestep = torch.full((batch,), 0.5, dtype=dtype)
     if kind == "flux":
-        return dict(hidden_states=rand(batch, h * w, 8), encoder_hidden_states=rand(batch, text, 12),
+        return dict(hidden_states=rand(batch, h * w, 8),
+                    encoder_hidden_states=rand(batch, text, 12),
                     pooled_projections=rand(batch, 12), timestep=timestep,
                     img_ids=rand(h * w, 3), txt_ids=rand(text, 3))
     if kind == "qwenimage":
         mask = torch.ones(batch, text, dtype=torch.long)
         mask[1, -2:] = 0
-        return dict(hidden_states=rand(batch, h * w, 8), encoder_hidden_states=rand(batch, text, 12),
+        return dict(hidden_states=rand(batch, h * w, 8),
+                    encoder_hidden_states=rand(batch, text, 12),
                     encoder_hidden_states_mask=mask, timestep=timestep,
                     img_shapes=[[(1, h, w)]] * batch)
-    return dict(hidden_states=rand(batch, 4, 1, h, w), encoder_hidden_states=rand(batch, text, 12),
+    return dict(hidden_states=rand(batch, 4, 1, h, w),
+                encoder_hidden_states=rand(batch, text, 12),
                 timestep=timestep * 1000)
 
 
@@ -140,7 +144,8 @@ def test_float32_within_rounding(comm):
     ring = 2 if comm.size == 4 else 1
     with torch.no_grad():
         want = model(**inputs("flux", "uneven", torch.float32)).sample
-        got = sharded(model, comm, lambda: model(**inputs("flux", "uneven", torch.float32)).sample,
+        got = sharded(model, comm,
+                      lambda: model(**inputs("flux", "uneven", torch.float32)).sample,
                       ring_degree=ring)
     assert all_ranks(max_error(got, want) < 1e-5), max_error(got, want)
 
