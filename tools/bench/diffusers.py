@@ -78,9 +78,9 @@ def _diffusers_ulysses(model, world):
 @click.option("--text", default=128, show_default=True, help="Text tokens.")
 @click.option("--double", default=2, show_default=True, help="Double-stream blocks.")
 @click.option("--single", default=2, show_default=True, help="Single-stream blocks.")
-@click.option("--heads", default=4, show_default=True)
-@click.option("--head-dim", default=32, show_default=True)
-@click.option("--iters", default=7, show_default=True, help="Interleaved rounds.")
+@click.option("--heads", default=4, show_default=True, help="Attention heads.")
+@click.option("--head-dim", default=32, show_default=True, help="Channels per head.")
+@click.option("--iters", default=9, show_default=True, help="Interleaved rounds.")
 @click.option("--threads", default=1, show_default=True, help="torch threads per process.")
 @json_option
 def main(image: int, text: int, double: int, single: int, heads: int, head_dim: int,
