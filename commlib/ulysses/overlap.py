@@ -41,24 +41,25 @@ def head_groups(num_heads: int, num_kv_heads: int, groups: int,
                         ("groups", groups)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if num_heads % groups:
-        raise ValueError(f"groups={groups} does not divide num_heads={num_heads}; use one of "
-                         f"{[g for g in range(1, num_heads + 1) if num_heads % g == 0]}")
-    per_group = num_heads // groups
-    if per_group < size:
-        check_heads(num_heads, size)  # fewer heads than ranks: that message
-        fits = [g for g in range(1, num_heads // size + 1) if num_heads % g == 0]
-        raise ValueError(f"groups={groups} leaves {per_group} heads a group, fewer than the "
-                         f"{size} ranks, so a rank would own no head of a group; use groups "
-                         f"in {fits}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                          f"({num_kv_heads}) for GQA/MQA")
     readers = num_heads // num_kv_heads  # query heads per kv head
+    fits = [n for n in range(1, num_heads // size + 1)
+            if num_heads % n == 0 and ((num_heads // n) % readers == 0
+                                       or readers % (num_heads // n) == 0)]
+    per_group = num_heads // groups
+    if num_heads % groups:
+        raise ValueError(f"groups={groups} does not divide num_heads={num_heads}; use one of "
+                         f"{fits}")
+    if per_group < size:
+        check_heads(num_heads, size)  # fewer heads than ranks: that message
+        raise ValueError(f"groups={groups} leaves {per_group} heads a group, fewer than the "
+                         f"{size} ranks, so a rank would own no head of a group; use one of "
+                         f"{fits}")
     if per_group % readers and readers % per_group:
         raise ValueError(f"a group of {per_group} query heads would split the {readers} query "
-                         f"heads of a kv head; use groups dividing num_kv_heads={num_kv_heads} "
-                         f"or a multiple of it")
+                         f"heads of a kv head between groups; use one of {fits}")
     return [(slice(g * per_group, (g + 1) * per_group),
              slice(g * per_group // readers, -(-(g + 1) * per_group // readers)))
             for g in range(groups)]
