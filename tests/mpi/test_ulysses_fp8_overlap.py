@@ -84,8 +84,6 @@ def test_float8_relayouts_are_within_e4m3s_rounding(comm, impl, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("impl", FP8_IMPLS)
 def test_float8_attention_is_near_the_exact_exchange(comm, impl, dtype, heads, kv_heads):
-    if heads < comm.size:
-        pytest.skip("fewer heads than ranks")
     q, k, v = _shards(_global(heads, kv_heads, seed=heads), comm, impl, dtype)
     options = dict(layout="zigzag", causal=True)
     exact = ulysses.ulysses_attention(q, k, v, comm, **options)
@@ -230,11 +228,15 @@ def test_overlapped_passes_a_mask_through(comm):
     assert all_ranks(np.array_equal(got, want))
 
 
-@pytest.mark.parametrize("heads, kv_heads, groups", [(6, 6, 3), (8, 2, 2), (8, 2, 4)])
-def test_overlapped_gradients_match_the_binding(comm, heads, kv_heads, groups):
+# (heads, kv heads, groups) at P ranks: MHA; groups of whole kv heads; groups inside one
+GRADIENT_CASES = {"mha": lambda p: (3 * p, 3 * p, 3), "gqa": lambda p: (2 * p, 2, 2),
+                  "inside a kv head": lambda p: (4 * p, 1, 2)}
+
+
+@pytest.mark.parametrize("case", list(GRADIENT_CASES))
+def test_overlapped_gradients_match_the_binding(comm, case):
     from commlib.bindings import torch as binding
-    if heads // groups < comm.size:
-        pytest.skip("a group needs a head on every rank")
+    heads, kv_heads, groups = GRADIENT_CASES[case](comm.size)
     torch.manual_seed(8)  # the same weights and input on every rank
     hidden = 24
     x = ring.shard_sequence(torch.randn(1, 4 * comm.size * 2, hidden), comm, layout="zigzag")
