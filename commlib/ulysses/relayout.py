@@ -20,7 +20,10 @@ does not read. On the way back (gradients) the copies of a kv head are
 summed.
 
 ``seq_to_head_many`` relays several tensors in one all-to-all, one message
-per peer, instead of one all-to-all per tensor.
+per peer, instead of one all-to-all per tensor. ``wire`` says how the
+messages travel (``commlib.ulysses.wire``: the input dtype, or FP8); the
+``_async`` forms return once the exchange is posted, with the wait that
+finishes it (``commlib.ulysses.overlap``).
 """
 
 from __future__ import annotations
