@@ -490,13 +490,35 @@ class Communicator:
         latency-bound). Returns each array's [size * chunk, ...] result, rank
         0's chunk first, in that array's framework. The packing copies bytes
         only; arrays may differ in dtype and trailing shape."""
+        natives, backend, packed, unpack = self._pack_many(arrays, "alltoall_many")
+        out = natives[0].empty(packed.shape, np.uint8)
+        backend.alltoall(packed, out)
+        return unpack(out)
+
+    @_on_callers_stream
+    def alltoall_many_async(self, arrays: Sequence[Any]) -> "Pending":
+        """Start ``alltoall_many(arrays)`` and return once it is posted;
+        ``.wait()`` gives the list of results. Computation in between
+        overlaps the transfer (over MPI, where a progress thread runs:
+        ``commlib.progress``); the arrays must not change until the wait."""
+        natives, backend, packed, unpack = self._pack_many(arrays, "alltoall_many_async")
+        out = natives[0].empty(packed.shape, np.uint8)
+        chunk = [packed.shape[1]] * self.size
+        wait = backend.start_alltoallv(packed, chunk, out, chunk)
+        return Pending("alltoall_many", wait, natives[0], out, packed, self._abandon,
+                       progress=self._transport(natives[0].on_device) is not self._device,
+                       unpack=unpack)
+
+    def _pack_many(self, arrays: Sequence[Any], op: str) -> tuple:
+        """alltoall_many's checks and packing: (natives, backend, the packed
+        bytes [size, per peer], and how received bytes become the results)."""
         natives = [unwrap(x) for x in arrays]
         size = self.size
-        self._begin("alltoall_many", *((n.dtype, n.data.shape) for n in natives))
+        self._begin(op, *((n.dtype, n.data.shape) for n in natives))
         backend = self._backend_for(*natives)
         for n in natives:
             if n.data.ndim == 0 or n.data.shape[0] % size:
-                raise ValueError(f"alltoall_many cuts axis 0 into {size} equal chunks; got an "
+                raise ValueError(f"{op} cuts axis 0 into {size} equal chunks; got an "
                                  f"array of shape {tuple(n.data.shape)}")
         parts = [byte_view(contiguous(n)).reshape(size, -1) for n in natives]
         if len(parts) == 1:
@@ -510,16 +532,17 @@ class Communicator:
                 offset += part.shape[1]
         if isinstance(backend, NcclBackend):  # the captured packing copies read them
             backend.hold_if_captured(*parts)
-        out = natives[0].empty(packed.shape, np.uint8)
-        backend.alltoall(packed, out)
-        results, offset = [], 0
-        for n, part in zip(natives, parts):
-            width = part.shape[1]
-            result = n.empty(n.data.shape)
-            byte_view(result).reshape(size, width)[...] = out[:, offset:offset + width]
-            results.append(n.wrap(result))
-            offset += width
-        return results
+
+        def unpack(out) -> List[Any]:
+            results, offset = [], 0
+            for n, part in zip(natives, parts):
+                width = part.shape[1]
+                result = n.empty(n.data.shape)
+                byte_view(result).reshape(size, width)[...] = out[:, offset:offset + width]
+                results.append(n.wrap(result))
+                offset += width
+            return results
+        return natives, backend, packed, unpack
 
     def ring_shift(self, x: Any, shift: int = 1) -> Any:
         """Every rank sends ``x`` ``shift`` places up the ring: the result is
@@ -659,12 +682,16 @@ class Pending:
     the buffer being sent (a contiguous copy of a strided input, say) until
     the transfer is done, so that no transport reads freed memory. Dropped
     without ``wait()``, it hands its transfer to ``abandon``. ``progress``:
-    an MPI transfer, driven by the progress thread meanwhile."""
+    an MPI transfer, driven by the progress thread meanwhile. ``unpack``:
+    how the received buffer becomes the result (``alltoall_many_async``'s
+    list), instead of the buffer in the caller's framework."""
 
     def __init__(self, op: str, wait: Callable[[], None], native: Native, out: Any,
                  sending: Any, abandon: Optional[Callable[..., None]], progress: bool = False,
-                 recv_counts: Optional[np.ndarray] = None):
+                 recv_counts: Optional[np.ndarray] = None,
+                 unpack: Optional[Callable[[Any], Any]] = None):
         self._op, self._wait, self._native, self._out = op, wait, native, out
+        self._unpack = unpack
         self._sending, self._abandon = sending, abandon
         self._progress = progress
         self.recv_counts = recv_counts
@@ -682,6 +709,8 @@ class Pending:
                     self._progress = False
                     PROGRESS.finish()
             self._sending, self._abandon = None, None
+            if self._unpack is not None:
+                return self._unpack(self._out)
             return self._native.wrap(self._out)
 
     def __del__(self):

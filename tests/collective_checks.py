@@ -176,7 +176,8 @@ def check_alltoall(comm, impl: ArrayImpl, dtype: str) -> List[str]:
 
 def check_alltoall_many(comm, impl: ArrayImpl, dtype: str) -> List[str]:
     """``dtype`` first (alone, then packed with every other dtype impl has,
-    each of its own trailing shape) in one exchange."""
+    each of its own trailing shape) in one exchange; the same started by
+    ``alltoall_many_async``, two in flight together."""
     size, me = comm.size, comm.rank
     order = [dtype] + [d for d in dtypes_of(impl) if d != dtype]
     shapes = [(2 * size, 3), (size, 2, 2), (3 * size,), (size, 5)]
@@ -190,6 +191,10 @@ def check_alltoall_many(comm, impl: ArrayImpl, dtype: str) -> List[str]:
         what = f"alltoall_many({', '.join(order[:count])})"
         for got, want in zip(comm.alltoall_many(arrays[:count]), wants):
             check.exact(what, got, want)
+        first, second = (comm.alltoall_many_async(arrays[:count]) for _ in range(2))
+        for pending in (second, first):
+            for got, want in zip(pending.wait(), wants):
+                check.exact(what.replace("many", "many_async"), got, want)
     for x, each in zip(arrays, inputs):
         check.unchanged("alltoall_many", x, each[me])
     return check.failures

@@ -23,22 +23,27 @@ import torch
 from commlib.kernels import Kernel
 
 from . import _attention_ops as _ops
+from . import _wire_ops
 from ._inference import DecodeCache, chunk_attention, decode_attention
 from ._moe import Dispatcher, TorchHandle
+from ._overlapped import ulysses_attention_overlapped
 from ._recurrent import gated_delta_rule, mamba2_scan
 
 __all__ = ["ring_attention", "ulysses_attention", "hybrid_attention", "seq_to_head",
            "head_to_seq", "Dispatcher", "TorchHandle", "decode_attention", "chunk_attention",
-           "DecodeCache", "gated_delta_rule", "mamba2_scan"]
+           "DecodeCache", "gated_delta_rule", "mamba2_scan", "ulysses_attention_overlapped"]
 
 
 def _attention(q, k, v, comm, algorithm: str, *, layout: str, causal: bool,
                softmax_scale: Optional[float], cu_seqlens: Any, window: Any, mask: Any,
                method: str = "auto", kernel: Optional[Kernel] = None,
-               ulysses_size: int = 0) -> torch.Tensor:
-    """The ``commlib::attention`` op's out. Arguments no graph can carry (a
+               ulysses_size: int = 0, wire: Optional[str] = None) -> torch.Tensor:
+    """The ``commlib::attention`` op's out (``commlib::attention_wire``'s
+    with a ``wire``). Arguments no graph can carry (a
     window that is not a (left, right) pair of token counts) go to the core,
     which refuses them on every rank."""
+    if wire is not None:
+        _wire_ops.refuse_gradients(comm, algorithm, wire, q, k, v)
     reach = _window(window)
     if reach is False:
         extra = {"ulysses_size": ulysses_size} if algorithm == "hybrid" else {}
@@ -46,6 +51,12 @@ def _attention(q, k, v, comm, algorithm: str, *, layout: str, causal: bool,
                                        window=window, **extra)
     tensor = isinstance(cu_seqlens, torch.Tensor)
     values = None if tensor or cu_seqlens is None else [int(o) for o in cu_seqlens]
+    if wire is not None:
+        return _wire_ops.attention_wire(q, k, v, cu_seqlens if tensor else None, algorithm,
+                                        comm.handle, layout, causal, softmax_scale, values, reach,
+                                        None if mask is None else mask.handle, method,
+                                        None if kernel is None else kernel.handle, ulysses_size,
+                                        wire)
     out, _ = _ops.attention(q, k, v, cu_seqlens if tensor else None, algorithm, comm.handle,
                             layout, causal, softmax_scale, values, reach,
                             None if mask is None else mask.handle, method,
@@ -84,22 +95,27 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *, l
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *, layout: str,
                       causal: bool, softmax_scale: Optional[float] = None,
                       cu_seqlens: Any = None, window: Any = None, mask: Any = None,
-                      kernel: Optional[Kernel] = None) -> torch.Tensor:
-    """Differentiable ``commlib.ulysses.ulysses_attention``."""
+                      kernel: Optional[Kernel] = None,
+                      wire: Optional[str] = None) -> torch.Tensor:
+    """Differentiable ``commlib.ulysses.ulysses_attention``; with
+    ``wire="float8"`` forward only (refused where q, k or v requires grad)."""
     return _attention(q, k, v, comm, "ulysses", layout=layout, causal=causal,
                       softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window,
-                      mask=mask, kernel=kernel)
+                      mask=mask, kernel=kernel, wire=wire)
 
 
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm,
                      ulysses_size: int, *, layout: str, causal: bool,
                      softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
                      window: Any = None, mask: Any = None, method: str = "auto",
-                     kernel: Optional[Kernel] = None) -> torch.Tensor:
-    """Differentiable ``commlib.hybrid.hybrid_attention``."""
+                     kernel: Optional[Kernel] = None,
+                     wire: Optional[str] = None) -> torch.Tensor:
+    """Differentiable ``commlib.hybrid.hybrid_attention``; with
+    ``wire="float8"`` (its Ulysses stage) forward only."""
     return _attention(q, k, v, comm, "hybrid", layout=layout, causal=causal,
                       softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window,
-                      mask=mask, method=method, kernel=kernel, ulysses_size=ulysses_size)
+                      mask=mask, method=method, kernel=kernel, ulysses_size=ulysses_size,
+                      wire=wire)
 
 
 def seq_to_head(x: torch.Tensor, comm, num_heads: Optional[int] = None) -> torch.Tensor:

@@ -27,6 +27,7 @@ from ..ulysses.relayout import (
     lse_to_seq,
     seq_to_head_many,
 )
+from ..ulysses.wire import check_wire
 
 
 def check_degree(size: int, ulysses_size: int) -> None:
@@ -61,23 +62,27 @@ def _check(q, size: int, ulysses_size: int, method: str) -> None:
 def hybrid_attention(q: Any, k: Any, v: Any, comm, ulysses_size: int, *, layout: str,
                      causal: bool, softmax_scale: Optional[float] = None,
                      return_lse: bool = False, cu_seqlens: Any = None, window: Any = None,
-                     mask: Any = None, method: str = "auto", kernel: Optional[Kernel] = None):
+                     mask: Any = None, method: str = "auto", kernel: Optional[Kernel] = None,
+                     wire: Optional[str] = None):
     """Attention over the whole sequence for shards q [b, s/P, h, d],
     k/v [b, s/P, hk, d] in ``layout`` (any of ``commlib.ring.LAYOUTS``; no
     default: shards and attention must name the same one): Ulysses of
     degree ``ulysses_size`` inside groups, a ring (``method`` as
     ``ring_attention``'s) of P / ulysses_size across them; ``cu_seqlens``,
-    ``window`` and ``mask`` as ``ring_attention``'s. In q's framework, device and dtype."""
+    ``window`` and ``mask`` as ``ring_attention``'s. In q's framework, device and dtype.
+    ``wire="float8"``: the Ulysses all-to-alls travel as e4m3 with per-head
+    scales (``commlib.ulysses.wire``); the ring's K/V in q's dtype."""
     q, k, v = detached(q, k, v)
     call = prepare(comm, "hybrid_attention", q, k, v, layout=layout, causal=causal,
                    softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, mask=mask,
-                   kernel=kernel, check=lambda: _check(q, comm.size, ulysses_size, method),
-                   ulysses_size=ulysses_size, method=method)
+                   kernel=kernel, check=lambda: (_check(q, comm.size, ulysses_size, method),
+                                                 check_wire(wire, q)),
+                   ulysses_size=ulysses_size, method=method, wire=wire)
     group, ring = groups(comm, ulysses_size)
-    qh, kh, vh = seq_to_head_many([q, k, v], group)
+    qh, kh, vh = seq_to_head_many([q, k, v], group, wire=wire)
     out, lse = ring_forward(call.over_groups(ulysses_size), qh, kh, vh, ring, method)
     heads = q.shape[2]
-    result = head_to_seq(out, group, heads)
+    result = head_to_seq(out, group, heads, wire=wire)
     return (result, lse_to_seq(lse, group, heads)) if return_lse else result
 
 

@@ -21,12 +21,13 @@ from ..kernels.blockwise import attend, attend_backward, finish
 from ..namespace import detached, device
 from ..sequence.attention_call import AttentionCall, backward_extras, prepare
 from .relayout import check_heads, head_to_seq, lse_to_heads, lse_to_seq, seq_to_head_many
+from .wire import check_wire
 
 
 def ulysses_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool,
                       softmax_scale: Optional[float] = None, return_lse: bool = False,
                       cu_seqlens: Any = None, window: Any = None, mask: Any = None,
-                      kernel: Optional[Kernel] = None):
+                      kernel: Optional[Kernel] = None, wire: Optional[str] = None):
     """Attention over the whole sequence for sequence shards
     q [b, s/P, h, d], k/v [b, s/P, hk, d] in ``layout`` (any of
     ``commlib.ring.LAYOUTS``, as ``shard_sequence`` makes them; no default:
@@ -34,14 +35,16 @@ def ulysses_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool
     unevenly where P does not divide them: ``relayout``); ``cu_seqlens``,
     ``window`` and ``mask`` as ``ring_attention``'s. Returns out [b, s/P, h, d] (q's
     framework, device and dtype) and, with ``return_lse``, lse [b, h, s/P]
-    float32 (float64 for float64 q)."""
+    float32 (float64 for float64 q). ``wire="float8"``: q, k, v and out
+    travel as e4m3 with per-head scales (``commlib.ulysses.wire``)."""
     q, k, v = detached(q, k, v)
     call = prepare(comm, "ulysses_attention", q, k, v, layout=layout, causal=causal,
                    softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, mask=mask,
-                   kernel=kernel, check=lambda: check_heads(q.shape[2], comm.size))
+                   kernel=kernel, check=lambda: (check_heads(q.shape[2], comm.size),
+                                                 check_wire(wire, q)), wire=wire)
     heads = q.shape[2]
-    out, lse = ulysses_forward(call, *seq_to_head_many([q, k, v], comm))
-    result = head_to_seq(out, comm, heads)  # finish gave it q's dtype
+    out, lse = ulysses_forward(call, *seq_to_head_many([q, k, v], comm, wire=wire))
+    result = head_to_seq(out, comm, heads, wire=wire)  # finish gave it q's dtype
     return (result, lse_to_seq(lse, comm, heads)) if return_lse else result
 
 

@@ -20,18 +20,22 @@ does not read. On the way back (gradients) the copies of a kv head are
 summed.
 
 ``seq_to_head_many`` relays several tensors in one all-to-all, one message
-per peer, instead of one all-to-all per tensor.
+per peer, instead of one all-to-all per tensor. ``wire`` says how the
+messages travel (``commlib.ulysses.wire``: the input dtype, or FP8); the
+``_async`` forms return once the exchange is posted, with the wait that
+finishes it (``commlib.ulysses.overlap``).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..namespace import contiguous, device, namespace
+from .wire import check_wire, relay
 
 
 def divisors(n: int) -> List[int]:
@@ -126,47 +130,68 @@ def _send_layout(x: Any, owned: Sequence[np.ndarray]) -> Any:
 FUSE_LIMIT_BYTES = 48 * 1024
 
 
-def seq_to_head_many(tensors: Sequence[Any], comm,
-                     num_heads: Optional[int] = None) -> List[Any]:
+def seq_to_head_many(tensors: Sequence[Any], comm, num_heads: Optional[int] = None,
+                     wire: Optional[str] = None) -> List[Any]:
     """Relayout several [b, s/P, h_i, d_i] tensors (same b and s/P) in one
     all-to-all when the messages are small (latency-bound), one each when
     they are large; returns each as [b, s, its heads here, d_i], in its own
     framework. ``num_heads`` is h, the query heads (default: tensors[0]'s
     heads, or P where those are fewer and divide P: a lone kv tensor, as
     before uneven splits); a tensor with another head count is kv heads
-    (module docstring)."""
+    (module docstring). ``wire``: how they travel (``commlib.ulysses.wire``)."""
+    return seq_to_head_async(tensors, comm, num_heads, wire, asynchronous=False)()
+
+
+def seq_to_head_async(tensors: Sequence[Any], comm, num_heads: Optional[int] = None,
+                      wire: Optional[str] = None,
+                      asynchronous: bool = True) -> Callable[[], List[Any]]:
+    """``seq_to_head_many`` started: returns the wait that gives its result.
+    The tensors must not change until then."""
+    for t in tensors:
+        check_wire(wire, t)
     size = comm.size
     query_heads = _query_heads(tensors[0].shape[2], size, num_heads)
     owned = [_owned(t.shape[2], size, query_heads) for t in tensors]
     sends = [_send_layout(t, heads) for t, heads in zip(tensors, owned)]
     per_peer = sum(math.prod(s.shape) * s.dtype.itemsize for s in sends) // size
-    if len(sends) == 1 or per_peer > FUSE_LIMIT_BYTES:
-        received = [comm.alltoall(s) for s in sends]
-    else:
-        received = comm.alltoall_many(sends)
-    results = []
-    for block, heads in zip(received, owned):
-        xp = namespace(block)
-        _, b, sl, _, d = block.shape
-        mine = len(heads[comm.rank])
-        # [P (source = sequence chunk), b, sl, n, d] -> [b, P * sl, mine, d]
-        results.append(xp.reshape(xp.permute_dims(block[:, :, :, :mine], (1, 0, 2, 3, 4)),
-                                  (b, size * sl, mine, d)))
-    return results
+    arrived = relay(comm, sends, wire, len(sends) > 1 and per_peer <= FUSE_LIMIT_BYTES,
+                    asynchronous)
+
+    def wait() -> List[Any]:
+        results = []
+        for block, heads in zip(arrived(), owned):
+            xp = namespace(block)
+            _, b, sl, _, d = block.shape
+            mine = len(heads[comm.rank])
+            # [P (source = sequence chunk), b, sl, n, d] -> [b, P * sl, mine, d]
+            results.append(xp.reshape(xp.permute_dims(block[:, :, :, :mine], (1, 0, 2, 3, 4)),
+                                      (b, size * sl, mine, d)))
+        return results
+    return wait
 
 
-def seq_to_head(x: Any, comm, num_heads: Optional[int] = None) -> Any:
+def seq_to_head(x: Any, comm, num_heads: Optional[int] = None,
+                wire: Optional[str] = None) -> Any:
     """[b, s/P, h, d] -> [b, s, h_p, d] (see seq_to_head_many)."""
-    return seq_to_head_many([x], comm, num_heads)[0]
+    return seq_to_head_many([x], comm, num_heads, wire)[0]
 
 
 def head_to_seq(x: Any, comm, heads: Optional[int] = None,
-                num_heads: Optional[int] = None) -> Any:
+                num_heads: Optional[int] = None, wire: Optional[str] = None) -> Any:
     """[b, s, h_p, d] -> [b, s/P, h, d], the inverse (and adjoint) of
     seq_to_head: ``heads`` = h, x's own heads (default h_p * P, right for
     even splits), ``num_heads`` the query heads as seq_to_head's when x
     holds kv heads. Copies of a kv head on several ranks are summed (the
-    gradient of the replication)."""
+    gradient of the replication). ``wire``: how it travels."""
+    return head_to_seq_async(x, comm, heads, num_heads, wire, asynchronous=False)()
+
+
+def head_to_seq_async(x: Any, comm, heads: Optional[int] = None,
+                      num_heads: Optional[int] = None, wire: Optional[str] = None,
+                      asynchronous: bool = True) -> Callable[[], Any]:
+    """``head_to_seq`` started: returns the wait that gives its result.
+    x must not change until then."""
+    check_wire(wire, x)
     xp = namespace(x)
     size = comm.size
     b, s, local, d = x.shape
@@ -179,15 +204,19 @@ def head_to_seq(x: Any, comm, heads: Optional[int] = None,
     # send: sequence chunk p to rank p: [P, b, s/P, width, d]
     send = contiguous(xp.permute_dims(xp.reshape(_padded(x, width), (b, size, s // size, width, d)),
                                       (1, 0, 2, 3, 4)))
-    received = comm.alltoall(send)  # [P (source = head owner), b, s/P, width, d]
-    held = xp.concat([received[p, :, :, :len(mine)] for p, mine in enumerate(owned)], axis=2)
-    copies = np.bincount(np.concatenate(owned), minlength=heads)
-    if (copies == 1).all():
-        return held
-    # a kv head's copies are adjacent: the ranks' heads ascend
-    starts = np.cumsum(copies) - copies
-    return xp.stack([xp.sum(held[:, :, a:a + n], axis=2) for a, n in zip(starts, copies)],
-                    axis=2)
+    arrived = relay(comm, [send], wire, False, asynchronous)
+
+    def wait() -> Any:
+        (received,) = arrived()  # [P (source = head owner), b, s/P, width, d]
+        held = xp.concat([received[p, :, :, :len(mine)] for p, mine in enumerate(owned)], axis=2)
+        copies = np.bincount(np.concatenate(owned), minlength=heads)
+        if (copies == 1).all():
+            return held
+        # a kv head's copies are adjacent: the ranks' heads ascend
+        starts = np.cumsum(copies) - copies
+        return xp.stack([xp.sum(held[:, :, a:a + n], axis=2) for a, n in zip(starts, copies)],
+                        axis=2)
+    return wait
 
 
 def lse_to_heads(lse: Any, comm) -> Any:
