@@ -23,12 +23,25 @@ import torch
 
 from . import _routing
 from ._attention import ShardedAttention, dispatch
-from ._plan import install
+from ._plan import check_fits, install
 from ._streams import TEXT_MODES, Streams
 
 __all__ = ["context_parallel", "remove_context_parallel", "planned_models", "TEXT_MODES"]
 
 _STATE = "_commlib_context_parallel"
+
+# models with a plan whose attention this package does not place, refused by name
+_REFUSED = {
+    "LTX2VideoTransformer3DModel":
+        "its audio stream, which the plan leaves whole on every rank, attends to itself and to "
+        "and from the split video (audio-to-video and video-to-audio attention); this package "
+        "places only the image shard, [text | image] and attention to the text, and cannot tell "
+        "a whole audio from an image shard of the same length",
+    "MiniMaxH3Transformer3DModel":
+        "its plan splits a packed [text | video | audio] sequence at the first block with "
+        "per-row index tensors and RoPE tables split along another axis (dim 0), a layout not "
+        "checked against the unsharded model here",
+}
 
 
 def context_parallel(model: torch.nn.Module, comm, *, ring_degree: int = 1,
@@ -49,6 +62,7 @@ def context_parallel(model: torch.nn.Module, comm, *, ring_degree: int = 1,
     problem = None
     try:
         ulysses_degree = _check(model, comm, ring_degree, ulysses_degree, text)
+        check_fits(model, model._cp_plan)
         routed = [processor for processor in _processors(model)]
     except ValueError as error:
         problem = error
@@ -102,6 +116,9 @@ def _check(model: torch.nn.Module, comm, ring_degree: int, ulysses_degree: Optio
         raise ValueError(f"{name} has no _cp_plan (diffusers' declaration of which inputs to "
                          f"split and which outputs to gather), so it cannot be made "
                          f"context-parallel; the models with one: {', '.join(planned_models())}")
+    if name in _REFUSED:
+        raise ValueError(f"{name} is not supported by commlib.bindings.diffusers: "
+                         f"{_REFUSED[name]}")
     if hasattr(model, _STATE) or getattr(model, "_parallel_config", None) is not None:
         raise ValueError(f"{name} is already parallel (context_parallel, or diffusers' "
                          f"enable_parallelism): undo that first")

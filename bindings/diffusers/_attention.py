@@ -24,6 +24,7 @@ import torch
 from commlib.ulysses.relayout import check_heads
 
 from ..torch import hybrid_attention, ring_attention, ulysses_attention
+from ._routing import called_with
 from ._shards import Split, gather
 from ._streams import Streams
 from ._visibility import Segment, visibility
@@ -58,7 +59,11 @@ class ShardedAttention:
                  scale: Optional[float], attention_kwargs: Optional[Mapping[str, Any]],
                  local: Callable[..., torch.Tensor]) -> torch.Tensor:
         _check_call(dropout_p, is_causal, attention_kwargs)
-        if key.shape[1] != query.shape[1]:
+        if not self.streams.splits:
+            # before the plan's first split of this forward (MiniMax-H3's text refiner): every
+            # rank holds every token, so the attention is every rank's own
+            return local(query, key, value, attn_mask=attn_mask, scale=scale)
+        if self._is_cross(query, key):
             return self._over_text(query, key, value, attn_mask, scale, local)
         segments = self._segments(query.shape[1])
         if self.ulysses_degree > 1:
@@ -71,6 +76,16 @@ class ShardedAttention:
         return torch.cat([self._attend(query[i:i + 1], key[i:i + 1], value[i:i + 1], scale,
                                        self._mask(segments, key_mask[i]))
                           for i in range(query.shape[0])])
+
+    def _is_cross(self, query: torch.Tensor, key: torch.Tensor) -> bool:
+        """Whether the keys are the processor's ``encoder_hidden_states`` while
+        its queries are the image shard alone (LTX-Video's attention to the
+        text), told by the processor's arguments where the lengths agree."""
+        if key.shape[1] != query.shape[1]:
+            return True
+        image = self.streams.image
+        return (called_with().get("encoder_hidden_states") is not None and image is not None
+                and query.shape[1] == image.padded)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 scale: Optional[float], mask: Any) -> torch.Tensor:
@@ -120,12 +135,17 @@ class ShardedAttention:
         return self.masks[cache_key]
 
     def _over_text(self, query, key, value, attn_mask, scale, local):
-        """Cross-attention over a split text: its keys and values gathered
-        (padding cut; differentiable), then attended on this rank."""
-        text = self.streams.text
+        """Cross-attention over the text: a split text's keys and values
+        gathered (padding cut; differentiable), then attended on this rank;
+        a text every rank holds whole (``text="whole"``), attended here."""
+        text, whole = self.streams.text, self.streams.text_length
+        if text is None and whole is not None and key.shape[1] == whole:
+            return local(query, key, value, attn_mask=attn_mask, scale=scale)
         if text is None or key.shape[1] != text.padded:
-            raise ValueError(f"a cross-attention over {key.shape[1]} local keys that are not the "
-                             f"text's shard ({'no text split' if text is None else text.padded})")
+            raise ValueError(f"a cross-attention over {key.shape[1]} local keys that are neither "
+                             f"the text's shard nor the whole text (" +
+                             (f"{whole} tokens, not split" if text is None else
+                              f"a shard of {text.padded} tokens") + ")")
         key, value = (gather(x, 1, text, self.comm) for x in (key, value))
         if attn_mask is not None:
             attn_mask = _gather_last(attn_mask, text, self.comm)

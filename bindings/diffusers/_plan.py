@@ -50,6 +50,20 @@ def modules_named(model: torch.nn.Module, name: str) -> List[torch.nn.Module]:
     return found
 
 
+def check_fits(model: torch.nn.Module, plan: Dict[str, Any]) -> None:
+    """Refuse, before any hook is installed, a plan that does not fit this
+    model: a key naming a submodule it lacks (Helios' plan names blocks 0-39
+    one by one: a Helios of fewer blocks), an entry of another kind."""
+    for where, entry in plan.items():
+        try:
+            modules_named(model, where)
+            if not isinstance(entry, dict):
+                _outputs(where, entry)
+        except ValueError as error:
+            raise ValueError(f"{type(model).__name__}'s own _cp_plan does not fit this instance: "
+                             f"{error}") from None
+
+
 def install(model: torch.nn.Module, plan: Dict[str, Any], streams: Streams, comm) -> List[Handle]:
     """Hooks that carry out ``plan`` on ``model`` (first: the one that starts
     each forward's record)."""

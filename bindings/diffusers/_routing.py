@@ -17,17 +17,32 @@ this one unrouted, runs diffusers' code as before. A processor that would
 reach diffusers' own attention with commlib's config anyway (through a
 helper this does not rebind) fails there, loudly
 (``ContextParallel.context_parallel_config``).
+
+While a routed processor runs, ``called_with()`` gives its arguments by
+name: the attention reads from them whether its keys are the processor's
+``encoder_hidden_states`` (a cross-attention) or its own tokens, which the
+shapes alone cannot tell where a text shard is as long as an image shard.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import inspect
 import types
-from typing import Any, Dict
+from typing import Any, Dict, Mapping
 
 DISPATCH = "dispatch_attention_fn"
 
 _routed: Dict[type, type] = {}
+_arguments: contextvars.ContextVar = contextvars.ContextVar("commlib_processor_arguments",
+                                                           default=None)
+
+
+def called_with() -> Mapping[str, Any]:
+    """The arguments, by name, of the routed processor call now running
+    (empty outside one)."""
+    return _arguments.get() or {}
 
 
 def routable(processor: Any) -> bool:
@@ -49,8 +64,16 @@ def routed_class(cls: type, dispatch: Any) -> type:
         rebound = types.FunctionType(call.__code__, names, call.__name__, call.__defaults__,
                                      call.__closure__)
         rebound.__kwdefaults__ = call.__kwdefaults__
-        functools.update_wrapper(rebound, call, updated=())
-        _routed[cls] = type(cls.__name__, (cls,), {"__call__": rebound,
+        signature = inspect.signature(call)
+
+        def routed_call(self, *args, **kwargs):
+            token = _arguments.set(signature.bind(self, *args, **kwargs).arguments)
+            try:
+                return rebound(self, *args, **kwargs)
+            finally:
+                _arguments.reset(token)
+        functools.update_wrapper(routed_call, call, updated=())
+        _routed[cls] = type(cls.__name__, (cls,), {"__call__": routed_call,
                                                    "__module__": cls.__module__,
                                                    "_commlib_unrouted": cls})
     return _routed[cls]

@@ -1,10 +1,14 @@
-"""diffusers over commlib: tiny Flux, QwenImage and Wan transformers made
+"""diffusers over commlib: tiny Flux, QwenImage and Wan transformers (and
+Flux 2, LTX-Video, ChronoEdit, Helios, one case per algorithm) made
 context-parallel with their own ``_cp_plan`` equal the unsharded model
 (float64 within 1e-10), with Ulysses, Ring and the hybrid, image and text
 lengths the world size divides and not, the text sharded and whole, a
 per-row text mask, uneven heads; a short denoising loop equals the
-unsharded one; cross-attention over the whole text moves nothing; other
-models in the process are untouched; what is refused, on every rank."""
+unsharded one; cross-attention over the whole text moves nothing; LTX's
+attention to a text shard as long as the image shard is told from
+self-attention; other models in the process are untouched; what is
+refused (LTX-2, MiniMax-H3, a Helios of other than 40 blocks), on every
+rank."""
 
 import pytest
 
@@ -25,6 +29,8 @@ HEADS, HEAD_DIM = 5, 8  # 5 heads: uneven over a Ulysses degree of 2, 3 and 4
 # (text as long as the image: text="whole" cannot tell their RoPE tables apart, refused)
 LENGTHS = {"divisible": ((3, 4), 24), "uneven": ((1, 13), 7)}
 MODELS = ("flux", "qwenimage", "wan")
+MORE_MODELS = ("flux2", "ltx", "chronoedit", "helios")  # one case per algorithm each
+VIDEO = ("wan", "chronoedit", "helios")  # [batch, channels, frames, height, width] inputs
 ALGORITHMS = ("ulysses", "ring", "hybrid")
 TOL64 = 1e-10
 
@@ -52,6 +58,25 @@ def build(kind, dtype=torch.float64, heads=HEADS):
             patch_size=1, in_channels=8, out_channels=8, num_layers=2,
             attention_head_dim=HEAD_DIM, num_attention_heads=heads, joint_attention_dim=12,
             axes_dims_rope=(2, 2, 4))
+    elif kind == "flux2":
+        model = diffusers.Flux2Transformer2DModel(
+            patch_size=1, in_channels=8, num_layers=1, num_single_layers=1,
+            attention_head_dim=HEAD_DIM, num_attention_heads=heads, joint_attention_dim=12,
+            timestep_guidance_channels=16, axes_dims_rope=(2, 2, 2, 2), guidance_embeds=False)
+    elif kind == "ltx":
+        model = diffusers.LTXVideoTransformer3DModel(
+            in_channels=8, out_channels=8, num_attention_heads=heads, attention_head_dim=HEAD_DIM,
+            cross_attention_dim=heads * HEAD_DIM, num_layers=2, caption_channels=12)
+    elif kind == "chronoedit":
+        model = diffusers.ChronoEditTransformer3DModel(
+            patch_size=(1, 1, 1), num_attention_heads=heads, attention_head_dim=HEAD_DIM,
+            in_channels=4, out_channels=4, text_dim=12, freq_dim=16, ffn_dim=32, num_layers=2,
+            rope_max_seq_len=32)
+    elif kind == "helios":  # its plan names blocks 0-39 one by one: 40 tiny blocks
+        model = diffusers.HeliosTransformer3DModel(
+            patch_size=(1, 1, 1), num_attention_heads=heads, attention_head_dim=HEAD_DIM,
+            in_channels=4, out_channels=4, text_dim=12, freq_dim=16, ffn_dim=32, num_layers=40,
+            rope_dim=(4, 2, 2))
     else:
         model = diffusers.WanTransformer3DModel(
             patch_size=(1, 1, 1), num_attention_heads=heads, attention_head_dim=HEAD_DIM,
@@ -74,6 +99,16 @@ def inputs(kind, lengths, dtype=torch.float64, batch=2, seed=1):
                     encoder_hidden_states=rand(batch, text, 12),
                     pooled_projections=rand(batch, 12), timestep=timestep,
                     img_ids=rand(h * w, 3), txt_ids=rand(text, 3))
+    if kind == "flux2":
+        return dict(hidden_states=rand(batch, h * w, 8),
+                    encoder_hidden_states=rand(batch, text, 12), timestep=timestep,
+                    img_ids=rand(batch, h * w, 4), txt_ids=rand(batch, text, 4))
+    if kind == "ltx":  # its text mask hides the last two text tokens of row 1
+        mask = torch.ones(batch, text, dtype=dtype)
+        mask[1, -2:] = 0
+        return dict(hidden_states=rand(batch, h * w, 8),
+                    encoder_hidden_states=rand(batch, text, 12), timestep=timestep * 1000,
+                    encoder_attention_mask=mask, num_frames=1, height=h, width=w)
     if kind == "qwenimage":
         mask = torch.ones(batch, text, dtype=torch.long)
         mask[1, -2:] = 0
@@ -81,6 +116,7 @@ def inputs(kind, lengths, dtype=torch.float64, batch=2, seed=1):
                     encoder_hidden_states=rand(batch, text, 12),
                     encoder_hidden_states_mask=mask, timestep=timestep,
                     img_shapes=[[(1, h, w)]] * batch)
+    assert kind in VIDEO, kind
     return dict(hidden_states=rand(batch, 4, 1, h, w),
                 encoder_hidden_states=rand(batch, text, 12),
                 timestep=timestep * 1000)
@@ -121,6 +157,9 @@ def cached(kind):
 CASES = [(kind, algorithm, text, lengths) for kind in MODELS for algorithm in ALGORITHMS
          for text in ("sharded", "whole") for lengths in LENGTHS
          if not (kind == "wan" and text == "whole")]  # Wan's plan never splits the text
+# LTX attends to the text: sharded (gathered) with Ulysses and the hybrid, whole with Ring
+CASES += [(kind, algorithm, "whole" if (kind, algorithm) == ("ltx", "ring") else "sharded",
+           "uneven") for kind in MORE_MODELS for algorithm in ALGORITHMS]
 
 
 @pytest.mark.quick_sample(8)
@@ -134,6 +173,20 @@ def test_sharded_model_equals_the_unsharded(comm, kind, algorithm, text, lengths
         got = sharded(model, comm, lambda: model(**inputs(kind, lengths)).sample,
                       ring_degree=ring, ulysses_degree=ulysses, text=text)
     assert got.shape == want.shape
+    assert all_ranks(max_error(got, want) < TOL64), max_error(got, want)
+
+
+def test_attention_to_a_text_shard_as_long_as_the_image_shard(comm):
+    """LTX's attention to the text, where the text shard is as long as the
+    image shard: told from self-attention by the processor's arguments
+    (gathered), not by the lengths."""
+    ring, ulysses = degrees("ulysses", comm.size)
+    model = cached("ltx")
+    lengths = ((2, 6), 12)
+    with torch.no_grad():
+        want = model(**inputs("ltx", lengths)).sample
+        got = sharded(model, comm, lambda: model(**inputs("ltx", lengths)).sample,
+                      ring_degree=ring, ulysses_degree=ulysses)
     assert all_ranks(max_error(got, want) < TOL64), max_error(got, want)
 
 
@@ -268,6 +321,33 @@ def test_without_a_plan_refused_by_name(comm):
     error = raises_everywhere(ValueError, lambda: cd.context_parallel(model, comm),
                               match="SD3Transformer2DModel has no _cp_plan")
     assert "FluxTransformer2DModel" in str(error) and "WanTransformer3DModel" in str(error)
+
+
+def test_models_whose_attention_is_not_placed_refused_by_name(comm):
+    """LTX-2 (a whole audio stream attending to and from the split video)
+    and MiniMax-H3 (a packed sequence split at the first block), tiny, and a
+    Helios of other than the 40 blocks its plan names, before any hook."""
+    torch.manual_seed(0)
+    ltx2 = diffusers.LTX2VideoTransformer3DModel(
+        in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=8,
+        cross_attention_dim=16, audio_in_channels=8, audio_out_channels=8,
+        audio_num_attention_heads=2, audio_attention_head_dim=8, audio_cross_attention_dim=16,
+        num_layers=1, caption_channels=12)
+    minimax = diffusers.MiniMaxH3Transformer3DModel(
+        num_attention_heads=2, attention_head_dim=8, hidden_size=16, num_layers=1,
+        num_refiner_layers=1, ffn_dim=32, in_channels=4, audio_in_channels=4, text_dim=12,
+        freq_dim=16, time_embed_hidden_dim=16, time_embed_dim=16, rope_freq_dim=4)
+    for model, why in ((ltx2, "its audio stream"), (minimax, "a packed")):
+        error = raises_everywhere(ValueError, lambda m=model: cd.context_parallel(m, comm),
+                                  match=f"{type(model).__name__} is not supported")
+        assert why in str(error)
+    helios = diffusers.HeliosTransformer3DModel(
+        patch_size=(1, 1, 1), num_attention_heads=2, attention_head_dim=8, in_channels=4,
+        out_channels=4, text_dim=12, freq_dim=16, ffn_dim=32, num_layers=2, rope_dim=(4, 2, 2))
+    raises_everywhere(ValueError, lambda: cd.context_parallel(helios, comm),
+                      match="HeliosTransformer3DModel's own _cp_plan does not fit this "
+                            "instance: _cp_plan key 'blocks.2.attn1'")
+    assert not helios._forward_pre_hooks and not hasattr(helios, "_commlib_context_parallel")
 
 
 def test_fewer_heads_than_the_ulysses_degree_refused(comm):
