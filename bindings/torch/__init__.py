@@ -35,19 +35,23 @@ __all__ = ["ring_attention", "ulysses_attention", "hybrid_attention", "seq_to_he
 def _attention(q, k, v, comm, algorithm: str, *, layout: str, causal: bool,
                softmax_scale: Optional[float], cu_seqlens: Any, window: Any, mask: Any,
                method: str = "auto", kernel: Optional[Kernel] = None,
-               ulysses_size: int = 0) -> torch.Tensor:
+               ulysses_size: int = 0, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The ``commlib::attention`` op's out. Arguments no graph can carry (a
-    window that is not a (left, right) pair of token counts) go to the core,
-    which refuses them on every rank."""
+    window that is not a (left, right) pair of token counts, sinks that are
+    not a tensor) go to the core, which refuses them on every rank."""
     reach = _window(window)
-    if reach is False:
+    if reach is False or not (sinks is None or isinstance(sinks, torch.Tensor)):
         extra = {"ulysses_size": ulysses_size} if algorithm == "hybrid" else {}
+        if algorithm != "ulysses":
+            extra["method"] = method
         return _ops.FORWARD[algorithm](q, k, v, comm, layout=layout, causal=causal,
-                                       window=window, **extra)
+                                       softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
+                                       window=window, mask=mask, kernel=kernel, sinks=sinks,
+                                       **extra)
     tensor = isinstance(cu_seqlens, torch.Tensor)
     values = None if tensor or cu_seqlens is None else [int(o) for o in cu_seqlens]
-    out, _ = _ops.attention(q, k, v, cu_seqlens if tensor else None, algorithm, comm.handle,
-                            layout, causal, softmax_scale, values, reach,
+    out, _ = _ops.attention(q, k, v, sinks, cu_seqlens if tensor else None, algorithm,
+                            comm.handle, layout, causal, softmax_scale, values, reach,
                             None if mask is None else mask.handle, method,
                             None if kernel is None else kernel.handle, ulysses_size)
     return out
@@ -71,35 +75,43 @@ def _window(window: Any) -> Any:
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *, layout: str,
                    causal: bool, softmax_scale: Optional[float] = None,
                    cu_seqlens: Any = None, window: Any = None, mask: Any = None,
-                   method: str = "auto", kernel: Optional[Kernel] = None) -> torch.Tensor:
+                   method: str = "auto", kernel: Optional[Kernel] = None,
+                   sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Differentiable ``commlib.ring.ring_attention`` (shards in ``layout``,
     packed ``cu_seqlens``, sliding ``window``, or any ``mask``; ``method``
     as ``ring_attention``'s); ``kernel`` replaces torch's fused SDPA kernels
-    (``commlib.kernels.Kernel``)."""
+    (``commlib.kernels.Kernel``); ``sinks`` [h], one logit per query head
+    (gpt-oss), gets this rank's queries' share of its gradient (sum it over
+    the ranks, as every replicated parameter's: ``allreduce_gradients``)."""
     return _attention(q, k, v, comm, "ring", layout=layout, causal=causal,
                       softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window,
-                      mask=mask, method=method, kernel=kernel)
+                      mask=mask, method=method, kernel=kernel, sinks=sinks)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *, layout: str,
                       causal: bool, softmax_scale: Optional[float] = None,
                       cu_seqlens: Any = None, window: Any = None, mask: Any = None,
-                      kernel: Optional[Kernel] = None) -> torch.Tensor:
-    """Differentiable ``commlib.ulysses.ulysses_attention``."""
+                      kernel: Optional[Kernel] = None,
+                      sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Differentiable ``commlib.ulysses.ulysses_attention`` (``sinks`` as
+    ``ring_attention``'s)."""
     return _attention(q, k, v, comm, "ulysses", layout=layout, causal=causal,
                       softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window,
-                      mask=mask, kernel=kernel)
+                      mask=mask, kernel=kernel, sinks=sinks)
 
 
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm,
                      ulysses_size: int, *, layout: str, causal: bool,
                      softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
                      window: Any = None, mask: Any = None, method: str = "auto",
-                     kernel: Optional[Kernel] = None) -> torch.Tensor:
-    """Differentiable ``commlib.hybrid.hybrid_attention``."""
+                     kernel: Optional[Kernel] = None,
+                     sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Differentiable ``commlib.hybrid.hybrid_attention`` (``sinks`` as
+    ``ring_attention``'s)."""
     return _attention(q, k, v, comm, "hybrid", layout=layout, causal=causal,
                       softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window,
-                      mask=mask, method=method, kernel=kernel, ulysses_size=ulysses_size)
+                      mask=mask, method=method, kernel=kernel, ulysses_size=ulysses_size,
+                      sinks=sinks)
 
 
 def seq_to_head(x: torch.Tensor, comm, num_heads: Optional[int] = None) -> torch.Tensor:
