@@ -170,7 +170,7 @@ def layout_of(attn_implementation: Union[str, torch.nn.Module]) -> str:
 
 def _attention_function(name: str, attend: Attend, comm) -> Callable:
     """The function transformers calls: checks the call, reads the packed
-    documents and the window, checks that the shard is in this
+    documents, the window and the sinks, checks that the shard is in this
     implementation's layout, moves the heads axis where commlib wants it
     ([b, s, h, d]), attends."""
     world_size = comm.size
