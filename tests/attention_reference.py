@@ -86,3 +86,27 @@ def relative_error(got, want) -> float:
     if got.shape != want.shape or np.isnan(got).any():
         return float("inf")
     return float(np.abs(got - want).max(initial=0.0) / max(1.0, np.abs(want).max(initial=0.0)))
+
+
+def sink_reference(q, k, v, dout, mask, sinks, scale=None):
+    """(out, dq, dk, dv, dsinks) of attention with sinks on the unsharded
+    sequence, float64, through autograd: gpt-oss's eager softmax, written
+    out (scores and one sink column per head, softmax, the sink's column
+    dropped), under the boolean ``mask`` [s_q, s_k] (True = visible)."""
+    import torch
+
+    tq, tk, tv = (torch.tensor(np.asarray(x, np.float64)).transpose(1, 2).requires_grad_()
+                  for x in (q, k, v))
+    tsinks = torch.tensor(np.asarray(sinks, np.float64)).requires_grad_()
+    group = tq.shape[1] // tk.shape[1]
+    keys, values = (x.repeat_interleave(group, dim=1) for x in (tk, tv))
+    scale = scale if scale is not None else 1.0 / np.sqrt(tq.shape[-1])
+    scores = (tq @ keys.transpose(2, 3)) * scale
+    scores = scores.masked_fill(~torch.tensor(np.asarray(mask, bool)), float("-inf"))
+    b, h, s, _ = scores.shape
+    column = tsinks.reshape(1, h, 1, 1).expand(b, h, s, 1)
+    probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    out = probs @ values
+    out.backward(torch.tensor(np.asarray(dout, np.float64)).transpose(1, 2))
+    return ([t.detach().transpose(1, 2).numpy() for t in (out, tq.grad, tk.grad, tv.grad)]
+            + [tsinks.grad.numpy()])

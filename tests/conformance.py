@@ -1,13 +1,16 @@
 """The attention conformance matrix: every option of every attention entry
 point, combined by a covering array (tests/covering.py), each case either
 equal to the float64 reference on the unsharded sequence, forward and
-backward, or refused on every rank with the error this file predicts.
+backward (with attention sinks: the eager softmax with the sink column,
+and the sinks' gradient summed over the ranks), or refused on every rank
+with the error this file predicts.
 
 A case is a dict of factor -> value (``FACTORS``). ``expected_refusal``
 is the oracle: the message a refused case must carry, or None where the
 case must compute. ``run_case`` shards the global inputs, calls the entry
 point on every rank, gathers outputs and gradients, and returns them as
-float64 NumPy arrays of the whole sequence.
+float64 NumPy arrays of the whole sequence; ``reference`` computes the same
+on one process.
 
 Tiers: the quick tier (the README's ``pytest``) runs ``QUICK_CASES`` of
 the matrix, sampled with a fixed seed; the full tier
@@ -27,7 +30,7 @@ from commlib.ulysses import ulysses_attention, ulysses_attention_backward
 
 import arrayimpl
 import covering
-from attention_reference import document_mask
+from attention_reference import document_mask, masked_torch_reference, sink_reference
 
 TIER = os.environ.get("COMMLIB_TEST_TIER", "quick")
 QUICK_CASES = int(os.environ.get("COMMLIB_MATRIX_QUICK_CASES", "24"))
@@ -47,6 +50,7 @@ FACTORS: Dict[str, Tuple[str, ...]] = {
     "heads": tuple(HEAD_COUNTS),
     "dtype": ("float64", "float32", "bfloat16"),
     "length": ("divisible", "uneven"),
+    "sinks": ("none", "learned"),
 }
 # every entry point (api x algorithm) meets every layout and method
 FULL = (("api", "algorithm", "layout", "method"),)
@@ -137,13 +141,36 @@ def inputs(case: Dict[str, Any], length: int, seed: int) -> List[np.ndarray]:
     return arrays
 
 
-def run_case(case: Dict[str, Any], comm, full: List[np.ndarray],
-             options: Dict[str, Any]) -> List[np.ndarray]:
+def sinks_of(case: Dict[str, Any], seed: int) -> Optional[np.ndarray]:
+    """The case's attention sinks [heads] (float64, rounded to its dtype),
+    or None: near the scores' log-sum-exp, so that they take a real share."""
+    if case["sinks"] == "none":
+        return None
+    import ml_dtypes
+    sinks = np.random.default_rng(seed + 1).normal(1.5, 1.0, HEAD_COUNTS[case["heads"]][0])
+    rounded = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}.get(case["dtype"])
+    return sinks if rounded is None else sinks.astype(rounded).astype(np.float64)
+
+
+def reference(full: List[np.ndarray], dense: np.ndarray,
+              sinks: Optional[np.ndarray]) -> List[np.ndarray]:
+    """(out, dq, dk, dv, and dsinks with sinks) on the unsharded sequence,
+    float64: torch SDPA, or the eager softmax with the sink column."""
+    if sinks is None:
+        return masked_torch_reference(*full, dense)
+    return sink_reference(*full, dense, sinks)
+
+
+def run_case(case: Dict[str, Any], comm, full: List[np.ndarray], options: Dict[str, Any],
+             sinks: Optional[np.ndarray] = None) -> List[np.ndarray]:
     """(out, dq, dk, dv) of the whole sequence, float64, from ``case``'s
-    entry point on every rank."""
+    entry point on every rank; with ``sinks``, dsinks after them, every
+    rank's share summed."""
     layout = case["layout"]
     shard_keys = {key: options[key] for key in ("cu_seqlens", "mask") if key in options}
     mine = [ring.shard_sequence(x, comm, layout=layout, **shard_keys) for x in full]
+    if sinks is not None:
+        mine.append(sinks)
     call = dict(options, layout=layout)
     call.setdefault("causal", False)  # a mask says it all: causal=False beside it
     if case["algorithm"] != "ulysses":
@@ -152,16 +179,17 @@ def run_case(case: Dict[str, Any], comm, full: List[np.ndarray],
         call["ulysses_size"] = ulysses_degree(comm.size)
     run = {"core": _core, "torch": _torch, "jax": _jax}[case["api"]]
     got = run(case["algorithm"], mine, case["dtype"], comm, call)
-    return [ring.unshard_sequence(np.asarray(x, np.float64), comm, layout=layout, **shard_keys,
-                                  length=full[0].shape[1] if not shard_keys else None)
-            for x in got]
+    whole = [ring.unshard_sequence(np.asarray(x, np.float64), comm, layout=layout, **shard_keys,
+                                   length=full[0].shape[1] if not shard_keys else None)
+             for x in got[:4]]
+    return whole + [comm.allreduce(np.ascontiguousarray(dsinks)) for dsinks in got[4:]]
 
 
 def _core(algorithm: str, mine: List[np.ndarray], dtype: str, comm,
           call: Dict[str, Any]) -> List[np.ndarray]:
     """The core functions on NumPy arrays (bfloat16 through ml_dtypes)."""
-    q, k, v, dout = (NUMPY.asarray(x, dtype) for x in mine)
-    call = dict(call)
+    q, k, v, dout, *sinks = (NUMPY.asarray(x, dtype) for x in mine)
+    call = dict(call, sinks=sinks[0] if sinks else None)
     if algorithm == "ring":
         out, lse = ring.ring_attention(q, k, v, comm, return_lse=True, **call)
         grads = ring.ring_attention_backward(dout, q, k, v, out, lse, comm, **call)
@@ -180,14 +208,15 @@ def _torch(algorithm: str, mine: List[np.ndarray], dtype: str, comm,
     """The torch binding, through autograd."""
     from commlib.bindings import torch as ct
     torch_impl = arrayimpl.IMPLS["torch"]
-    q, k, v, dout = (torch_impl.asarray(x, dtype) for x in mine)
-    for x in (q, k, v):
+    q, k, v, dout, *sinks = (torch_impl.asarray(x, dtype) for x in mine)
+    learned = [q, k, v] + sinks
+    for x in learned:
         x.requires_grad_()
-    call = dict(call)
+    call = dict(call, sinks=sinks[0] if sinks else None)
     args = (call.pop("ulysses_size"),) if algorithm == "hybrid" else ()
     out = getattr(ct, f"{algorithm}_attention")(q, k, v, comm, *args, **call)
     out.backward(dout)
-    return [_float64(torch_impl, x) for x in (out, q.grad, k.grad, v.grad)]
+    return [_float64(torch_impl, x) for x in [out] + [x.grad for x in learned]]
 
 
 def _jax(algorithm: str, mine: List[np.ndarray], dtype: str, comm,
@@ -201,8 +230,10 @@ def _jax(algorithm: str, mine: List[np.ndarray], dtype: str, comm,
     args = (call.pop("ulysses_size"),) if algorithm == "hybrid" else ()
     attention = getattr(cj, f"{algorithm}_attention")
 
-    def step(q, k, v, dout):
-        out, pullback = jax.vjp(lambda *qkv: attention(*qkv, comm, *args, **call), q, k, v)
+    def step(q, k, v, dout, *sinks):
+        def attend(q, k, v, *sinks):
+            return attention(q, k, v, comm, *args, sinks=sinks[0] if sinks else None, **call)
+        out, pullback = jax.vjp(attend, q, k, v, *sinks)
         return (out, *pullback(dout))
 
     jax_impl = arrayimpl.IMPLS["jax"]
@@ -221,6 +252,7 @@ INFERENCE_FACTORS: Dict[str, Tuple[str, ...]] = {
     "masking": ("none", "causal", "window"),
     "heads": tuple(HEAD_COUNTS),
     "dtype": ("float64", "float32", "bfloat16"),
+    "sinks": ("none", "learned"),
 }
 INFERENCE_FULL = (("entry", "framework", "method"),)
 CACHED, NEW = 13, 5  # tokens in the cache, then new (decode) or a chunk's
@@ -236,8 +268,8 @@ def inference_visibility(case: Dict[str, Any]) -> Dict[str, Any]:
             "window": (4, 0) if case["masking"] == "window" else None}
 
 
-def run_inference_case(case: Dict[str, Any], comm,
-                       full: List[np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:
+def run_inference_case(case: Dict[str, Any], comm, full: List[np.ndarray],
+                       sinks: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray]:
     """(this rank's output as float64, the positions of its queries): the
     cache holds positions p with p % P == rank; decode asks the last NEW
     positions on every rank, a chunk gives each rank a contiguous share of
@@ -254,6 +286,8 @@ def run_inference_case(case: Dict[str, Any], comm,
         options["method"] = case["method"]
     attention = decode_attention if case["entry"] == "decode" else chunk_attention
     with _x64(case["framework"], case["dtype"]):
+        if sinks is not None:
+            options["sinks"] = impl.asarray(sinks, case["dtype"])
         out = attention(*(impl.asarray(x, case["dtype"]) for x in (q[:, asked], k[:, keys],
                                                                     v[:, keys])),
                         comm, **options)

@@ -38,30 +38,38 @@ __all__ = ["ring_attention", "ulysses_attention", "hybrid_attention", "Dispatche
 def _differentiable(forward, backward):
     """A custom_vjp attention from a core forward (returning out, lse) and
     backward, both traced on the TracedComm of ``settings``' communicator;
-    ``settings`` (communicator, flags) are not differentiated."""
+    ``settings`` (communicator, flags) are not differentiated; ``sinks``
+    (None, or one logit per query head) are, when given."""
 
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-    def attend(q, k, v, settings):
-        return _forward(q, k, v, settings)[0]
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+    def attend(q, k, v, sinks, settings):
+        return _forward(q, k, v, sinks, settings)[0]
 
-    def _forward(q, k, v, settings):
+    def _forward(q, k, v, sinks, settings):
         options = dict(settings)
         comm = traced(options.pop("comm"))
         with comm.ordered():
-            return forward(q, k, v, comm=comm, return_lse=True, **options)
+            return forward(q, k, v, comm=comm, return_lse=True, sinks=sinks, **options)
 
-    def attend_fwd(q, k, v, settings):
-        out, lse = _forward(q, k, v, settings)
-        return out, (q, k, v, out, lse)
+    def attend_fwd(q, k, v, sinks, settings):
+        out, lse = _forward(q, k, v, sinks, settings)
+        return out, (q, k, v, out, lse, sinks)
 
     def attend_bwd(settings, saved, dout):
+        *arrays, sinks = saved
         options = dict(settings)
         comm = traced(options.pop("comm"))
         with comm.ordered():
-            return tuple(backward(dout, *saved, comm=comm, **options))
+            grads = tuple(backward(dout, *arrays, comm=comm, sinks=sinks, **options))
+        return grads if sinks is not None else (*grads, None)
 
     attend.defvjp(attend_fwd, attend_bwd)
-    return attend
+
+    def call(q, k, v, sinks, settings):
+        if sinks is not None and not isinstance(sinks, jax.Array):
+            return _forward(q, k, v, sinks, settings)[0]  # the core refuses them on every rank
+        return attend(q, k, v, sinks, settings)
+    return call
 
 
 _ring_attention = _differentiable(_ring.ring_attention, _ring.ring_attention_backward)
@@ -92,12 +100,14 @@ def static_tuple(name: str, value: Any) -> tuple:
 def ring_attention(q, k, v, comm, *, layout: str, causal: bool,
                    softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
                    window: Any = None, mask: Any = None, method: str = "auto",
-                   kernel: Optional[Kernel] = None):
+                   kernel: Optional[Kernel] = None, sinks: Any = None):
     """Differentiable, jit-able ``commlib.ring.ring_attention`` for JAX arrays.
     ``cu_seqlens`` must be concrete (a list or NumPy array: static under
     jit), and ``mask`` is (a ``commlib.sequence.masks.Mask``): which blocks are
-    computed is decided at trace time."""
-    return _ring_attention(q, k, v, _settings(comm=comm, layout=layout, causal=causal,
+    computed is decided at trace time. ``sinks`` [h] (one logit per query
+    head) are differentiated: this rank's queries' share of their gradient
+    (summed over the ranks, it is the whole)."""
+    return _ring_attention(q, k, v, sinks, _settings(comm=comm, layout=layout, causal=causal,
                                               softmax_scale=softmax_scale, kernel=kernel,
                                               cu_seqlens=cu_seqlens, window=window, mask=mask,
                                               method=method))
@@ -105,9 +115,11 @@ def ring_attention(q, k, v, comm, *, layout: str, causal: bool,
 
 def ulysses_attention(q, k, v, comm, *, layout: str, causal: bool,
                       softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
-                      window: Any = None, mask: Any = None, kernel: Optional[Kernel] = None):
-    """Differentiable, jit-able ``commlib.ulysses.ulysses_attention`` for JAX arrays."""
-    return _ulysses_attention(q, k, v, _settings(comm=comm, layout=layout, causal=causal,
+                      window: Any = None, mask: Any = None, kernel: Optional[Kernel] = None,
+                      sinks: Any = None):
+    """Differentiable, jit-able ``commlib.ulysses.ulysses_attention`` for JAX
+    arrays (``sinks`` as ``ring_attention``'s)."""
+    return _ulysses_attention(q, k, v, sinks, _settings(comm=comm, layout=layout, causal=causal,
                                                  softmax_scale=softmax_scale, kernel=kernel,
                                                  cu_seqlens=cu_seqlens, window=window,
                                                  mask=mask))
@@ -116,10 +128,11 @@ def ulysses_attention(q, k, v, comm, *, layout: str, causal: bool,
 def hybrid_attention(q, k, v, comm, ulysses_size: int, *, layout: str, causal: bool,
                      softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
                      window: Any = None, mask: Any = None, method: str = "auto",
-                     kernel: Optional[Kernel] = None):
+                     kernel: Optional[Kernel] = None, sinks: Any = None):
     """Differentiable, jit-able ``commlib.hybrid.hybrid_attention`` for JAX
-    arrays (``commlib.hybrid.plan`` picks ``ulysses_size``)."""
-    return _hybrid_attention(q, k, v, _settings(comm=comm, ulysses_size=ulysses_size,
+    arrays (``commlib.hybrid.plan`` picks ``ulysses_size``; ``sinks`` as
+    ``ring_attention``'s)."""
+    return _hybrid_attention(q, k, v, sinks, _settings(comm=comm, ulysses_size=ulysses_size,
                                                 layout=layout, causal=causal,
                                                 softmax_scale=softmax_scale, kernel=kernel,
                                                 cu_seqlens=cu_seqlens, window=window,

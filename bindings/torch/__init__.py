@@ -37,18 +37,28 @@ __all__ = ["ring_attention", "ulysses_attention", "hybrid_attention", "seq_to_he
 def _attention(q, k, v, comm, algorithm: str, *, layout: str, causal: bool,
                softmax_scale: Optional[float], cu_seqlens: Any, window: Any, mask: Any,
                method: str = "auto", kernel: Optional[Kernel] = None,
-               ulysses_size: int = 0, wire: Optional[str] = None) -> torch.Tensor:
+               ulysses_size: int = 0, sinks: Optional[torch.Tensor] = None,
+               wire: Optional[str] = None) -> torch.Tensor:
     """The ``commlib::attention`` op's out (``commlib::attention_wire``'s
-    with a ``wire``). Arguments no graph can carry (a
-    window that is not a (left, right) pair of token counts) go to the core,
-    which refuses them on every rank."""
+    with a ``wire``). Arguments no graph can carry (a window that is not a
+    (left, right) pair of token counts, sinks that are not a tensor) go to
+    the core, which refuses them on every rank; so do sinks with a ``wire``
+    (forward only either way: no op is needed for autograd)."""
     if wire is not None:
-        _wire_ops.refuse_gradients(comm, algorithm, wire, q, k, v)
+        _wire_ops.refuse_gradients(comm, algorithm, wire, q, k, v,
+                                   *([sinks] if isinstance(sinks, torch.Tensor) else []))
     reach = _window(window)
-    if reach is False:
+    if reach is False or not (sinks is None or isinstance(sinks, torch.Tensor)) \
+            or (wire is not None and sinks is not None):
         extra = {"ulysses_size": ulysses_size} if algorithm == "hybrid" else {}
+        if algorithm != "ulysses":
+            extra["method"] = method
+        if wire is not None:
+            extra["wire"] = wire
         return _ops.FORWARD[algorithm](q, k, v, comm, layout=layout, causal=causal,
-                                       window=window, **extra)
+                                       softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
+                                       window=window, mask=mask, kernel=kernel, sinks=sinks,
+                                       **extra)
     tensor = isinstance(cu_seqlens, torch.Tensor)
     values = None if tensor or cu_seqlens is None else [int(o) for o in cu_seqlens]
     if wire is not None:
@@ -57,8 +67,8 @@ def _attention(q, k, v, comm, algorithm: str, *, layout: str, causal: bool,
                                         None if mask is None else mask.handle, method,
                                         None if kernel is None else kernel.handle, ulysses_size,
                                         wire)
-    out, _ = _ops.attention(q, k, v, cu_seqlens if tensor else None, algorithm, comm.handle,
-                            layout, causal, softmax_scale, values, reach,
+    out, _ = _ops.attention(q, k, v, sinks, cu_seqlens if tensor else None, algorithm,
+                            comm.handle, layout, causal, softmax_scale, values, reach,
                             None if mask is None else mask.handle, method,
                             None if kernel is None else kernel.handle, ulysses_size)
     return out
@@ -82,26 +92,31 @@ def _window(window: Any) -> Any:
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *, layout: str,
                    causal: bool, softmax_scale: Optional[float] = None,
                    cu_seqlens: Any = None, window: Any = None, mask: Any = None,
-                   method: str = "auto", kernel: Optional[Kernel] = None) -> torch.Tensor:
+                   method: str = "auto", kernel: Optional[Kernel] = None,
+                   sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Differentiable ``commlib.ring.ring_attention`` (shards in ``layout``,
     packed ``cu_seqlens``, sliding ``window``, or any ``mask``; ``method``
     as ``ring_attention``'s); ``kernel`` replaces torch's fused SDPA kernels
-    (``commlib.kernels.Kernel``)."""
+    (``commlib.kernels.Kernel``); ``sinks`` [h], one logit per query head
+    (gpt-oss), gets this rank's queries' share of its gradient (sum it over
+    the ranks, as every replicated parameter's: ``allreduce_gradients``)."""
     return _attention(q, k, v, comm, "ring", layout=layout, causal=causal,
                       softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window,
-                      mask=mask, method=method, kernel=kernel)
+                      mask=mask, method=method, kernel=kernel, sinks=sinks)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *, layout: str,
                       causal: bool, softmax_scale: Optional[float] = None,
                       cu_seqlens: Any = None, window: Any = None, mask: Any = None,
                       kernel: Optional[Kernel] = None,
+                      sinks: Optional[torch.Tensor] = None,
                       wire: Optional[str] = None) -> torch.Tensor:
-    """Differentiable ``commlib.ulysses.ulysses_attention``; with
-    ``wire="float8"`` forward only (refused where q, k or v requires grad)."""
+    """Differentiable ``commlib.ulysses.ulysses_attention`` (``sinks`` as
+    ``ring_attention``'s); with ``wire="float8"`` forward only (refused where
+    q, k or v requires grad)."""
     return _attention(q, k, v, comm, "ulysses", layout=layout, causal=causal,
                       softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window,
-                      mask=mask, kernel=kernel, wire=wire)
+                      mask=mask, kernel=kernel, sinks=sinks, wire=wire)
 
 
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm,
@@ -109,13 +124,15 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm,
                      softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
                      window: Any = None, mask: Any = None, method: str = "auto",
                      kernel: Optional[Kernel] = None,
+                     sinks: Optional[torch.Tensor] = None,
                      wire: Optional[str] = None) -> torch.Tensor:
-    """Differentiable ``commlib.hybrid.hybrid_attention``; with
-    ``wire="float8"`` (its Ulysses stage) forward only."""
+    """Differentiable ``commlib.hybrid.hybrid_attention`` (``sinks`` as
+    ``ring_attention``'s); with ``wire="float8"`` (its Ulysses stage)
+    forward only."""
     return _attention(q, k, v, comm, "hybrid", layout=layout, causal=causal,
                       softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window,
                       mask=mask, method=method, kernel=kernel, ulysses_size=ulysses_size,
-                      wire=wire)
+                      sinks=sinks, wire=wire)
 
 
 def seq_to_head(x: torch.Tensor, comm, num_heads: Optional[int] = None) -> torch.Tensor:

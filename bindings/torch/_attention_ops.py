@@ -21,6 +21,7 @@ from commlib import graph_names
 from commlib import hybrid as _hybrid
 from commlib import ring as _ring
 from commlib import ulysses as _ulysses
+from commlib.kernels.sinks import sink_gradient
 from commlib.namespace import accumulator_dtype
 from commlib.ulysses.relayout import kv_heads_for
 
@@ -51,22 +52,23 @@ def _settings(algorithm: str, comm: str, layout: str, causal: bool,
 
 
 @torch.library.custom_op("commlib::attention", mutates_args=())
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
               cu_seqlens: Optional[torch.Tensor], algorithm: str, comm: str, layout: str,
               causal: bool, softmax_scale: Optional[float],
               cu_seqlens_values: Optional[List[int]], window: Optional[List[int]],
               mask: Optional[str], method: str, kernel: Optional[str],
               ulysses_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of ring, Ulysses or hybrid attention (``algorithm``)."""
+    """(out, lse) of ring, Ulysses or hybrid attention (``algorithm``), with
+    ``sinks`` in its softmax (lse then includes them)."""
     settings = _settings(algorithm, comm, layout, causal, softmax_scale, cu_seqlens,
                          cu_seqlens_values, window, mask, method, kernel, ulysses_size)
-    out, lse = FORWARD[algorithm](q, k, v, return_lse=True, **settings)
+    out, lse = FORWARD[algorithm](q, k, v, return_lse=True, sinks=sinks, **settings)
     # the fake's layouts: a compiled graph checks strides (lse may be a transposed view)
     return out.contiguous(), lse.contiguous()
 
 
 @attention.register_fake
-def _attention_shapes(q, k, v, cu_seqlens, algorithm, comm, layout, causal, softmax_scale,
+def _attention_shapes(q, k, v, sinks, cu_seqlens, algorithm, comm, layout, causal, softmax_scale,
                       cu_seqlens_values, window, mask, method, kernel, ulysses_size):
     b, s, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=accumulator_dtype(q))
@@ -80,7 +82,9 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        cu_seqlens_values: Optional[List[int]], window: Optional[List[int]],
                        mask: Optional[str], method: str, kernel: Optional[str],
                        ulysses_size: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of ``attention``, from its out and lse."""
+    """(dq, dk, dv) of ``attention``, from its out and lse (with the sinks:
+    dq, dk and dv need nothing else; the sinks' gradient is
+    ``_attention_gradients``')."""
     settings = _settings(algorithm, comm, layout, causal, softmax_scale, cu_seqlens,
                          cu_seqlens_values, window, mask, method, kernel, ulysses_size)
     grads = _BACKWARD[algorithm](dout.contiguous(), q, k, v, out, lse, **settings)
@@ -93,17 +97,20 @@ def _attention_backward_shapes(dout, q, k, v, *statics):
 
 
 def _save_attention(ctx, inputs, output):
-    q, k, v, cu_seqlens, *statics = inputs
+    q, k, v, sinks, cu_seqlens, *statics = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, sinks)
     ctx.cu_seqlens, ctx.statics = cu_seqlens, statics
     ctx.mark_non_differentiable(lse)
 
 
 def _attention_gradients(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+    """dq, dk, dv from the backward op; the sinks' gradient (this rank's
+    queries' share) beside it, in torch (``commlib.kernels.sinks``)."""
+    q, k, v, out, lse, sinks = ctx.saved_tensors
     dq, dk, dv = attention_backward(dout, q, k, v, out, lse, ctx.cu_seqlens, *ctx.statics)
-    return (dq, dk, dv) + (None,) * (2 + len(ctx.statics))
+    dsinks = None if sinks is None else sink_gradient(dout, out, lse, sinks)
+    return (dq, dk, dv, dsinks) + (None,) * (1 + len(ctx.statics))
 
 
 attention.register_autograd(_attention_gradients, setup_context=_save_attention)

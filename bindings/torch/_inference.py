@@ -42,42 +42,42 @@ def _settings(comm: str, window: Optional[List[int]], kernel: Optional[str]) -> 
 
 @torch.library.custom_op("commlib::decode_attention", mutates_args=())
 def decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        q_positions: torch.Tensor, k_positions: torch.Tensor, comm: str,
-                        causal: bool, window: Optional[List[int]],
-                        softmax_scale: Optional[float],
+                        sinks: Optional[torch.Tensor], q_positions: torch.Tensor,
+                        k_positions: torch.Tensor, comm: str, causal: bool,
+                        window: Optional[List[int]], softmax_scale: Optional[float],
                         kernel: Optional[str]) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of ``commlib.inference.decode_attention`` (device positions)."""
     settings = _settings(comm, window, kernel)
     out, lse = _inference.decode_attention(
         q, k, v, settings.pop("comm"), q_positions=q_positions, k_positions=k_positions,
-        causal=causal, softmax_scale=softmax_scale, return_lse=True, **settings)
+        causal=causal, softmax_scale=softmax_scale, return_lse=True, sinks=sinks, **settings)
     return out.contiguous(), lse.contiguous()
 
 
 @decode_attention_op.register_fake
-def _decode_shapes(q, k, v, q_positions, k_positions, comm, causal, window, softmax_scale,
+def _decode_shapes(q, k, v, sinks, q_positions, k_positions, comm, causal, window, softmax_scale,
                    kernel):
     return _attention_shapes(q)
 
 
 @torch.library.custom_op("commlib::chunk_attention", mutates_args=())
 def chunk_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       q_positions: torch.Tensor, k_positions: torch.Tensor, comm: str,
-                       causal: bool, window: Optional[List[int]],
-                       softmax_scale: Optional[float], kernel: Optional[str],
-                       method: str) -> Tuple[torch.Tensor, torch.Tensor]:
+                       sinks: Optional[torch.Tensor], q_positions: torch.Tensor,
+                       k_positions: torch.Tensor, comm: str, causal: bool,
+                       window: Optional[List[int]], softmax_scale: Optional[float],
+                       kernel: Optional[str], method: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of ``commlib.inference.chunk_attention`` (positions read
     on the host)."""
     settings = _settings(comm, window, kernel)
     out, lse = _inference.chunk_attention(
         q, k, v, settings.pop("comm"), q_positions=q_positions.cpu().numpy(),
         k_positions=k_positions.cpu().numpy(), causal=causal, softmax_scale=softmax_scale,
-        method=method, return_lse=True, **settings)
+        method=method, return_lse=True, sinks=sinks, **settings)
     return out.contiguous(), lse.contiguous()
 
 
 @chunk_attention_op.register_fake
-def _chunk_shapes(q, k, v, q_positions, k_positions, comm, causal, window, softmax_scale,
+def _chunk_shapes(q, k, v, sinks, q_positions, k_positions, comm, causal, window, softmax_scale,
                   kernel, method):
     return _attention_shapes(q)
 
@@ -101,24 +101,34 @@ def _window(window: Any) -> Any:
     return window_of(window)
 
 
+def _fits_an_op(window: Any, sinks: Any) -> bool:
+    """Whether the op can carry these arguments: a (left, right) window (or
+    None) and sinks that are a tensor (or None); the core refuses the rest
+    on every rank."""
+    return _window(window) is not False and (sinks is None or isinstance(sinks, torch.Tensor))
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *,
                      q_positions: Positions, k_positions: Positions, causal: bool,
                      window: Any = None, softmax_scale: Optional[float] = None,
-                     kernel: Optional[Kernel] = None, return_lse: bool = False) -> Any:
+                     kernel: Optional[Kernel] = None, return_lse: bool = False,
+                     sinks: Optional[torch.Tensor] = None) -> Any:
     """``commlib.inference.decode_attention`` as one graph node: q [b, t,
     h, d] the same on every rank at ``q_positions`` [t]; k, v [b, n, hk, d]
     this rank's shard at ``k_positions`` [n] (any order; -1: an empty
-    slot). Positions as int64 tensors on q's device keep a compiled step
-    from retracing as they change (a list is copied there each call).
-    Reads nothing back from the device: a CUDA graph can capture it."""
-    reach = _window(window)
-    if reach is False:  # not a (left, right) pair: the core refuses it on every rank
+    slot); ``sinks`` [h] as the core's. Positions as int64 tensors on q's
+    device keep a compiled step from retracing as they change (a list is
+    copied there each call). Reads nothing back from the device: a CUDA
+    graph can capture it."""
+    if not _fits_an_op(window, sinks):  # the core refuses it on every rank
         return _inference.decode_attention(q, k, v, comm, q_positions=q_positions,
                                            k_positions=k_positions, causal=causal,
-                                           window=window)
-    out, lse = decode_attention_op(q, k, v, _positions(q_positions, q),
-                                   _positions(k_positions, q), comm.handle, causal, reach,
-                                   softmax_scale, None if kernel is None else kernel.handle)
+                                           window=window, softmax_scale=softmax_scale,
+                                           kernel=kernel, return_lse=return_lse, sinks=sinks)
+    out, lse = decode_attention_op(q, k, v, sinks, _positions(q_positions, q),
+                                   _positions(k_positions, q), comm.handle, causal,
+                                   _window(window), softmax_scale,
+                                   None if kernel is None else kernel.handle)
     return (out, lse) if return_lse else out
 
 
@@ -126,18 +136,20 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *,
                     q_positions: Positions, k_positions: Positions, causal: bool,
                     window: Any = None, softmax_scale: Optional[float] = None,
                     kernel: Optional[Kernel] = None, method: str = "auto",
-                    return_lse: bool = False) -> Any:
+                    return_lse: bool = False, sinks: Optional[torch.Tensor] = None) -> Any:
     """``commlib.inference.chunk_attention`` as one graph node (this rank's
     queries of a chunk, increasing positions, over the sharded cache;
-    ``method`` "pass_q", "pass_kv" or "auto"). It reads the positions on
-    the host: compiled, not captured."""
-    reach = _window(window)
-    if reach is False:
+    ``method`` "pass_q", "pass_kv" or "auto"; ``sinks`` as the core's). It
+    reads the positions on the host: compiled, not captured."""
+    if not _fits_an_op(window, sinks):
         return _inference.chunk_attention(q, k, v, comm, q_positions=q_positions,
                                           k_positions=k_positions, causal=causal,
-                                          window=window)
-    out, lse = chunk_attention_op(q, k, v, _positions(q_positions, q),
-                                  _positions(k_positions, q), comm.handle, causal, reach,
+                                          window=window, softmax_scale=softmax_scale,
+                                          kernel=kernel, method=method, return_lse=return_lse,
+                                          sinks=sinks)
+    out, lse = chunk_attention_op(q, k, v, sinks, _positions(q_positions, q),
+                                  _positions(k_positions, q), comm.handle, causal,
+                                  _window(window),
                                   softmax_scale, None if kernel is None else kernel.handle,
                                   method)
     return (out, lse) if return_lse else out
@@ -219,13 +231,14 @@ class DecodeCache:
 
     def attend(self, layer: int, q: torch.Tensor, q_positions: torch.Tensor, *, causal: bool,
                window: Any = None, softmax_scale: Optional[float] = None,
-               kernel: Optional[Kernel] = None) -> torch.Tensor:
+               kernel: Optional[Kernel] = None,
+               sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``decode_attention`` of q [b, t, h, d] over ``layer``'s shard."""
         q = torch.where(self.overflowed, torch.nan, q)  # NaN on every rank, not wrong data
         return decode_attention(q, self.keys[layer], self.values[layer], self.comm,
                                 q_positions=q_positions, k_positions=self.positions,
                                 causal=causal, window=window, softmax_scale=softmax_scale,
-                                kernel=kernel)
+                                kernel=kernel, sinks=sinks)
 
     def into(self, cache: "_inference.ShardedKVCache", length: int) -> None:
         """Append the tokens decoded here (past ``cache``'s) to ``cache``,

@@ -12,10 +12,12 @@ sequence and a sliding window itself, on global positions; a
 Packed sequences arrive as transformers' flash-attention keyword arguments
 (``cu_seq_lens_q``/``cu_seq_lens_k``, global offsets that ``shard_batch``
 puts in the batch and the model forwards to every attention call); a
-sliding window as the ``sliding_window`` the model passes. Anything else that
-would change the attention's math and that commlib does not implement
-(attention sinks, soft-capping, chunked attention, dropout, padding masks)
-is refused by name, on every rank, rather than silently dropped.
+sliding window as the ``sliding_window`` the model passes; attention sinks
+(gpt-oss) as the ``s_aux`` it passes (one learned logit per query head, in
+every softmax: ``commlib.kernels.sinks``). Anything else that would change
+the attention's math and that commlib does not implement (soft-capping,
+chunked attention, dropout, padding masks) is refused by name, on every
+rank, rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -53,10 +55,11 @@ BOOKKEEPING = frozenset({"position_ids", "use_cache", "num_items_in_batch", "shi
 
 # read by the attention function itself (the packed documents)
 DOCUMENTS = ("cu_seq_lens_q", "cu_seq_lens_k")
+# read by the attention function itself: gpt-oss's attention sinks, [heads]
+SINKS = "s_aux"
 
 # Keyword arguments that change the math, accepted only unset (None or False).
 UNSUPPORTED = {
-    "s_aux": "attention sinks",
     "softcap": "logit soft-capping",
     "position_bias": "an additive position bias",
     "head_mask": "a head mask",
@@ -67,7 +70,8 @@ UNSUPPORTED = {
                             "own tokens' and add it to its share of the loss)",
 }
 
-# attend(q, k, v, causal=, softmax_scale=, cu_seqlens=, window=) on [b, s_local, h, d] shards
+# attend(q, k, v, causal=, softmax_scale=, cu_seqlens=, window=, sinks=) on [b, s_local, h, d]
+# shards
 Attend = Callable[..., torch.Tensor]
 # packed documents' global offsets: host ints, a host tensor, or None (one sequence)
 Documents = Union[None, List[int], torch.Tensor]
@@ -89,7 +93,7 @@ def register_attention(comm, ulysses_size: Optional[int] = None) -> None:
 def implementations(comm, ulysses_size: Optional[int] = None) -> Dict[str, Attend]:
     """Each implementation's attention over ``comm`` on [b, s_local, h, d]
     shards in its layout (``LAYOUTS``): ``attend(q, k, v, causal=,
-    softmax_scale=, cu_seqlens=, window=)``."""
+    softmax_scale=, cu_seqlens=, window=, sinks=)``."""
     if ulysses_size is not None:
         check_degree(comm.size, ulysses_size)
     attends: Dict[str, Attend] = {
@@ -166,7 +170,7 @@ def layout_of(attn_implementation: Union[str, torch.nn.Module]) -> str:
 
 def _attention_function(name: str, attend: Attend, comm) -> Callable:
     """The function transformers calls: checks the call, reads the packed
-    documents and the window, checks that the shard is in this
+    documents, the window and the sinks, checks that the shard is in this
     implementation's layout, moves the heads axis where commlib wants it
     ([b, s, h, d]), attends."""
     world_size = comm.size
@@ -187,7 +191,7 @@ def _attention_function(name: str, attend: Attend, comm) -> Callable:
         out = attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                      causal=causal, softmax_scale=scaling, cu_seqlens=cu_seqlens,
                      window=window_of(name, sliding_window, query.shape[2] * world_size,
-                                      causal))
+                                      causal), sinks=kwargs.get(SINKS))
         return out, None
 
     attention.__name__ = attention.__qualname__ = name
@@ -321,7 +325,7 @@ def check_call(name: str, attention_mask: Optional[torch.Tensor], dropout: float
     if dropout:
         raise ValueError(f"{name} does not implement attention dropout (dropout={dropout}); "
                          f"set the model's config.attention_dropout = 0.0")
-    unknown = sorted(set(kwargs) - BOOKKEEPING - set(DOCUMENTS) - set(UNSUPPORTED))
+    unknown = sorted(set(kwargs) - BOOKKEEPING - set(DOCUMENTS) - {SINKS} - set(UNSUPPORTED))
     if unknown:
         raise ValueError(f"{name} got keyword argument(s) {', '.join(unknown)} that it does not "
                          f"know; they may change the attention's math, so it refuses them "

@@ -144,9 +144,10 @@ def _expert_parameter_names(experts: nn.Module) -> List[str]:
 
 
 def _holds_expert_weights(module: nn.Module) -> bool:
-    """An experts module: ``num_experts`` and its own 3-D expert weights."""
+    """An experts module: ``num_experts`` and its own expert weights, 3-D
+    (or more: packed quantized blocks, which ``_refusal`` then names)."""
     weight = module._parameters.get("down_proj")
-    return hasattr(module, "num_experts") and weight is not None and weight.ndim == 3
+    return hasattr(module, "num_experts") and weight is not None and weight.ndim >= 3
 
 
 def _refusal(experts: nn.Module, size: int) -> Optional[str]:

@@ -60,6 +60,7 @@ from commlib.sequence.documents import local_index, packing_for
 from ..torch._inference import DecodeCache
 from ._attention import (
     LAYOUTS,
+    SINKS,
     check_call,
     implementations,
     mask_function,
@@ -376,7 +377,8 @@ def _attention(attend: Callable, comm, decoding: _Decoding) -> Callable:
         window = window_of(GENERATION, sliding_window, step.cache.length, causal)
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         keys, values = step.cache.store(module.layer_idx, k, v)
-        settings = dict(causal=causal, window=window, softmax_scale=scaling)
+        settings = dict(causal=causal, window=window, softmax_scale=scaling,
+                        sinks=kwargs.get(SINKS))
         if step.offsets is not None:
             out = attend(q, k, v, cu_seqlens=step.offsets, **settings)
         elif step.replicated:
@@ -408,7 +410,7 @@ def _decode_attention(decoding: _Decoding, module: torch.nn.Module, query: torch
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     decoding.cache.store(module.layer_idx, k, v)
     return decoding.cache.attend(module.layer_idx, q, decoding.positions, causal=causal,
-                                 window=window, softmax_scale=scaling)
+                                 window=window, softmax_scale=scaling, sinks=kwargs.get(SINKS))
 
 
 def _expert_parallel(model: torch.nn.Module) -> bool:

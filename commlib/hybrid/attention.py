@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 from ..kernels import Kernel
+from ..kernels.sinks import with_sink_gradient
 from ..namespace import detached
 from ..ring.attention import check_method, ring_backward, ring_forward
 from ..sequence.attention_call import backward_extras, prepare
@@ -23,6 +24,7 @@ from ..ulysses.relayout import (
     check_heads,
     divisors,
     head_to_seq,
+    heads_here,
     lse_to_heads,
     lse_to_seq,
     seq_to_head_many,
@@ -63,24 +65,27 @@ def hybrid_attention(q: Any, k: Any, v: Any, comm, ulysses_size: int, *, layout:
                      causal: bool, softmax_scale: Optional[float] = None,
                      return_lse: bool = False, cu_seqlens: Any = None, window: Any = None,
                      mask: Any = None, method: str = "auto", kernel: Optional[Kernel] = None,
-                     wire: Optional[str] = None):
+                     sinks: Any = None, wire: Optional[str] = None):
     """Attention over the whole sequence for shards q [b, s/P, h, d],
     k/v [b, s/P, hk, d] in ``layout`` (any of ``commlib.ring.LAYOUTS``; no
     default: shards and attention must name the same one): Ulysses of
     degree ``ulysses_size`` inside groups, a ring (``method`` as
     ``ring_attention``'s) of P / ulysses_size across them; ``cu_seqlens``,
-    ``window`` and ``mask`` as ``ring_attention``'s. In q's framework, device and dtype.
+    ``window``, ``mask`` and ``sinks`` (all h heads', applied once, after the
+    ring) as ``ring_attention``'s. In q's framework, device and dtype.
     ``wire="float8"``: the Ulysses all-to-alls travel as e4m3 with per-head
     scales (``commlib.ulysses.wire``); the ring's K/V in q's dtype."""
-    q, k, v = detached(q, k, v)
+    q, k, v, sinks = detached(q, k, v, sinks)
     call = prepare(comm, "hybrid_attention", q, k, v, layout=layout, causal=causal,
                    softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, mask=mask,
-                   kernel=kernel, check=lambda: (_check(q, comm.size, ulysses_size, method),
-                                                 check_wire(wire, q)),
+                   kernel=kernel, sinks=sinks,
+                   check=lambda: (_check(q, comm.size, ulysses_size, method),
+                                  check_wire(wire, q)),
                    ulysses_size=ulysses_size, method=method, wire=wire)
     group, ring = groups(comm, ulysses_size)
     qh, kh, vh = seq_to_head_many([q, k, v], group, wire=wire)
-    out, lse = ring_forward(call.over_groups(ulysses_size), qh, kh, vh, ring, method)
+    out, lse = ring_forward(call.over_groups(ulysses_size), qh, kh, vh, ring, method,
+                            heads_here(sinks, group))
     heads = q.shape[2]
     result = head_to_seq(out, group, heads, wire=wire)
     return (result, lse_to_seq(lse, group, heads)) if return_lse else result
@@ -90,12 +95,13 @@ def hybrid_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: 
                               ulysses_size: int, *, layout: str, causal: bool,
                               softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
                               window: Any = None, mask: Any = None, method: str = "auto",
-                              kernel: Optional[Kernel] = None):
-    """(dq, dk, dv) of ``hybrid_attention`` for this rank's shards."""
-    dout, q, k, v, out, lse = detached(dout, q, k, v, out, lse)
+                              kernel: Optional[Kernel] = None, sinks: Any = None):
+    """(dq, dk, dv) of ``hybrid_attention`` for this rank's shards; with
+    ``sinks``, (dq, dk, dv, dsinks) as ``ring_attention_backward``'s."""
+    dout, q, k, v, out, lse, sinks = detached(dout, q, k, v, out, lse, sinks)
     call = prepare(comm, "hybrid_attention_backward", q, k, v, layout=layout, causal=causal,
                    softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, mask=mask,
-                   kernel=kernel, extra=backward_extras(q, dout, out, lse),
+                   kernel=kernel, extra=backward_extras(q, dout, out, lse), sinks=sinks,
                    check=lambda: _check(q, comm.size, ulysses_size, method),
                    ulysses_size=ulysses_size, method=method)
     group, ring = groups(comm, ulysses_size)
@@ -103,5 +109,6 @@ def hybrid_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: 
     dq, dk, dv = ring_backward(call.over_groups(ulysses_size), dh, qh, kh, vh, oh,
                                lse_to_heads(lse, group), ring, method)
     heads, kv_heads = q.shape[2], k.shape[2]
-    return (head_to_seq(dq, group, heads), head_to_seq(dk, group, kv_heads, heads),
-            head_to_seq(dv, group, kv_heads, heads))
+    grads = (head_to_seq(dq, group, heads), head_to_seq(dk, group, kv_heads, heads),
+             head_to_seq(dv, group, kv_heads, heads))
+    return with_sink_gradient(grads, dout, out, lse, sinks)

@@ -41,6 +41,7 @@ import numpy as np
 from ..kernels import Kernel, kernel_for
 from ..kernels.blockwise import attend, finish
 from ..kernels.merge import merge
+from ..kernels.sinks import apply_sinks, check_sinks, sinks_fact
 from ..namespace import accumulated, accumulator_dtype, detached, device, framework, namespace
 from ..ring.exchange import RingExchange
 from ..sequence.attention_call import agree_on_inputs, check_qkv, scale_of
@@ -54,7 +55,7 @@ PREFILL_METHODS = ("auto", "pass_q", "pass_kv")
 def decode_attention(q: Any, k: Any, v: Any, comm, *, q_positions: Sequence[int],
                      k_positions: Sequence[int], causal: bool, window: Any = None,
                      softmax_scale: Optional[float] = None, kernel: Optional[Kernel] = None,
-                     return_lse: bool = False):
+                     return_lse: bool = False, sinks: Any = None):
     """Attention of new tokens, the same on every rank, over a sharded cache.
 
     q [b, t, h, d]: the new tokens' queries, identical on every rank, at
@@ -64,7 +65,8 @@ def decode_attention(q: Any, k: Any, v: Any, comm, *, q_positions: Sequence[int]
     when r <= p (``causal``) and inside ``window`` = (left, right). Returns
     out [b, t, h, d] in q's framework, device and dtype, the same on every
     rank (and lse [b, h, t] float32, float64 for float64 q, with
-    ``return_lse``).
+    ``return_lse``). ``sinks`` [h]: attention sinks as ``ring_attention``'s,
+    applied once, after every rank's partial is merged.
 
     Positions given as arrays of q's framework (not NumPy: a torch, CuPy
     or JAX array, on q's device) take the path a captured or compiled
@@ -73,13 +75,13 @@ def decode_attention(q: Any, k: Any, v: Any, comm, *, q_positions: Sequence[int]
     preallocated buffer whose empty slots have position -1 (in any order),
     and the queries' positions are compared across ranks on the device
     (``_decode_on_device``)."""
-    q, k, v = detached(q, k, v)
+    q, k, v, sinks = detached(q, k, v, sinks)
     if _device_positions(q, q_positions) or _device_positions(q, k_positions):
         return _decode_on_device(q, k, v, comm, q_positions, k_positions, causal, window,
-                                 softmax_scale, kernel, return_lse)
+                                 softmax_scale, kernel, return_lse, sinks)
     kernel, scale, (lo, hi) = _prepare(comm, "decode_attention", q, k, v, q_positions,
                                        k_positions, causal, window, softmax_scale, kernel,
-                                       replicated=True)
+                                       sinks, replicated=True)
     xp = namespace(q)
     state = attend(kernel, q, k, v, band_blocks(q_positions, k_positions, lo, hi), scale)
     out, lse = finish(state, q) if state is None else state
@@ -91,7 +93,7 @@ def decode_attention(q: Any, k: Any, v: Any, comm, *, q_positions: Sequence[int]
         state = (xp.reshape(gathered[part, :b * t * h * d], (b, t, h, d)),
                  xp.reshape(gathered[part, b * t * h * d:], (b, h, t)))
         merged = state if merged is None else merge(*merged, *state)
-    out, lse = xp.astype(merged[0], q.dtype), merged[1]
+    out, lse = finish(merged, q, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -111,7 +113,7 @@ def _framework_or_none(x: Any) -> Optional[str]:
 
 def _decode_on_device(q: Any, k: Any, v: Any, comm, q_positions: Any, k_positions: Any,
                       causal: bool, window: Any, softmax_scale: Optional[float],
-                      kernel: Optional[Kernel], return_lse: bool):
+                      kernel: Optional[Kernel], return_lse: bool, sinks: Any):
     """``decode_attention`` with positions on the device, and no read of
     the device: what is checked is what the host knows (shapes, dtypes,
     settings, agreed by every rank as on the host path); the keys a query
@@ -123,6 +125,7 @@ def _decode_on_device(q: Any, k: Any, v: Any, comm, q_positions: Any, k_position
     problem = band = None
     try:
         check_qkv(q, k, v, same_length=False)
+        check_sinks(sinks, q)
         q_positions = _on_device_as_ints("q_positions", q_positions, q.shape[1], q)
         k_positions = _on_device_as_ints("k_positions", k_positions, k.shape[1], q)
         band = bounds(causal, window)
@@ -131,7 +134,7 @@ def _decode_on_device(q: Any, k: Any, v: Any, comm, q_positions: Any, k_position
     shared = dict(causal=causal, window=window,
                   scale=None if problem else scale_of(q, softmax_scale),
                   kernel=None if kernel is None else kernel.name, positions="device",
-                  q_length=None if problem else q.shape[1])
+                  q_length=None if problem else q.shape[1], sinks=sinks_fact(sinks))
     agree_on_inputs(comm, "decode_attention", q, k, problem, shared_axes=(0, 2, 3), **shared)
     lo, hi = band
     wide = accumulator_dtype(q)
@@ -158,8 +161,8 @@ def _decode_on_device(q: Any, k: Any, v: Any, comm, q_positions: Any, k_position
         merged = state if merged is None else merge(*merged, *state)
     told = gathered[:, b * t * h * (d + 1):]
     same = xp.all(told == told[:1])
-    out = xp.where(same, merged[0], math.nan)
-    out, lse = xp.astype(out, q.dtype), xp.where(same, merged[1], math.nan)
+    out, lse = apply_sinks(*merged, sinks)
+    out, lse = xp.astype(xp.where(same, out, math.nan), q.dtype), xp.where(same, lse, math.nan)
     return (out, lse) if return_lse else out
 
 
@@ -181,7 +184,7 @@ def _on_device_as_ints(name: str, positions: Any, count: int, q: Any) -> Any:
 def chunk_attention(q: Any, k: Any, v: Any, comm, *, q_positions: Sequence[int],
                     k_positions: Sequence[int], causal: bool, window: Any = None,
                     softmax_scale: Optional[float] = None, kernel: Optional[Kernel] = None,
-                    method: str = "auto", return_lse: bool = False):
+                    method: str = "auto", return_lse: bool = False, sinks: Any = None):
     """Attention of this rank's queries of a new chunk over the whole
     sharded cache (the chunk's keys included: every rank stores its share
     first).
@@ -192,18 +195,18 @@ def chunk_attention(q: Any, k: Any, v: Any, comm, *, q_positions: Sequence[int],
     "pass_kv", "pass_q" or "auto" (fewer bytes, ``prefill_bytes``; the same
     choice on every rank). Returns out [b, m, h, d] in q's framework,
     device and dtype (and lse [b, h, m] float32, float64 for float64 q,
-    with ``return_lse``)."""
-    q, k, v = detached(q, k, v)
+    with ``return_lse``); ``sinks`` as ``decode_attention``'s."""
+    q, k, v, sinks = detached(q, k, v, sinks)
     kernel, scale, band = _prepare(comm, "chunk_attention", q, k, v, q_positions, k_positions,
-                                   causal, window, softmax_scale, kernel, replicated=False,
-                                   method=method)
+                                   causal, window, softmax_scale, kernel, sinks,
+                                   replicated=False, method=method)
     queries, keys = _everyone(comm, q_positions), _everyone(comm, k_positions)
     if method == "auto":
         costs = prefill_bytes([len(p) for p in queries], [len(p) for p in keys], q.shape[0],
                               q.shape[2], k.shape[2], q.shape[3], q.dtype.itemsize)
         method = min(costs, key=lambda name: (costs[name], name != "pass_kv"))
     run = _pass_q if method == "pass_q" else _pass_kv
-    out, lse = run(comm, kernel, scale, band, q, k, v, queries, keys)
+    out, lse = finish(run(comm, kernel, scale, band, q, k, v, queries, keys), q, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -224,14 +227,16 @@ def prefill_bytes(queries: Sequence[int], keys: Sequence[int], batch: int, num_h
 
 def _prepare(comm, op: str, q: Any, k: Any, v: Any, q_positions: Sequence[int],
              k_positions: Sequence[int], causal: bool, window: Any,
-             softmax_scale: Optional[float], kernel: Optional[Kernel], replicated: bool,
-             **settings: Any) -> Tuple[Kernel, float, Tuple[int, int]]:
+             softmax_scale: Optional[float], kernel: Optional[Kernel], sinks: Any,
+             replicated: bool, **settings: Any) -> Tuple[Kernel, float, Tuple[int, int]]:
     """Check this rank's inputs and agree with every rank (any problem
     raises on all): the shapes but the cache's length, the dtype, the
-    settings, and, for ``replicated`` queries, their positions."""
+    settings, the sinks' presence, shape and dtype, and, for ``replicated``
+    queries, their positions."""
     problem = band = None
     try:
         check_qkv(q, k, v, same_length=False)
+        check_sinks(sinks, q)
         _check_positions("q_positions", q_positions, q.shape[1])
         _check_positions("k_positions", k_positions, k.shape[1])
         band = bounds(causal, window)
@@ -242,7 +247,8 @@ def _prepare(comm, op: str, q: Any, k: Any, v: Any, q_positions: Sequence[int],
         problem = error
     shared = dict(causal=causal, window=window,
                   scale=None if problem else scale_of(q, softmax_scale),
-                  kernel=None if kernel is None else kernel.name, **settings)
+                  kernel=None if kernel is None else kernel.name, sinks=sinks_fact(sinks),
+                  **settings)
     if replicated:  # the same new tokens everywhere
         shared["q_length"] = q.shape[1] if problem is None else None
         shared["q_positions"] = zlib.crc32(np.asarray(q_positions, np.int64).tobytes()) \
@@ -291,7 +297,8 @@ def _padded(x: Any, length: int) -> Any:
 
 
 def _pass_kv(comm, kernel, scale, band, q, k, v, queries, keys):
-    """The cache's K and V around the ring, against this rank's queries."""
+    """The merged state (``blockwise.attend``'s) of the cache's K and V
+    around the ring, against this rank's queries."""
     xp = namespace(q)
     longest = max(len(p) for p in keys)
     block = xp.stack([_padded(k, longest), _padded(v, longest)])
@@ -301,11 +308,12 @@ def _pass_kv(comm, kernel, scale, band, q, k, v, queries, keys):
         count = len(keys[source])
         state = attend(kernel, q, arrived[0][:, :count], arrived[1][:, :count],
                        band_blocks(mine, keys[source], *band), scale, state)
-    return finish(state, q) if state is None else (xp.astype(state[0], q.dtype), state[1])
+    return state
 
 
 def _pass_q(comm, kernel, scale, band, q, k, v, queries, keys):
-    """Every query to every rank, its partial over each rank's keys back."""
+    """Every query to every rank, its partial over each rank's keys back:
+    the merged state, as ``_pass_kv``'s."""
     xp = namespace(q)
     b, _, h, d = q.shape
     longest = max(len(p) for p in queries)
@@ -326,4 +334,4 @@ def _pass_q(comm, kernel, scale, band, q, k, v, queries, keys):
         out = xp.reshape(received[part, :b * longest * h * d], (b, longest, h, d))[:, :count]
         lse = xp.reshape(received[part, b * longest * h * d:], (b, h, longest))[:, :, :count]
         merged = (out, lse) if merged is None else merge(*merged, out, lse)
-    return xp.astype(merged[0], q.dtype), merged[1]
+    return merged

@@ -20,6 +20,7 @@ from ..namespace import accumulator_dtype, device, namespace
 from ..sequence.visibility import Block
 from . import Kernel
 from .merge import merge
+from .sinks import apply_sinks
 
 State = Optional[Tuple[Any, Any]]
 
@@ -61,12 +62,15 @@ def attend(kernel: Kernel, q: Any, k: Any, v: Any, blocks: Sequence[Block], scal
     return state
 
 
-def finish(state: State, q: Any) -> Tuple[Any, Any]:
-    """(out in q's dtype, lse in its accumulator dtype) of a finished ``state``; a shard that
-    saw no key at all (all padding) gets zeros and -inf."""
-    if state is None:
+def finish(state: State, q: Any, sinks: Optional[Any] = None) -> Tuple[Any, Any]:
+    """(out in q's dtype, lse in its accumulator dtype) of a finished ``state``
+    (every key merged in), with q's heads' ``sinks`` in its softmax
+    (``sinks.apply_sinks``: once, here, at the end); a shard that saw no
+    key at all (all padding) gets zeros and -inf (the sink, with sinks)."""
+    if state is None and sinks is None:
         return _unseen(q, q.dtype)
-    return namespace(q).astype(state[0], q.dtype), state[1]
+    out, lse = apply_sinks(*(state or _unseen(q, accumulator_dtype(q))), sinks)
+    return namespace(q).astype(out, q.dtype), lse
 
 
 def _unseen(q: Any, dtype: Any) -> Tuple[Any, Any]:

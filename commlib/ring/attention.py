@@ -31,6 +31,7 @@ import numpy as np
 
 from ..kernels import Kernel
 from ..kernels.blockwise import attend, attend_backward, finish
+from ..kernels.sinks import with_sink_gradient
 from ..namespace import contiguous, detached, device, namespace
 from ..sequence.attention_call import AttentionCall, backward_extras, prepare
 from .exchange import RingExchange
@@ -47,7 +48,8 @@ def check_method(method: str) -> None:
 def ring_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool,
                    softmax_scale: Optional[float] = None, return_lse: bool = False,
                    cu_seqlens: Any = None, window: Any = None, mask: Any = None,
-                   method: str = "auto", kernel: Optional[Kernel] = None):
+                   method: str = "auto", kernel: Optional[Kernel] = None,
+                   sinks: Any = None):
     """Attention of this rank's queries over the whole (sharded) sequence.
 
     q [b, s/P, h, d]; k, v [b, s/P, hk, d] with h % hk == 0; shards as
@@ -63,12 +65,16 @@ def ring_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool,
     move clearly less, else the ring). Returns out (q's
     framework, device and dtype) and, with ``return_lse``, lse [b, h, s/P]
     float32 (float64 for float64 q). ``kernel`` replaces the
-    built-in block kernel (``commlib.kernels``)."""
-    q, k, v = detached(q, k, v)
+    built-in block kernel (``commlib.kernels``). ``sinks`` [h]: one logit
+    per query head that joins every softmax as a column with no value
+    (gpt-oss; ``commlib.kernels.sinks``); the lse returned then includes
+    it (what the backward takes)."""
+    q, k, v, sinks = detached(q, k, v, sinks)
     call = prepare(comm, "ring_attention", q, k, v, layout=layout, causal=causal,
                    softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, mask=mask,
-                   kernel=kernel, check=lambda: check_method(method), method=method)
-    out, lse = ring_forward(call, q, k, v, comm, method)
+                   kernel=kernel, sinks=sinks, check=lambda: check_method(method),
+                   method=method)
+    out, lse = ring_forward(call, q, k, v, comm, method, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -76,16 +82,19 @@ def ring_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: An
                             layout: str, causal: bool,
                             softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
                             window: Any = None, mask: Any = None, method: str = "auto",
-                            kernel: Optional[Kernel] = None):
+                            kernel: Optional[Kernel] = None, sinks: Any = None):
     """(dq, dk, dv) of ``ring_attention`` for this rank's shards, given the
     forward's ``out`` and ``lse`` and the output gradient ``dout``; in q's
-    framework, device and dtype."""
-    dout, q, k, v, out, lse = detached(dout, q, k, v, out, lse)
+    framework, device and dtype. With ``sinks`` (the forward's): (dq, dk, dv,
+    dsinks), dsinks this rank's queries' share of the sinks' gradient (the
+    ranks' shares add up to it: ``commlib.kernels.sinks``)."""
+    dout, q, k, v, out, lse, sinks = detached(dout, q, k, v, out, lse, sinks)
     call = prepare(comm, "ring_attention_backward", q, k, v, layout=layout, causal=causal,
                    softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, mask=mask,
-                   kernel=kernel, extra=backward_extras(q, dout, out, lse),
+                   kernel=kernel, extra=backward_extras(q, dout, out, lse), sinks=sinks,
                    check=lambda: check_method(method), method=method)
-    return ring_backward(call, dout, q, k, v, out, lse, comm, method)
+    grads = ring_backward(call, dout, q, k, v, out, lse, comm, method)
+    return with_sink_gradient(grads, dout, out, lse, sinks)
 
 
 def resolved(call: AttentionCall, comm, method: str) -> str:
@@ -100,14 +109,16 @@ def resolved(call: AttentionCall, comm, method: str) -> str:
     return "sparse" if share <= SPARSE_SHARE else "ring"
 
 
-def ring_forward(call: AttentionCall, q: Any, k: Any, v: Any, comm, method: str):
+def ring_forward(call: AttentionCall, q: Any, k: Any, v: Any, comm, method: str,
+                 sinks: Any = None):
     """(out, lse) of checked and agreed inputs: the ring over ``comm``, whose
-    ranks hold ``call.placement``'s shards."""
+    ranks hold ``call.placement``'s shards; ``sinks`` those of q's heads,
+    applied once every block is merged."""
     xp, placement = call.xp, call.placement
     mine = placement.spans(comm.rank)
     method = resolved(call, comm, method)
     if method == "sparse":
-        return finish(sparse_forward(call, q, k, v, comm), q)
+        return finish(sparse_forward(call, q, k, v, comm), q, sinks)
     if method == "allgather":
         order, spans = placement.in_order()
         kv = _take(comm.allgather(xp.stack([k, v]), axis=2), order)
@@ -117,7 +128,7 @@ def ring_forward(call: AttentionCall, q: Any, k: Any, v: Any, comm, method: str)
         for source, block in RingExchange(comm).rotate(xp.stack([k, v])):
             state = attend(call.kernel, q, block[0], block[1],
                            call.blocks(mine, placement.spans(source)), call.scale, state)
-    return finish(state, q)
+    return finish(state, q, sinks)
 
 
 def ring_backward(call: AttentionCall, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,

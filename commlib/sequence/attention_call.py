@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Tuple, Union
 
 from ..kernels import Kernel, kernel_for
+from ..kernels.sinks import check_sinks, sinks_fact
 from ..namespace import dtype_name, framework_of, namespace, on_cuda
 from .balanced import Assigned, placement_for
 from .documents import Grouped, Packing, Span
@@ -117,15 +118,17 @@ class AttentionCall:
 def prepare(comm, op: str, q: Any, k: Any, v: Any, *, layout: str, causal: bool,
             softmax_scale: Optional[float], cu_seqlens: Any, window: Any,
             kernel: Optional[Kernel], mask: Optional[Mask] = None, extra: Extra = (),
-            check: Callable[[], None] = lambda: None, **settings: Any) -> AttentionCall:
-    """Check the inputs on this rank (q, k, v and ``extra``; then ``check()``,
-    the algorithm's own checks, raising ValueError), agree on them and on
-    every setting with every rank (any problem raises on all), and return
-    the call's facts."""
+            sinks: Any = None, check: Callable[[], None] = lambda: None,
+            **settings: Any) -> AttentionCall:
+    """Check the inputs on this rank (q, k, v, ``extra`` and ``sinks``; then
+    ``check()``, the algorithm's own checks, raising ValueError), agree on
+    them and on every setting with every rank (any problem raises on all),
+    and return the call's facts."""
     packing = visible = None
     problem = None
     try:
         check_qkv(q, k, v, extra)
+        check_sinks(sinks, q)
         check()
         if mask is not None:
             check_mask(mask, None)
@@ -142,7 +145,7 @@ def prepare(comm, op: str, q: Any, k: Any, v: Any, *, layout: str, causal: bool,
     agree_on_inputs(comm, op, q, k, problem, causal=causal, layout=layout, window=window,
                     documents=_documents(packing),
                     mask=None if mask is None or problem else mask.digest(), scale=scale,
-                    **settings)
+                    sinks=sinks_fact(sinks), **settings)
     return AttentionCall(namespace(q), kernel or kernel_for(q), scale, packing, *visible, mask)
 
 

@@ -18,32 +18,43 @@ import numpy as np
 
 from ..kernels import Kernel
 from ..kernels.blockwise import attend, attend_backward, finish
+from ..kernels.sinks import with_sink_gradient
 from ..namespace import detached, device
 from ..sequence.attention_call import AttentionCall, backward_extras, prepare
-from .relayout import check_heads, head_to_seq, lse_to_heads, lse_to_seq, seq_to_head_many
+from .relayout import (
+    check_heads,
+    head_to_seq,
+    heads_here,
+    lse_to_heads,
+    lse_to_seq,
+    seq_to_head_many,
+)
 from .wire import check_wire
 
 
 def ulysses_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool,
                       softmax_scale: Optional[float] = None, return_lse: bool = False,
                       cu_seqlens: Any = None, window: Any = None, mask: Any = None,
-                      kernel: Optional[Kernel] = None, wire: Optional[str] = None):
+                      kernel: Optional[Kernel] = None, sinks: Any = None,
+                      wire: Optional[str] = None):
     """Attention over the whole sequence for sequence shards
     q [b, s/P, h, d], k/v [b, s/P, hk, d] in ``layout`` (any of
     ``commlib.ring.LAYOUTS``, as ``shard_sequence`` makes them; no default:
     shards and attention must name the same one) with h >= P (heads split
     unevenly where P does not divide them: ``relayout``); ``cu_seqlens``,
-    ``window`` and ``mask`` as ``ring_attention``'s. Returns out [b, s/P, h, d] (q's
-    framework, device and dtype) and, with ``return_lse``, lse [b, h, s/P]
-    float32 (float64 for float64 q). ``wire="float8"``: q, k, v and out
-    travel as e4m3 with per-head scales (``commlib.ulysses.wire``)."""
-    q, k, v = detached(q, k, v)
+    ``window``, ``mask`` and ``sinks`` (all h heads') as ``ring_attention``'s.
+    Returns out [b, s/P, h, d] (q's framework, device and dtype) and, with
+    ``return_lse``, lse [b, h, s/P] float32 (float64 for float64 q).
+    ``wire="float8"``: q, k, v and out travel as e4m3 with per-head scales
+    (``commlib.ulysses.wire``)."""
+    q, k, v, sinks = detached(q, k, v, sinks)
     call = prepare(comm, "ulysses_attention", q, k, v, layout=layout, causal=causal,
                    softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, mask=mask,
-                   kernel=kernel, check=lambda: (check_heads(q.shape[2], comm.size),
-                                                 check_wire(wire, q)), wire=wire)
+                   kernel=kernel, sinks=sinks, check=lambda: (check_heads(q.shape[2], comm.size),
+                                                              check_wire(wire, q)), wire=wire)
     heads = q.shape[2]
-    out, lse = ulysses_forward(call, *seq_to_head_many([q, k, v], comm, wire=wire))
+    out, lse = ulysses_forward(call, *seq_to_head_many([q, k, v], comm, wire=wire),
+                               sinks=heads_here(sinks, comm))
     result = head_to_seq(out, comm, heads, wire=wire)  # finish gave it q's dtype
     return (result, lse_to_seq(lse, comm, heads)) if return_lse else result
 
@@ -52,29 +63,32 @@ def ulysses_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse:
                                layout: str, causal: bool,
                                softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
                                window: Any = None, mask: Any = None,
-                               kernel: Optional[Kernel] = None):
+                               kernel: Optional[Kernel] = None, sinks: Any = None):
     """(dq, dk, dv) of ``ulysses_attention`` for this rank's shards, in q's
-    framework, device and dtype."""
-    dout, q, k, v, out, lse = detached(dout, q, k, v, out, lse)
+    framework, device and dtype; with ``sinks``, (dq, dk, dv, dsinks) as
+    ``ring_attention_backward``'s."""
+    dout, q, k, v, out, lse, sinks = detached(dout, q, k, v, out, lse, sinks)
     call = prepare(comm, "ulysses_attention_backward", q, k, v, layout=layout, causal=causal,
                    softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, mask=mask,
-                   kernel=kernel, extra=backward_extras(q, dout, out, lse),
+                   kernel=kernel, extra=backward_extras(q, dout, out, lse), sinks=sinks,
                    check=lambda: check_heads(q.shape[2], comm.size))
     qh, kh, vh, dh, oh = seq_to_head_many([q, k, v, dout, out], comm)
     dq, dk, dv = ulysses_backward(call, dh, qh, kh, vh, oh, lse_to_heads(lse, comm))
     heads, kv_heads = q.shape[2], k.shape[2]
-    return (head_to_seq(_cast(call, dq, q), comm, heads),
-            head_to_seq(_cast(call, dk, k), comm, kv_heads, heads),
-            head_to_seq(_cast(call, dv, v), comm, kv_heads, heads))
+    grads = (head_to_seq(_cast(call, dq, q), comm, heads),
+             head_to_seq(_cast(call, dk, k), comm, kv_heads, heads),
+             head_to_seq(_cast(call, dv, v), comm, kv_heads, heads))
+    return with_sink_gradient(grads, dout, out, lse, sinks)
 
 
-def ulysses_forward(call: AttentionCall, q: Any, k: Any, v: Any):
+def ulysses_forward(call: AttentionCall, q: Any, k: Any, v: Any, sinks: Any = None):
     """(out, lse) over the whole gathered sequence (q, k, v [b, s, h_p, d],
-    every rank's shard one after the other), attended in sequence order."""
+    every rank's shard one after the other), attended in sequence order;
+    ``sinks`` those of the h_p heads held here."""
     order, spans = call.placement.in_order()
     q, k, v = _permuted(call, order, (q, k, v), axis=1)
     whole = call.blocks(spans, spans)
-    out, lse = finish(attend(call.kernel, q, k, v, whole, call.scale), q)
+    out, lse = finish(attend(call.kernel, q, k, v, whole, call.scale), q, sinks)
     back = np.argsort(order)
     return _permuted(call, back, (out,), axis=1)[0], _permuted(call, back, (lse,), axis=2)[0]
 

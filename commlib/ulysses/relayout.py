@@ -58,6 +58,15 @@ def head_split(heads: int, size: int) -> List[Tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
+def heads_here(per_head: Any, comm) -> Any:
+    """The entries of a per-query-head array [h] (attention sinks) for the
+    query heads this rank holds after seq_to_head (None stays None)."""
+    if per_head is None:
+        return None
+    start, stop = head_split(per_head.shape[0], comm.size)[comm.rank]
+    return per_head[start:stop]
+
+
 def _query_heads(heads: int, size: int, query_heads: Optional[int]) -> int:
     """``query_heads``, by default a tensor's own heads; a lone tensor with
     fewer heads than ranks, dividing P, is kv heads read by P query heads

@@ -103,6 +103,9 @@ def _maskings():
         "mask": ("balanced", lambda: dict(causal=False, mask=prefix_lm(SEQ, 8))),
         "documents-mask": ("balanced", lambda: dict(causal=False,
                                                     mask=block_diagonal(SEQ, 4, causal=True))),
+        # attention sinks, a learned parameter: their gradient is in the backward graph
+        "sinks": ("zigzag", lambda: dict(causal=True, sinks=torch.linspace(
+            -1.0, 2.0, HEADS).requires_grad_())),
     }
 
 
@@ -128,8 +131,9 @@ def _shards(comm, layout, options, seed):
 
 ATTENTION_CASES = [("ring", masking) for masking in _maskings()] + [
     ("ulysses", "causal"), ("ulysses", "cu_seqlens"), ("ulysses", "window"),
-    ("ulysses", "mask"), ("hybrid-ring", "causal"), ("hybrid-ring", "documents-mask"),
-    ("hybrid-ulysses", "cu_seqlens"), ("hybrid-ulysses", "window")]
+    ("ulysses", "mask"), ("ulysses", "sinks"), ("hybrid-ring", "causal"),
+    ("hybrid-ring", "documents-mask"), ("hybrid-ulysses", "cu_seqlens"),
+    ("hybrid-ulysses", "window")]
 
 
 @pytest.mark.quick_sample(3)

@@ -1,8 +1,9 @@
 """Inference over the sharded KV cache under ``torch.compile`` (issue 37):
 ``commlib::decode_attention`` and ``commlib::chunk_attention`` trace with
-no graph break, alone and inside a Llama decode step (``generate``'s
-``compile_decode=True``); compiled equals eager bit for bit, and both equal
-torch SDPA over the unsharded sequence; a decode step over a
+no graph break (attention sinks among their inputs too), alone and inside a
+Llama decode step (``generate``'s ``compile_decode=True``); compiled equals
+eager bit for bit, and both equal torch SDPA (with sinks: the eager softmax
+with the sink column) over the unsharded sequence; a decode step over a
 ``DecodeCache`` is traced once over ten steps as the cache grows; generate
 with the compiled step gives model.generate's tokens, and a second turn
 continues from the cache it filled; bad input raises (or, where a raise
@@ -14,7 +15,12 @@ import numpy as np
 import pytest
 
 import requires
-from attention_reference import masked_torch_reference, position_mask, relative_error
+from attention_reference import (
+    masked_torch_reference,
+    position_mask,
+    relative_error,
+    sink_reference,
+)
 from conftest import all_ranks, raises_everywhere
 
 torch = requires.module("torch")
@@ -44,10 +50,16 @@ def whole(length, seed):
             torch.randn(B, length, HK, D, generator=g))
 
 
-def reference(q, k, v, q_positions, k_positions, causal=True, window=None):
+def reference(q, k, v, q_positions, k_positions, causal=True, window=None, sinks=None):
     mask = position_mask(q_positions, k_positions, causal, window)
+    if sinks is not None:  # gpt-oss's eager softmax with the sink column
+        return sink_reference(q.numpy(), k.numpy(), v.numpy(), np.zeros(q.shape), mask,
+                              sinks.numpy())[0]
     return masked_torch_reference(q.numpy(), k.numpy(), v.numpy(), np.zeros(q.shape),
                                   mask)[0]
+
+
+SINKS = torch.tensor([0.5, 1.5, -1.0, 2.5])  # one per query head (H)
 
 
 def compiles_as_eager(comm, op, args, want, **settings):
@@ -65,26 +77,30 @@ def compiles_as_eager(comm, op, args, want, **settings):
         (breaks, error)
 
 
-@pytest.mark.parametrize("window", [None, (5, 0)])
-def test_decode_attention_compiles_without_a_break_and_equals_eager(comm, window):
+@pytest.mark.parametrize("window, sinks", [(None, None), ((5, 0), SINKS)],
+                         ids=["plain", "window-sinks"])
+def test_decode_attention_compiles_without_a_break_and_equals_eager(comm, window, sinks):
     """Two new tokens over a cache of 23 striped by position."""
     q, k, v = whole(25, seed=1)
     mine = np.flatnonzero(np.arange(25) % comm.size == comm.rank)
     args = (q[:, 23:], k[:, mine], v[:, mine], torch.tensor([23, 24]), torch.from_numpy(mine))
     compiles_as_eager(comm, ct.decode_attention, args,
-                      reference(q[:, 23:], k, v, [23, 24], np.arange(25), window=window),
-                      window=window)
+                      reference(q[:, 23:], k, v, [23, 24], np.arange(25), window=window,
+                                sinks=sinks),
+                      window=window, sinks=sinks)
 
 
-@pytest.mark.parametrize("method", ["pass_q", "pass_kv"])
-def test_chunk_attention_compiles_without_a_break_and_equals_eager(comm, method):
+@pytest.mark.parametrize("method, sinks", [("pass_q", None), ("pass_kv", SINKS)],
+                         ids=["pass_q", "pass_kv-sinks"])
+def test_chunk_attention_compiles_without_a_break_and_equals_eager(comm, method, sinks):
     """A chunk of 9 new tokens against a cache of 14, both striped."""
     q, k, v = whole(23, seed=2)
     mine = np.flatnonzero(np.arange(23) % comm.size == comm.rank)
     new = mine[mine >= 14]
     args = (q[:, new], k[:, mine], v[:, mine], torch.from_numpy(new), torch.from_numpy(mine))
     compiles_as_eager(comm, ct.chunk_attention, args,
-                      reference(q[:, new], k, v, new, np.arange(23)), method=method)
+                      reference(q[:, new], k, v, new, np.arange(23), sinks=sinks),
+                      method=method, sinks=sinks)
 
 
 def test_a_decode_step_is_traced_once_over_ten_steps_as_the_cache_grows(comm):

@@ -1,7 +1,9 @@
 """The attention conformance matrix (tests/conformance.py) at this launch's
 world size: each case equals torch SDPA in float64 on the unsharded
-sequence with the case's dense mask, output and the three gradients, or is
-refused on every rank with the predicted error. Nothing is skipped."""
+sequence with the case's dense mask, output and the three gradients (with
+attention sinks: the eager softmax with the sink column, and the sinks'
+gradient), or is refused on every rank with the predicted error. Nothing
+is skipped."""
 
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ from mpi4py import MPI
 import conformance
 import covering
 import requires
-from attention_reference import masked_torch_reference, position_mask, relative_error
+from attention_reference import position_mask, relative_error
 from conftest import all_ranks, same_on_all_ranks
 
 requires.module("torch")
@@ -28,10 +30,12 @@ INFERENCE_CASES = conformance.inference_cases(WORLD)
 def test_case_is_correct_or_refused_everywhere(comm, case):
     length = conformance.length_of(case, comm.size)
     options, dense = conformance.visibility(case, length)
-    full = conformance.inputs(case, length, seed=len(conformance.case_id(case)))
+    seed = len(conformance.case_id(case))
+    full = conformance.inputs(case, length, seed=seed)
+    sinks = conformance.sinks_of(case, seed)
     refusal = conformance.expected_refusal(case)
     try:
-        got = conformance.run_case(case, comm, full, options)
+        got = conformance.run_case(case, comm, full, options, sinks)
     except (ValueError, TypeError) as error:
         raised = f"{type(error).__name__}: {error}"
         assert all_ranks(refusal is not None and refusal in raised), (
@@ -39,24 +43,28 @@ def test_case_is_correct_or_refused_everywhere(comm, case):
             f"{raised}")
         return
     assert all_ranks(refusal is None), f"computed, but should have been refused ({refusal!r})"
-    want = masked_torch_reference(*full, dense)
+    want = conformance.reference(full, dense, sinks)
     bounds = conformance.TOLERANCE[case["dtype"]]
     errors = [relative_error(g, w) for g, w in zip(got, want)]
-    ok = errors[0] <= bounds[0] and max(errors[1:]) <= bounds[1]
-    assert all_ranks(ok), f"errors (out, dq, dk, dv) {errors} over bounds {bounds}"
+    ok = len(got) == len(want) and errors[0] <= bounds[0] and max(errors[1:]) <= bounds[1]
+    assert all_ranks(ok), f"errors (out, dq, dk, dv[, dsinks]) {errors} over bounds {bounds}"
 
 
 @pytest.mark.parametrize("case", INFERENCE_CASES, ids=conformance.case_id)
 def test_inference_case_is_sdpa_over_the_whole_cache(comm, case):
     """Decode and a chunk's prefill over the striped cache: each rank's
     queries get SDPA's output on the unsharded sequence (float64, the mask
-    by position), in the case's framework and dtype."""
+    by position; with sinks, the eager softmax with the sink column), in
+    the case's framework and dtype."""
     length = conformance.CACHED + conformance.NEW
-    full = conformance.inputs(case, length, seed=len(conformance.case_id(case)))
-    got, asked = conformance.run_inference_case(case, comm, full)
+    seed = len(conformance.case_id(case))
+    full = conformance.inputs(case, length, seed=seed)
+    sinks = conformance.sinks_of(case, seed)
+    got, asked = conformance.run_inference_case(case, comm, full, sinks)
     mask = position_mask(asked, np.arange(length), **conformance.inference_visibility(case))
     q, k, v, _ = full
-    want = masked_torch_reference(q[:, asked], k, v, np.zeros_like(q[:, asked]), mask)[0]
+    want = conformance.reference([q[:, asked], k, v, np.zeros_like(q[:, asked])], mask,
+                                 sinks)[0]
     error = relative_error(got, want)
     assert all_ranks(error <= conformance.TOLERANCE[case["dtype"]][0]), error
 

@@ -284,7 +284,7 @@ def test_hybrid_runs_at_a_given_ulysses_size(comm, reference):
 
 
 @pytest.mark.parametrize("extra, named", [
-    ({"softcap": 30.0}, "softcap"), ({"s_aux": torch.zeros(HEADS)}, "s_aux"),
+    ({"softcap": 30.0}, "softcap"), ({"s_aux": torch.zeros(HEADS + 1)}, "sinks must have shape"),
     ({"sliding_window": 4, "is_causal": False}, "bidirectional sliding window"),
     ({"dropout": 0.1}, "dropout"), ({"position_bias": torch.zeros(1)}, "position_bias"),
     ({"output_attentions": True}, "output_attentions"),
