@@ -111,6 +111,30 @@ def test_float8_in_the_hybrid_and_the_torch_binding(comm):
     assert all_ranks(all(0 < e <= OUT_BOUND for e in errors) and torch.equal(core, bound))
 
 
+def test_float8_with_sinks_applies_them_once(comm):
+    """Sinks and the FP8 wire together (the core call, forward only): near
+    the exact exchange with the same sinks, the binding equal to the core,
+    and far from the call without sinks (so they were applied)."""
+    from commlib.bindings import torch as binding
+    degree = comm.size // 2 if comm.size % 2 == 0 else comm.size
+    q, k, v = (torch.tensor(x) for x in
+               _shards(_global(5, 5, seed=4), comm, arrayimpl.IMPLS["numpy"], "float32"))
+    sinks = torch.linspace(1.0, 4.0, 5)   # large: they take much of each softmax
+    options = dict(layout="zigzag", causal=True, sinks=sinks)
+    errors, effects = [], []
+    with torch.no_grad():
+        for run in (lambda **o: ulysses.ulysses_attention(q, k, v, comm, **o),
+                    lambda **o: hybrid.hybrid_attention(q, k, v, comm, degree, **o)):
+            exact, fp8 = run(**options), run(wire="float8", **options)
+            errors.append(_relative(fp8.numpy(), exact.numpy()))
+            effects.append(_relative(run(layout="zigzag", causal=True).numpy(), exact.numpy()))
+        core = ulysses.ulysses_attention(q, k, v, comm, wire="float8", **options)
+        equal = torch.equal(core, binding.ulysses_attention(q, k, v, comm, wire="float8",
+                                                            **options))
+    assert all_ranks(all(0 < e <= OUT_BOUND for e in errors) and equal
+                     and min(effects) > 2 * max(errors)), (errors, effects)
+
+
 class _CountingComm:
     """The communicator, counting the bytes Ulysses hands it to send."""
 
