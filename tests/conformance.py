@@ -46,7 +46,7 @@ FACTORS: Dict[str, Tuple[str, ...]] = {
     "layout": ("contiguous", "zigzag", "zigzag_docs", "balanced"),
     "method": ("auto", "ring", "allgather", "sparse"),
     "masking": ("none", "causal", "cu_seqlens", "window", "prefix_lm", "shared_prefix",
-                "multimodal", "block_diagonal", "mask_mod"),
+                "multimodal", "block_diagonal", "mask_mod", "joint_prefix"),
     "heads": tuple(HEAD_COUNTS),
     "dtype": ("float64", "float32", "bfloat16"),
     "length": ("divisible", "uneven"),
@@ -60,7 +60,8 @@ FULL = (("api", "algorithm", "layout", "method"),)
 # largest measured (tests/mpi/test_attention_frameworks.py)
 TOLERANCE = {"float64": (1e-10, 1e-10), "float32": (3e-5, 1.2e-4),
              "bfloat16": (1.5e-2, 3e-2)}
-MASKS = ("prefix_lm", "shared_prefix", "multimodal", "block_diagonal", "mask_mod")
+MASKS = ("prefix_lm", "shared_prefix", "multimodal", "block_diagonal", "mask_mod",
+         "joint_prefix")
 
 
 def cases(world: int) -> List[Dict[str, Any]]:
@@ -110,7 +111,21 @@ def _mask(kind: str, length: int) -> masks.Mask:
         return common_masks.multimodal(length, [(2, 6)])
     if kind == "block_diagonal":
         return common_masks.block_diagonal(length, 3, causal=True)
+    if kind == "joint_prefix":
+        return _joint_prefix(length)
     return masks.from_mask_mod(lambda b, h, q, k: (k <= q) & (q - k < 5), length, block=4)
+
+
+def _joint_prefix(length: int, text: int = 3) -> masks.Mask:
+    """Joint text + image attention with the text kept whole on two ranks
+    (commlib.bindings.diffusers' ``text="whole"``): [text | image half |
+    text copy | image rest]; every query sees every image token and the
+    first text copy only (the second would count each text key twice)."""
+    half = (length - 2 * text) // 2
+    copy = text + half
+    every = (0, length)
+    return masks.Mask([masks.Slice(every, (0, copy)), masks.Slice(every, (copy + text, length))],
+                      length=length)
 
 
 def expected_refusal(case: Dict[str, Any]) -> Optional[str]:
