@@ -21,7 +21,7 @@ from typing import Any, Mapping, Optional, Tuple
 
 import torch
 
-from . import _routing
+from . import _projection, _routing
 from ._attention import ShardedAttention, dispatch
 from ._plan import check_fits, install
 from ._streams import TEXT_MODES, Streams
@@ -46,7 +46,8 @@ _REFUSED = {
 
 def context_parallel(model: torch.nn.Module, comm, *, ring_degree: int = 1,
                      ulysses_degree: Optional[int] = None, text: str = "sharded",
-                     attention_options: Optional[Mapping[str, Any]] = None) -> torch.nn.Module:
+                     attention_options: Optional[Mapping[str, Any]] = None,
+                     overlap_groups: Optional[int] = None) -> torch.nn.Module:
     """Make ``model`` (a diffusers transformer with a ``_cp_plan``) run
     context-parallel over ``comm``, in place, and return it. Collective:
     every rank passes its copy of the same model.
@@ -58,22 +59,30 @@ def context_parallel(model: torch.nn.Module, comm, *, ring_degree: int = 1,
     ``"sharded"`` splits the text tokens with the image tokens, as the plan
     says; ``"whole"`` keeps them whole on every rank (joint attention counts
     one copy of each text key). ``attention_options`` go to every commlib
-    attention call (``kernel=``, ``method=``)."""
+    attention call (``kernel=``, ``method=``; ``wire="float8"``: Ulysses'
+    and the hybrid's exchange in float8, forward only). ``overlap_groups``
+    (pure Ulysses only): the processors whose projection the binding owns
+    (``_projection.py``: Flux's) project their heads in that many groups,
+    each group's all-to-all in flight while the next is projected."""
     problem = None
     try:
         ulysses_degree = _check(model, comm, ring_degree, ulysses_degree, text)
         check_fits(model, model._cp_plan)
+        _check_options(model, ring_degree, ulysses_degree, attention_options or {},
+                       overlap_groups)
         routed = [processor for processor in _processors(model)]
     except ValueError as error:
         problem = error
     comm.agree("diffusers context_parallel", type(model).__name__, ring_degree,
-               ulysses_degree, text, problem=problem)
+               ulysses_degree, text, overlap_groups, problem=problem)
     streams = Streams(comm, text)
     attention = ShardedAttention(comm, streams, ring_degree, ulysses_degree,
-                                 attention_options or {})
+                                 attention_options or {}, overlap_groups)
     handles = install(model, model._cp_plan, streams, comm)
     for processor in routed:
         _routing.route(processor, attention, dispatch)
+        if overlap_groups is not None and _projection.owns(processor):
+            _projection.own(processor)
     setattr(model, _STATE, (handles, routed))
     return model
 
@@ -137,6 +146,26 @@ def _check(model: torch.nn.Module, comm, ring_degree: int, ulysses_degree: Optio
         raise ValueError(f"ring_degree ({ring_degree}) x ulysses_degree ({ulysses_degree}) "
                          f"must equal the number of ranks ({comm.size})")
     return ulysses_degree
+
+
+def _check_options(model: torch.nn.Module, ring_degree: int, ulysses_degree: int,
+                   options: Mapping[str, Any], overlap_groups: Optional[int]) -> None:
+    """Refuse a wire with no all-to-all to carry it, and overlap groups
+    outside pure Ulysses or that the owned processors' heads cannot take."""
+    if options.get("wire") is not None and ulysses_degree == 1 and ring_degree > 1:
+        raise ValueError(f"attention_options wire={options['wire']!r} is the Ulysses "
+                         f"exchange's: pure Ring (ulysses_degree=1) has none; use Ulysses or "
+                         f"the hybrid, or no wire")
+    if overlap_groups is None:
+        return
+    if isinstance(overlap_groups, bool) or not isinstance(overlap_groups, int) or \
+            overlap_groups < 1:
+        raise ValueError(f"overlap_groups={overlap_groups!r} must be a positive int")
+    if ring_degree != 1:
+        raise ValueError(f"overlap_groups={overlap_groups} overlaps Ulysses' all-to-all with "
+                         f"the projection: pure Ulysses only (ring_degree=1), not "
+                         f"ring_degree={ring_degree}")
+    _projection.check_groups(model, overlap_groups, ulysses_degree)
 
 
 def _processors(model: torch.nn.Module):

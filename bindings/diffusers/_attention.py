@@ -23,7 +23,12 @@ import torch
 
 from commlib.ulysses.relayout import check_heads
 
-from ..torch import hybrid_attention, ring_attention, ulysses_attention
+from ..torch import (
+    hybrid_attention,
+    ring_attention,
+    ulysses_attention,
+    ulysses_attention_overlapped,
+)
 from ._routing import called_with
 from ._shards import Split, gather
 from ._streams import Streams
@@ -36,12 +41,14 @@ class ShardedAttention:
     """One model's context-parallel attention: set as its processors'
     ``_parallel_config``. ``ring_degree * ulysses_degree == comm.size``;
     ``options`` go to every commlib attention call as they are (``kernel=``,
-    ``method=``)."""
+    ``method=``, ``wire=``); ``overlap_groups``: the head groups of the
+    processors whose projection the binding owns (pure Ulysses)."""
 
     def __init__(self, comm, streams: Streams, ring_degree: int, ulysses_degree: int,
-                 options: Mapping[str, Any]):
+                 options: Mapping[str, Any], overlap_groups: Optional[int] = None):
         self.comm, self.streams, self.options = comm, streams, dict(options)
         self.ring_degree, self.ulysses_degree = ring_degree, ulysses_degree
+        self.overlap_groups = overlap_groups
         self.masks: Dict[Tuple[Any, ...], Any] = {}
 
     @property
@@ -65,17 +72,23 @@ class ShardedAttention:
             return local(query, key, value, attn_mask=attn_mask, scale=scale)
         if self._is_cross(query, key):
             return self._over_text(query, key, value, attn_mask, scale, local)
-        segments = self._segments(query.shape[1])
+        return self.by_rows(*query.shape[:3], attn_mask, lambda rows, mask: self._attend(
+            query[rows], key[rows], value[rows], scale, mask))
+
+    def by_rows(self, batch: int, local: int, heads: int, attn_mask: Optional[torch.Tensor],
+                attend: Callable[[slice, Any], torch.Tensor]) -> torch.Tensor:
+        """``attend(rows, mask)`` over a full attention of ``local`` tokens a
+        rank: once for the whole batch, or row by row where the model's key
+        mask differs per row (commlib's masks are one per call)."""
+        segments = self._segments(local)
         if self.ulysses_degree > 1:
-            check_heads(query.shape[2], self.ulysses_degree)
-        key_mask = self._key_mask(attn_mask, query.shape[0], key.shape[1])
+            check_heads(heads, self.ulysses_degree)
+        key_mask = self._key_mask(attn_mask, batch, local)
         if key_mask is None or all(np.array_equal(row, key_mask[0]) for row in key_mask):
             row = None if key_mask is None else key_mask[0]
-            return self._attend(query, key, value, scale, self._mask(segments, row))
-        # a key mask that differs per batch row (commlib's masks are one per call): row by row
-        return torch.cat([self._attend(query[i:i + 1], key[i:i + 1], value[i:i + 1], scale,
-                                       self._mask(segments, key_mask[i]))
-                          for i in range(query.shape[0])])
+            return attend(slice(None), self._mask(segments, row))
+        return torch.cat([attend(slice(i, i + 1), self._mask(segments, key_mask[i]))
+                          for i in range(batch)])
 
     def _is_cross(self, query: torch.Tensor, key: torch.Tensor) -> bool:
         """Whether the keys are the processor's ``encoder_hidden_states`` while
@@ -98,6 +111,19 @@ class ShardedAttention:
         if self.ulysses_degree == 1:
             return ring_attention(q, k, v, self.comm, **settings)
         return hybrid_attention(q, k, v, self.comm, self.ulysses_degree, **settings)
+
+    def overlapped(self, project: Callable[[slice, slice, slice], Tuple[torch.Tensor, ...]],
+                   batch: int, local: int, heads: int, attn_mask: Optional[torch.Tensor],
+                   scale: Optional[float]) -> torch.Tensor:
+        """Ulysses of the q, k, v that ``project(rows, heads, kv_heads)``
+        makes head group by head group ([b, local, n, d] each, the batch
+        ``rows``), each group's all-to-all in flight while the next is
+        projected (``overlap_groups``; ``_projection.py``)."""
+        return self.by_rows(batch, local, heads, attn_mask, lambda rows, mask: (
+            ulysses_attention_overlapped(
+                lambda h, kv: project(rows, h, kv), self.comm, num_heads=heads,
+                groups=self.overlap_groups, layout=LAYOUT, causal=False, softmax_scale=scale,
+                mask=mask, **self.options)))
 
     def _segments(self, local: int) -> List[Segment]:
         """The local sequence: the image shard, or [text | image shard]."""

@@ -376,3 +376,96 @@ def test_on_the_gpu(comm, algorithm):
             got = sharded(model, comm, lambda m=model, x=step: m(**x).sample, ring_degree=ring,
                           ulysses_degree=ulysses)
         assert all_ranks(max_error(got, want) < tol * max(1.0, float(want.abs().max())))
+
+
+# overlap_groups: 8 heads in 2 groups cut over 2, 3 and 4 ranks (4 a group: unevenly over 3)
+OVERLAP_HEADS, GROUPS = 8, 2
+FP8_TOL = 1e-2  # FP8 wire: output error / max |out|, tiny Flux: 1.3e-3 float32, 4.2e-3 bf16
+
+
+def _overlapped_flux():
+    if "flux8" not in _models:
+        _models["flux8"] = build("flux", heads=OVERLAP_HEADS)
+    return _models["flux8"]
+
+
+def _counting(comm, name, calls):
+    original = getattr(comm, name)
+
+    def call(*args, **kwargs):
+        calls.append(name)
+        return original(*args, **kwargs)
+    setattr(comm, name, call)
+
+
+OVERLAP_CASES = [(text, lengths) for text in ("sharded", "whole") for lengths in LENGTHS]
+
+
+@pytest.mark.quick_sample(2)
+@pytest.mark.parametrize("text,lengths", OVERLAP_CASES, ids=["-".join(c) for c in OVERLAP_CASES])
+def test_overlapped_projection_equals_the_unsharded(comm, text, lengths):
+    """overlap_groups: Flux's double- and single-stream attention project
+    their heads group by group inside the overlapped Ulysses (one started
+    exchange per group and direction, counted), equal to the unsharded model."""
+    model = _overlapped_flux()
+    calls = []
+    with torch.no_grad():
+        want = model(**inputs("flux", lengths)).sample
+        _counting(comm, "alltoall_many_async", calls)
+        try:
+            got = sharded(model, comm, lambda: model(**inputs("flux", lengths)).sample,
+                          text=text, overlap_groups=GROUPS)
+        finally:
+            delattr(comm, "alltoall_many_async")
+    attentions = len(model.transformer_blocks) + len(model.single_transformer_blocks)
+    assert len(calls) == 2 * GROUPS * attentions, calls
+    assert all_ranks(max_error(got, want) < TOL64), max_error(got, want)
+
+
+def test_overlapped_gradients_equal_the_unsharded(comm):
+    model = _overlapped_flux()
+
+    def grads():
+        model.zero_grad()
+        model(**inputs("flux", "uneven")).sample.square().sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+    want = grads()
+    got = [comm.allreduce(g) for g in sharded(model, comm, grads, overlap_groups=GROUPS)]
+    error = max(max_error(g, w) for g, w in zip(got, want))
+    assert all_ranks(error < TOL64), error
+
+
+@pytest.mark.parametrize("overlap", [None, GROUPS], ids=["plain", "overlapped"])
+def test_fp8_wire_within_its_error(comm, overlap):
+    """attention_options={"wire": "float8"} under no_grad (Ulysses; the
+    hybrid at 4 ranks): within FP8_TOL of max |out| of the exact binding."""
+    model = build("flux", torch.float32, heads=OVERLAP_HEADS)
+    ring = 2 if comm.size == 4 and overlap is None else 1
+    step = inputs("flux", "uneven", torch.float32)
+    with torch.no_grad():
+        exact = sharded(model, comm, lambda: model(**step).sample, ring_degree=ring)
+        fp8 = sharded(model, comm, lambda: model(**step).sample, ring_degree=ring,
+                      overlap_groups=overlap, attention_options={"wire": "float8"})
+    error = max_error(fp8, exact) / float(exact.abs().max())
+    assert all_ranks(0 < error < FP8_TOL), error
+
+
+def test_overlap_and_wire_refused_on_every_rank(comm):
+    model = _overlapped_flux()
+    grad = cd.context_parallel(model, comm, overlap_groups=GROUPS,
+                               attention_options={"wire": "float8"})
+    try:  # the torch binding's refusal of an FP8 forward under autograd
+        raises_everywhere(ValueError, lambda: grad(**inputs("flux", "uneven")),
+                          match="for inference")
+    finally:
+        cd.remove_context_parallel(model)
+    if comm.size > 1:
+        raises_everywhere(ValueError, lambda: cd.context_parallel(
+            model, comm, ring_degree=comm.size, overlap_groups=GROUPS), match="pure Ulysses only")
+        raises_everywhere(ValueError, lambda: cd.context_parallel(
+            model, comm, ring_degree=comm.size, attention_options={"wire": "float8"}),
+            match="pure Ring")
+    raises_everywhere(ValueError, lambda: cd.context_parallel(model, comm, overlap_groups=3),
+                      match="does not divide num_heads=8")
+    raises_everywhere(ValueError, lambda: cd.context_parallel(model, comm, overlap_groups=0),
+                      match="must be a positive int")
