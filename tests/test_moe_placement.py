@@ -63,7 +63,7 @@ def test_bad_calls_say_what_is_wrong():
         rebalance([1, -1, 2, 3], ranks=2)
     with pytest.raises(ValueError, match="1-D .* or 2-D"):
         rebalance(np.ones((2, 2, 2)), ranks=2)
-    with pytest.raises(ValueError, match="redundant must be 0 or more"):
+    with pytest.raises(ValueError, match="redundant must be at least 0"):
         rebalance(np.ones(4), ranks=2, redundant=-1)
     with pytest.raises(ValueError, match="groups"):
         rebalance(np.ones(6), ranks=2, groups=4)

@@ -45,7 +45,7 @@ class Placement:
 
     def __post_init__(self) -> None:
         for name in ("num_logical", "ranks", "nodes"):
-            object.__setattr__(self, name, _positive(name, getattr(self, name)))
+            object.__setattr__(self, name, _integer(name, getattr(self, name)))
         if self.ranks % self.nodes:
             raise ValueError(f"ranks ({self.ranks}) must be a multiple of nodes ({self.nodes})")
         table = np.array(self.physical_to_logical, dtype=np.int64)
@@ -63,7 +63,7 @@ class Placement:
     @classmethod
     def identity(cls, num_experts: int, ranks: int, nodes: int = 1) -> "Placement":
         """Today's layout without replicas: expert e on rank e // (E // ranks)."""
-        if _positive("num_experts", num_experts) % _positive("ranks", ranks):
+        if _integer("num_experts", num_experts) % _integer("ranks", ranks):
             raise ValueError(f"num_experts ({num_experts}) must be a multiple of ranks ({ranks})")
         return cls(num_experts, ranks, nodes, np.arange(num_experts))
 
@@ -198,7 +198,7 @@ def rebalance(load: Any, *, ranks: int, nodes: int = 1, redundant: int = 0,
         raise ValueError(f"load must be 1-D (one value per logical expert) or 2-D (a row per "
                          f"layer), got shape {load.shape}")
     load = _load(load, load.size)
-    plan = _Plan(load, _positive("ranks", ranks), _positive("nodes", nodes), redundant, groups,
+    plan = _Plan(load, _integer("ranks", ranks), _integer("nodes", nodes), redundant, groups,
                  drain)
     candidates = plan.candidates()
     best = min(candidates, key=plan.imbalance)
@@ -223,12 +223,7 @@ class _Plan:
                  groups: Optional[int], drain: Sequence[int]) -> None:
         if ranks % nodes:
             raise ValueError(f"ranks ({ranks}) must be a multiple of nodes ({nodes})")
-        try:
-            redundant = operator.index(redundant)
-        except TypeError:
-            raise ValueError(f"redundant must be an integer, got {redundant!r}") from None
-        if redundant < 0:
-            raise ValueError(f"redundant must be 0 or more, got {redundant}")
+        redundant = _integer("redundant", redundant, least=0)
         self.drained = sorted({operator.index(r) for r in drain})
         if any(not 0 <= r < ranks for r in self.drained) or len(self.drained) == ranks:
             raise ValueError(f"drain must name some, not all, of the ranks 0..{ranks - 1}: "
@@ -236,7 +231,7 @@ class _Plan:
         self.load, self.ranks, self.nodes = load, ranks, nodes
         self.active = np.setdiff1d(np.arange(ranks), self.drained)
         self.slots = -(-(load.size + redundant) // self.active.size)
-        if groups is not None and (_positive("groups", groups) > load.size
+        if groups is not None and (_integer("groups", groups) > load.size
                                    or load.size % groups):
             raise ValueError(f"groups ({groups}) must divide the {load.size} experts")
         hierarchical = groups is not None and nodes > 1 and groups % nodes == 0 and not self.drained
@@ -492,13 +487,13 @@ def _load(load: Any, num_logical: int) -> np.ndarray:
     return load
 
 
-def _positive(name: str, value: Any) -> int:
+def _integer(name: str, value: Any, least: int = 1) -> int:
     try:
         value = operator.index(value)
     except TypeError:
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
+    if value < least:
+        raise ValueError(f"{name} must be at least {least}, got {value}")
     return value
 
 
