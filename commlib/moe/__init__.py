@@ -1,13 +1,16 @@
 """Expert parallelism: routing (top-k, node-limited, bias balancing),
 deduplicated dispatch and combine (flat or two-hop; counted, or a sync-free
-fixed capacity; FP8 rows; overlap handles), capacity and load statistics.
-Expert e of E lives on rank e // (E // P)."""
+fixed capacity; FP8 rows; overlap handles), capacity and load statistics,
+and expert placement with redundant experts (``Placement``, ``rebalance``,
+``moves``; dispatch does not take a placement yet). Expert e of E lives on
+rank e // (E // P)."""
 
 from .balance import BiasBalancer
 from .contract import DROP_POLICIES, QUANTIZE, MoEHandle
 from .dispatch import Dispatcher, DispatchHandle, PendingMoE
+from .placement import Placement, moves, rebalance
 from .routing import route
 from .stats import DispatchStats
 
 __all__ = ["route", "Dispatcher", "DispatchHandle", "MoEHandle", "PendingMoE", "DispatchStats",
-           "BiasBalancer", "DROP_POLICIES", "QUANTIZE"]
+           "BiasBalancer", "DROP_POLICIES", "QUANTIZE", "Placement", "rebalance", "moves"]

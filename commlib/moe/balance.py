@@ -11,12 +11,12 @@ freak batch cannot swing the routing.
 from __future__ import annotations
 
 import math
-import operator
 from typing import Any, Optional
 
 import numpy as np
 
 from ..dlpack import unwrap
+from .placement import _integer
 
 
 class BiasBalancer:
@@ -28,7 +28,7 @@ class BiasBalancer:
     """
 
     def __init__(self, num_experts: int, rate: float = 1e-3, recenter: bool = True) -> None:
-        self.num_experts = _check_num_experts(num_experts)
+        self.num_experts = _integer("num_experts", num_experts)
         self.rate = _check_rate(rate)
         self.recenter = bool(recenter)
         self.bias = np.zeros(self.num_experts, dtype=np.float32)
@@ -66,16 +66,6 @@ class BiasBalancer:
         if not np.isfinite(counts).all() or (counts < 0).any():
             raise ValueError("load must hold non-negative, finite token counts per expert")
         return counts
-
-
-def _check_num_experts(num_experts: Any) -> int:
-    try:
-        num_experts = operator.index(num_experts)
-    except TypeError:
-        raise ValueError(f"num_experts must be an integer, got {num_experts!r}") from None
-    if num_experts < 1:
-        raise ValueError(f"num_experts must be at least 1, got {num_experts}")
-    return num_experts
 
 
 def _check_rate(rate: Any) -> float:
