@@ -129,7 +129,7 @@ def degrees(algorithm, size):
     if algorithm == "ring":
         return size, 1
     if size != 4:
-        pytest.skip("the hybrid needs a world size with a proper divisor (4 = 2 x 2)")
+        pytest.skip("the hybrid needs 4 ranks here (a 2 x 2 grid)")
     return 2, 2
 
 
