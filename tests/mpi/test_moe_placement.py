@@ -85,8 +85,12 @@ def _sent_rows(comm, experts, kept, placement):
     return np.array([(ranks == r).any(axis=1).sum() for r in range(comm.size)])
 
 
+@pytest.mark.quick_sample(8)  # each framework and mode, both placements, both paths
 @pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
 def test_dispatch_with_a_placement(world, case):
+    """y, dx, d weights, the logical and per-slot counts, the rows each rank
+    sends, and a drained rank's empty expert_x, against the per-token loop
+    of the logical experts and the replica rule."""
     framework, mode, hierarchical, kind = case
     num_experts = 2 * world.size
     capacity_factor, limit = MODES[mode]
