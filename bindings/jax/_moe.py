@@ -50,6 +50,7 @@ from jax.experimental import io_callback
 
 from commlib.errors import CollectiveMismatchError
 from commlib.moe import contract
+from commlib.moe.placement import Placement
 from commlib.moe.quantize import dequantize_fp8, quantize_fp8
 from commlib.moe.stats import DispatchStats
 
@@ -163,22 +164,33 @@ class Dispatcher:
     ``local_experts * capacity`` rows per pair of ranks. Under
     ``jax.checkpoint`` a recomputed dispatch counts again.
     ``collect_stats()``: those since the last collection.
+
+    ``placement`` (a ``commlib.moe.Placement``, static): as in the core, the
+    layout's experts are its physical slots (``local_experts`` of them per
+    rank, slot j of this rank running logical expert
+    ``placement.slots[rank][j]``) and each logical id is sent to the slot
+    ``placement.replica_table[rank]`` names, a constant of the program.
     """
 
     def __init__(self, comm, num_experts: int, *, capacity_factor: Optional[float] = None,
                  drop_policy: str = "probs", hierarchical: bool = False,
                  max_tokens_per_rank: Optional[int] = None,
-                 pipeline_chunks: Optional[int] = None):
+                 pipeline_chunks: Optional[int] = None,
+                 placement: Optional[Placement] = None):
         contract.agree_options(comm, num_experts, capacity_factor, drop_policy, hierarchical,
-                               max_tokens_per_rank, pipeline_chunks, two_hop=False)
+                               max_tokens_per_rank, pipeline_chunks, two_hop=False,
+                               placement=placement)
         self.comm = comm
         self._pipeline_chunks = pipeline_chunks
-        self.num_experts, self.local_experts = num_experts, num_experts // comm.size
+        self.num_experts, self.placement = num_experts, placement
+        self.num_slots = contract.slot_count(num_experts, placement)
+        self.local_experts = self.num_slots // comm.size  # slots on each rank
+        self._slot_experts = None if placement is None else placement.physical_to_logical
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         self.hierarchical, self.max_tokens_per_rank = hierarchical, max_tokens_per_rank
         self._traced = traced(comm)
-        self._stats = DispatchStats.zeros(num_experts, comm.size)
-        self._uncollected = DispatchStats.zeros(num_experts, comm.size)
+        self._stats = DispatchStats.zeros(num_experts, comm.size, self.num_slots)
+        self._uncollected = DispatchStats.zeros(num_experts, comm.size, self.num_slots)
         self._dispatchers: Dict[Tuple[str, bool], Callable] = {}  # per (quantize, dequantize)
         self._combine = jax.custom_vjp(self._combine_primal)
         self._combine.defvjp(self._combine_fwd, self._combine_bwd)
@@ -197,7 +209,8 @@ class Dispatcher:
         """The stats of every dispatch that ran since the last collection
         (already global: nothing to exchange)."""
         collected = self._uncollected
-        self._uncollected = DispatchStats.zeros(self.num_experts, self.comm.size)
+        self._uncollected = DispatchStats.zeros(self.num_experts, self.comm.size,
+                                                self.num_slots)
         return collected
 
     def capacity(self, tokens: int, k: int) -> int:
@@ -239,14 +252,18 @@ class Dispatcher:
     # -- routing: slots, drops and counts, in jnp -----------------------------------
     def _route(self, experts, weights, capacity: int):
         """(key [T, k] int32, counts [2E + 2] int32: kept per expert, dropped
-        per expert, smallest and largest id). Each expert keeps the core's
-        capacity (from T, at most C) of the ``capacity`` slots the layout
+        per expert, smallest and largest id; E the experts laid out, a
+        placement's slots). Each expert keeps the core's capacity (from T,
+        at most C, per logical expert) of the ``capacity`` slots the layout
         has. Fixed sizes, no host reads."""
-        count = self.num_experts
+        count = self.num_slots
         flat = experts.reshape(-1).astype(jnp.int32)
         n = flat.shape[0]
         iota = jnp.arange(n, dtype=jnp.int32)
-        valid = (flat >= 0) & (flat < count)
+        valid = (flat >= 0) & (flat < self.num_experts)
+        if self.placement is not None:  # logical ids -> this rank's slots for them
+            replicas = jnp.asarray(self.placement.replica_table[self.comm.rank], jnp.int32)
+            flat = jnp.where(valid, replicas[jnp.where(valid, flat, 0)], -1)
         group = jnp.where(valid, flat, count)  # absent and bad ids sort last
         if self.drop_policy == "probs":  # within an expert heaviest first, ties by position
             by_weight = jax.lax.sort((-weights.reshape(-1).astype(jnp.float32), iota),
@@ -256,7 +273,7 @@ class Dispatcher:
             order = _order_by(group, count)
         grouped = group[order]
         place = _place_in_group(grouped, iota)
-        limit = contract.capacity(*experts.shape, count, self.capacity_factor,
+        limit = contract.capacity(*experts.shape, self.num_experts, self.capacity_factor,
                                   self.max_tokens_per_rank) or capacity
         kept = jnp.zeros(n, bool).at[order].set((place < min(limit, capacity))
                                                 & (grouped < count))
@@ -279,13 +296,14 @@ class Dispatcher:
     def _record(self, row_bytes: int, capacity: int):
         """The host side of a dispatch: every rank's counts [P, 2E + 2] in,
         the same verdict and the same stats on every rank."""
-        count, size = self.num_experts, self.comm.size
+        count, size = self.num_slots, self.comm.size
 
         def record(table):
             table = np.asarray(table, np.int64)
             lines = [(rank, str(problem)) for rank, (low, high)
                      in enumerate(table[:, 2 * count:])
-                     if (problem := contract.range_problem(count, int(low), int(high)))]
+                     if (problem := contract.range_problem(self.num_experts, int(low),
+                                                           int(high)))]
             if lines:
                 raise CollectiveMismatchError(
                     "moe.dispatch was rejected by rank(s) "
@@ -293,7 +311,8 @@ class Dispatcher:
                     + "\n  ".join(f"rank {rank}: {line}" for rank, line in lines))
             traffic = np.full((size, size), self.local_experts * capacity * row_bytes, np.int64)
             stats = DispatchStats.gather(_Summed(self.comm), table[:, :count].sum(axis=0),
-                                         table[:, count:2 * count].sum(axis=0), traffic)
+                                         table[:, count:2 * count].sum(axis=0), traffic,
+                                         slot_experts=self._slot_experts)
             self._stats = self._stats + stats
             self._uncollected = self._uncollected + stats
             return np.zeros((), np.uint8)
@@ -382,14 +401,14 @@ class Dispatcher:
         t * k + j; T * k (past the end) for an empty slot. A scatter of
         indices, so the rows themselves move by a gather."""
         size = key.size
-        where = jnp.where(key >= 0, key, self.num_experts * capacity).reshape(-1)
-        return jnp.full(self.num_experts * capacity, size, jnp.int32).at[where].set(
+        where = jnp.where(key >= 0, key, self.num_slots * capacity).reshape(-1)
+        return jnp.full(self.num_slots * capacity, size, jnp.int32).at[where].set(
             jnp.arange(size, dtype=jnp.int32), mode="drop", unique_indices=True)
 
     def _gather(self, rows, key, capacity: int):
         """The rows [T, k, W] of each (token, choice) from a send-buffer
         layout; zero for dropped choices."""
-        where = jnp.where(key >= 0, key, self.num_experts * capacity)
+        where = jnp.where(key >= 0, key, self.num_slots * capacity)
         return _take_or_zero(rows, where)
 
     # -- combine ------------------------------------------------------------------

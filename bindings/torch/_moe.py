@@ -267,17 +267,19 @@ class Dispatcher:
     rows are differentiable when ``dequantize=True`` (the quantization is
     passed straight through, the gradient travels back in its own dtype);
     the (values, scales) pair is not. ``pipeline_chunks`` is the core's:
-    reading or setting it here reads or sets the core's. ``handle`` names
+    reading or setting it here reads or sets the core's. ``placement``: the
+    core's (logical router ids, ``expert_x`` grouped by this rank's slots). ``handle`` names
     the core for the ops."""
 
     def __init__(self, comm, num_experts: int, *, capacity_factor: Optional[float] = None,
                  drop_policy: str = "probs", hierarchical: bool = False,
                  max_tokens_per_rank: Optional[int] = None,
-                 pipeline_chunks: Optional[int] = None):
+                 pipeline_chunks: Optional[int] = None,
+                 placement: Optional[_moe.Placement] = None):
         self.core = _moe.Dispatcher(comm, num_experts, capacity_factor=capacity_factor,
                                     drop_policy=drop_policy, hierarchical=hierarchical,
                                     max_tokens_per_rank=max_tokens_per_rank,
-                                    pipeline_chunks=pipeline_chunks)
+                                    pipeline_chunks=pipeline_chunks, placement=placement)
         self.handle = graph_names.name("dispatcher", self.core)
 
     @property

@@ -123,7 +123,8 @@ def _decode_dispatcher(experts: nn.Module, core: CoreDispatcher, tokens: int) ->
     made = experts.__dict__.setdefault("_commlib_decode_dispatchers", {})
     share = share_size(tokens, core.comm.size)
     if share not in made:
-        made[share] = CoreDispatcher(core.comm, core.num_experts, max_tokens_per_rank=share)
+        made[share] = CoreDispatcher(core.comm, core.num_experts, max_tokens_per_rank=share,
+                                     placement=core.placement)
     return made[share]
 
 

@@ -2,8 +2,8 @@
 deduplicated dispatch and combine (flat or two-hop; counted, or a sync-free
 fixed capacity; FP8 rows; overlap handles), capacity and load statistics,
 and expert placement with redundant experts (``Placement``, ``rebalance``,
-``moves``; dispatch does not take a placement yet). Expert e of E lives on
-rank e // (E // P)."""
+``moves``). Expert e of E lives on rank e // (E // P), or, under a
+``Dispatcher(..., placement=)``, on the ranks of its replicas."""
 
 from .balance import BiasBalancer
 from .contract import DROP_POLICIES, QUANTIZE, MoEHandle

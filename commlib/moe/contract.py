@@ -7,12 +7,14 @@ rank."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any, List, Optional, Protocol, Tuple, runtime_checkable
 
 import numpy as np
 
 from ..namespace import device, dtype_name, framework, framework_of
+from .placement import Placement
 from .quantize import quantize_fp8
 from .stats import DispatchStats
 
@@ -41,19 +43,24 @@ class MoEHandle(Protocol):
 
 def options_problem(comm, num_experts: Any, capacity_factor: Any, drop_policy: Any,
                     hierarchical: Any, max_tokens_per_rank: Any, pipeline_chunks: Any = None,
-                    two_hop: bool = True) -> Optional[ValueError]:
+                    two_hop: bool = True, placement: Any = None) -> Optional[ValueError]:
     """What is wrong with a Dispatcher's options on this rank (None:
     nothing). ``two_hop``: whether this Dispatcher has the two-hop path (the
     JAX one has not, so it refuses ``hierarchical`` and ``pipeline_chunks``
     above 1 instead of ignoring them)."""
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) \
+    if placement is not None:
+        problem = placement_problem(comm, num_experts, placement)
+        if problem is not None:
+            return problem
+    elif isinstance(num_experts, bool) or not isinstance(num_experts, int) \
             or num_experts < 1 or num_experts % comm.size:
         return ValueError(f"num_experts={num_experts!r} must be a positive multiple of "
                           f"the world size {comm.size} (expert e lives on rank "
                           f"e // (num_experts // size))")
-    if num_experts > MAX_EXPERTS:
-        return ValueError(f"num_experts={num_experts} exceeds {MAX_EXPERTS}, the most "
-                          f"whose ids travel exactly in the float32 routing metadata")
+    if slot_count(num_experts, placement) > MAX_EXPERTS:
+        return ValueError(f"{slot_count(num_experts, placement)} experts (physical slots) "
+                          f"exceed {MAX_EXPERTS}, the most whose ids travel exactly in the "
+                          f"float32 routing metadata")
     if drop_policy not in DROP_POLICIES:
         return ValueError(f"unknown drop_policy {drop_policy!r}; use one of "
                           f"{', '.join(DROP_POLICIES)}")
@@ -99,16 +106,51 @@ def chunks_problem(chunks: Any, hierarchical: Any,
     return None
 
 
+def placement_problem(comm, num_experts: Any, placement: Any) -> Optional[ValueError]:
+    """What is wrong with ``num_experts`` and a Dispatcher's ``placement``
+    (not None) on this rank (None: nothing): router ids are logical, so ``num_experts``
+    must be the placement's ``num_logical``, and its slots must be this
+    world's ranks."""
+    if not isinstance(placement, Placement):
+        return ValueError(f"placement must be a commlib.moe.Placement or None, got "
+                          f"{type(placement).__name__}")
+    if isinstance(num_experts, bool) or num_experts != placement.num_logical:
+        return ValueError(f"num_experts={num_experts!r} must equal the placement's num_logical "
+                          f"({placement.num_logical}): router ids are logical experts")
+    if placement.ranks != comm.size:
+        return ValueError(f"the placement is for {placement.ranks} ranks, but the world size "
+                          f"is {comm.size}")
+    return None
+
+
+def slot_count(num_experts: int, placement: Optional[Placement]) -> int:
+    """The experts a Dispatcher lays out on its ranks: the placement's
+    physical slots, or the ``num_experts`` experts themselves."""
+    return num_experts if placement is None else placement.num_physical
+
+
+def placement_fingerprint(placement: Optional[Placement]) -> str:
+    """What the ranks compare to agree on a placement: its sizes and a
+    digest of its table (the same placement gives the same text everywhere)."""
+    if placement is None:
+        return "placement=None"
+    digest = hashlib.sha256(placement.physical_to_logical.tobytes()).hexdigest()[:16]
+    return (f"placement of {placement.num_logical} experts on {placement.ranks} ranks in "
+            f"{placement.nodes} nodes, table {digest}")
+
+
 def agree_options(comm, num_experts: Any, capacity_factor: Any, drop_policy: Any,
                   hierarchical: Any, max_tokens_per_rank: Any, pipeline_chunks: Any,
-                  two_hop: bool = True) -> None:
+                  two_hop: bool = True, placement: Any = None) -> None:
     """A Dispatcher's options checked and agreed on by every rank: the same
-    everywhere, or ``CollectiveMismatchError`` on every rank naming the
-    rank and what was wrong."""
+    everywhere (the placement too, by ``placement_fingerprint``), or
+    ``CollectiveMismatchError`` on every rank naming the rank and what was
+    wrong."""
     problem = options_problem(comm, num_experts, capacity_factor, drop_policy, hierarchical,
-                              max_tokens_per_rank, pipeline_chunks, two_hop)
+                              max_tokens_per_rank, pipeline_chunks, two_hop, placement)
+    facts = () if problem else (placement_fingerprint(placement),)
     comm.agree("moe.Dispatcher", num_experts, capacity_factor, drop_policy, hierarchical,
-               max_tokens_per_rank, pipeline_chunks, problem=problem)
+               max_tokens_per_rank, pipeline_chunks, *facts, problem=problem)
 
 
 def capacity(tokens: int, k: int, num_experts: int, capacity_factor: Optional[float],

@@ -91,6 +91,7 @@ from .expand import Expansion
 from .fixed import FixedCapacity
 from .hops import Hop, copy_keys, lookup, take_sent
 from .pipeline import TwoHopRoute
+from .placement import Placement
 from .quantize import dequantize_fp8, quantize_fp8
 from .stats import DispatchStats
 
@@ -99,6 +100,16 @@ class Dispatcher(FixedCapacity):
     """Expert-parallel dispatch and combine over ``comm``: expert e of
     ``num_experts`` lives on rank ``e // (num_experts // comm.size)``.
     ``max_tokens_per_rank`` selects the fixed-capacity mode.
+
+    ``placement`` (a ``commlib.moe.Placement`` of ``num_experts`` logical
+    experts on ``comm.size`` ranks, the same on every rank): the experts laid
+    out are its physical slots instead, slot p on rank
+    ``p // slots_per_rank``. The router's ids stay logical; each is sent to
+    the slot ``placement.replica_table[comm.rank]`` names (a replica on this
+    rank, else on its node, else spread), so ``expert_x`` is grouped by this
+    rank's slots, slot j running logical expert ``placement.slots[rank][j]``.
+    Capacities are per logical expert, as without a placement (a sender's
+    tokens for one logical expert all go to one slot).
 
     ``pipeline_chunks``: the chunks a two-hop dispatch cuts its inter-node
     hop into, 1 for none; None, the default, chooses from the bytes
@@ -109,18 +120,22 @@ class Dispatcher(FixedCapacity):
     def __init__(self, comm, num_experts: int, *, capacity_factor: Optional[float] = None,
                  drop_policy: str = "probs", hierarchical: bool = False,
                  max_tokens_per_rank: Optional[int] = None,
-                 pipeline_chunks: Optional[int] = None):
+                 pipeline_chunks: Optional[int] = None,
+                 placement: Optional[Placement] = None):
         contract.agree_options(comm, num_experts, capacity_factor, drop_policy, hierarchical,
-                               max_tokens_per_rank, pipeline_chunks)
+                               max_tokens_per_rank, pipeline_chunks, placement=placement)
         self.comm = comm
         self.pipeline_chunks = pipeline_chunks
         self.num_experts = num_experts
-        self.local_experts = num_experts // comm.size
+        self.placement = placement
+        self.num_slots = contract.slot_count(num_experts, placement)
+        self.local_experts = self.num_slots // comm.size  # slots on each rank
+        self._slot_experts = None if placement is None else placement.physical_to_logical
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
         self.hierarchical = hierarchical
         self.max_tokens_per_rank = max_tokens_per_rank
-        self.stats = DispatchStats.zeros(num_experts, comm.size)
+        self.stats = DispatchStats.zeros(num_experts, comm.size, self.num_slots)
         self._hop_maps = self._destination_maps()
         self._on_device: Dict[tuple, Any] = {}
         self._unreported: Dict[Tuple[str, str], Any] = {}  # fixed capacity: counts on devices
@@ -159,7 +174,7 @@ class Dispatcher(FixedCapacity):
         if self.max_tokens_per_rank is None and not self.hierarchical:
             # flat counted: the rows each peer sends here and the stats' sum ride the
             # agreement (no count exchange, no allreduce of their own)
-            size, count = self.comm.size, self.num_experts
+            size, count = self.comm.size, self.num_slots
             carry = np.zeros((size, 1 + 2 * count + size * size + 1), np.int64)
             if problem is None:
                 traffic = np.zeros((size, size), np.int64)
@@ -195,13 +210,15 @@ class Dispatcher(FixedCapacity):
         else:
             traffic[self.comm.rank] = counts.send[0] * row_bytes
         if total is None:
-            stats = DispatchStats.gather(self.comm, counts.requested, counts.dropped, traffic)
+            stats = DispatchStats.gather(self.comm, counts.requested, counts.dropped, traffic,
+                                         slot_experts=self._slot_experts)
         else:  # summed by the agreement (dispatch_async counted the same traffic)
-            stats = DispatchStats.from_total(self.comm, total, self.num_experts)
+            stats = DispatchStats.from_total(self.comm, total, self.num_slots,
+                                             self._slot_experts)
         self.stats = self.stats + stats
         first_expert = self.comm.rank * self.local_experts
-        per_expert = stats.tokens_per_expert[first_expert:first_expert
-                                             + self.local_experts].copy()
+        per_expert = stats.tokens_per_slot[first_expert:first_expert
+                                           + self.local_experts].copy()
         maps = self._device_maps(meta)
 
         if self.hierarchical:
@@ -269,7 +286,9 @@ class Dispatcher(FixedCapacity):
         """Capacity and hop 1's copies, on the device. Ids outside [-1, E)
         are treated as -1 here (counted in ``invalid``), so that no gather
         reads out of bounds before they are refused (or, under a fixed
-        capacity, reported)."""
+        capacity, reported). Under a placement the logical ids become this
+        rank's slots for them first (``Plan.ids`` are slots): one slot per
+        logical expert, so each slot's capacity is its expert's."""
         xp = namespace(x)
         kind, where = index_dtype(x), device(x)
         maps = self._device_maps(x)
@@ -283,6 +302,9 @@ class Dispatcher(FixedCapacity):
         inside = (ids >= -1) & (ids < count)
         invalid = xp.reshape(xp.sum(xp.astype(~inside, kind)), (1,))
         ids = xp.where(inside, ids, -1)
+        if self.placement is not None:
+            ids = lookup(self._beside(x, ("replicas",), lambda put: put(
+                np.array(self.placement.replica_table[self.comm.rank]))), ids)  # writable
         gate = float32(weights)
         ids, dropped = self._apply_capacity(ids, gate)
         keys, first = copy_keys(lookup(maps[0], ids))
@@ -295,7 +317,7 @@ class Dispatcher(FixedCapacity):
         smallest id, largest id]. Chunks: the token ranges of a pipelined
         two-hop dispatch (``pipeline.token_chunks``), one otherwise."""
         xp = namespace(plan.ids)
-        size, count = self.comm.size, self.num_experts
+        size, count = self.comm.size, self.num_slots
         chunks = self._counted_chunks()
         maps = self._device_maps(plan.ids)
         tokens = max(plan.ids.shape[0], 1)
@@ -368,12 +390,13 @@ class Dispatcher(FixedCapacity):
         lost = xpx.at(xp.zeros(flat.shape, dtype=xp.bool, device=device(ids)))[order].set(loses)
         kept = xp.where(lost, -1, flat)
         return (xp.reshape(kept, ids.shape),
-                bincount(xp.where(loses, grouped, -1), self.num_experts))
+                bincount(xp.where(loses, grouped, -1), self.num_slots))
 
     def _destination_maps(self) -> List[np.ndarray]:
-        """Per hop, expert -> destination rank (host int64 [E]): the owner;
-        for two hops first the owner's node's rank with this local rank."""
-        owner = np.arange(self.num_experts) // self.local_experts
+        """Per hop, expert (slot) -> destination rank (host int64 [E]): the
+        owner; for two hops first the owner's node's rank with this local
+        rank."""
+        owner = np.arange(self.num_slots) // self.local_experts
         if not self.hierarchical:
             return [owner]
         topology = self.comm.topology
@@ -432,7 +455,7 @@ class Dispatcher(FixedCapacity):
         to ``stats``. Collective: every rank calls it. Expert ids outside
         [-1, E), which this mode cannot refuse without reading the device,
         are counted in ``invalid``."""
-        count, size = self.num_experts, self.comm.size
+        count, size = self.num_slots, self.comm.size
         local = np.zeros(2 * count + 1 + size, np.int64)
         for counts in self._unreported.values():
             local += to_host(counts).astype(np.int64)
@@ -440,7 +463,8 @@ class Dispatcher(FixedCapacity):
         traffic = np.zeros((size, size), np.int64)
         traffic[self.comm.rank] = local[2 * count + 1:]
         stats = DispatchStats.gather(self.comm, local[:count], local[count:2 * count], traffic,
-                                     invalid=int(local[2 * count]))
+                                     invalid=int(local[2 * count]),
+                                     slot_experts=self._slot_experts)
         self.stats = self.stats + stats
         return stats
 

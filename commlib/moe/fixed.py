@@ -73,7 +73,7 @@ class FixedCapacity:
         first_rows, lost, sent = slots(plan.keys, plan.first, tokens, caps, starts, total)
         first = Hop(first_rows, host_caps, host_caps, tokens)
         overflow = self._overflowed(plan, lost, maps[0])
-        count = self.num_experts
+        count = self.num_slots
         # kept in [0, E), overflowed in [E, 2E): one count of both
         both = bincount(xp.where(overflow & (plan.ids >= 0), plan.ids + count, plan.ids),
                         2 * count)
@@ -203,7 +203,7 @@ class FixedCapacity:
             .set(rows)[:pairs]
         # rows per local expert in [0, L), no slot per global expert in [L, L + E): one count
         both = bincount(xp.where(fits, grouped, xp.where(
-            served, grouped + self.comm.rank * local + local, -1)), local + self.num_experts)
+            served, grouped + self.comm.rank * local + local, -1)), local + self.num_slots)
         return (xp.where(padding, received, pair // max(k, 1)),
                 xp.where(padding, 0, pair % max(k, 1)), pair, slot_rows,
                 both[:local], both[local:])

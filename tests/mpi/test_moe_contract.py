@@ -66,7 +66,7 @@ def test_one_signature(method):
     if method == "__init__":
         names = [name for name, _, _ in shape("torch")]
         assert names == ["self", "comm", "num_experts", "capacity_factor", "drop_policy",
-                         "hierarchical", "max_tokens_per_rank", "pipeline_chunks"]
+                         "hierarchical", "max_tokens_per_rank", "pipeline_chunks", "placement"]
 
 
 BAD_OPTIONS = [

@@ -116,14 +116,7 @@ def _reference(x, experts, weights, probe, maps, capacity_factor, quantize):
     tokens, k = experts.shape
     num_experts = maps.shape[0]
     rows = x if quantize is None else dequantize_fp8(*quantize_fp8(x), np.float32)
-    kept = experts >= 0
-    if capacity_factor is not None:
-        cap = math.ceil(tokens * k / num_experts * capacity_factor)
-        for e in range(num_experts):
-            pairs = [(t, j) for t in range(tokens) for j in range(k) if experts[t, j] == e]
-            pairs.sort(key=lambda p: -weights[p])  # stable: ties stay in (t, j) order
-            for p in pairs[cap:]:
-                kept[p] = False
+    kept = kept_choices(experts, weights, capacity_factor, num_experts)
     y = np.zeros((tokens, HIDDEN))
     dx = np.zeros((tokens, HIDDEN))
     dw = np.zeros((tokens, k))
@@ -143,6 +136,22 @@ def _reference(x, experts, weights, probe, maps, capacity_factor, quantize):
             dx[t] += weights[t, j] * (maps[e].astype(np.float64) @ probe[t])
             dw[t, j] = out @ probe[t]
     return y, dx, dw, per_expert, dropped
+
+
+def kept_choices(experts, weights, capacity_factor, num_experts):
+    """[T, k]: the choices each expert keeps, the ceil(T k / E cf) heaviest
+    of this rank's (ties to the earlier); all of them without a capacity
+    factor."""
+    tokens, k = experts.shape
+    kept = experts >= 0
+    if capacity_factor is not None:
+        cap = math.ceil(tokens * k / num_experts * capacity_factor)
+        for e in range(num_experts):
+            pairs = [(t, j) for t in range(tokens) for j in range(k) if experts[t, j] == e]
+            pairs.sort(key=lambda p: -weights[p])  # stable: ties stay in (t, j) order
+            for p in pairs[cap:]:
+                kept[p] = False
+    return kept
 
 
 def _close(got, want):

@@ -1,0 +1,164 @@
+"""MoE dispatch and combine through an expert ``Placement`` (issue 45):
+replicas from ``rebalance`` on a skewed load, and a drained rank. Every
+framework (the NumPy core, the torch binding, the JAX binding under
+``jit``), counted and fixed capacity, flat and two-hop (core and torch):
+y and the gradients equal the per-token loop of the logical experts
+(``test_moe_matrix``'s reference: each slot runs its logical expert), the
+stats are per logical expert and per slot, a token goes to the replica on
+its own rank when there is one (the traffic says so), a drained rank holds
+no expert rows and gets its tokens back, and bad placements are refused on
+every rank.
+
+Emulated nodes as in the matrix: 2 ranks run as 2 nodes x 1, 3 as 3 x 1,
+4 as 2 x 2."""
+
+import numpy as np
+import pytest
+from test_moe_matrix import DISPATCHER, RUN, _close, _maps, _reference, kept_choices
+
+import commlib
+import commlib.moe as moe
+
+import requires
+from conftest import all_ranks, raises_everywhere
+
+WORLD_SIZES = (2, 3, 4)
+
+requires.module("torch")
+requires.module("jax")
+
+HIDDEN, TOKENS, K = 8, 16, 2
+MODES = {"counted": (1.0, None), "fixed": (None, TOKENS)}  # capacity factor, C
+CASES = [(framework, mode, hierarchical, kind)
+         for framework in ("numpy", "torch", "jax") for mode in MODES
+         for hierarchical in (False, True) if not (framework == "jax" and hierarchical)
+         for kind in ("replicated", "drained")]
+
+
+@pytest.fixture(scope="module")
+def world(comm):
+    nodes = commlib.init(ranks_per_node=2 if comm.size % 4 == 0 else 1)
+    yield nodes
+    nodes.free()
+
+
+def _load(num_experts):
+    """A skewed (Zipf s=1.2, shuffled) load, the same on every rank."""
+    popularity = 1.0 / np.arange(1, num_experts + 1) ** 1.2
+    return np.random.default_rng(45).permutation(popularity)
+
+
+def _placement(world, kind, num_experts):
+    """One redundant expert per rank, or every expert off the last rank."""
+    drain = (world.size - 1,) if kind == "drained" else ()
+    return moe.rebalance(_load(num_experts), ranks=world.size,
+                         nodes=world.topology.num_nodes, redundant=world.size, drain=drain)
+
+
+def _routing(comm, num_experts):
+    """x [T, H], experts [T, K] drawn by the skewed load (distinct per
+    token, some -1), weights, the loss probe."""
+    rng = np.random.default_rng([45, comm.rank])
+    p = _load(num_experts)
+    experts = np.stack([rng.choice(num_experts, K, replace=False, p=p / p.sum())
+                        for _ in range(TOKENS)]).astype(np.int64)
+    experts[rng.random(experts.shape) < 0.15] = -1
+    x = rng.standard_normal((TOKENS, HIDDEN)).astype(np.float32)
+    weights = (rng.random((TOKENS, K)) + 0.1).astype(np.float32)
+    probe = rng.standard_normal((TOKENS, HIDDEN)).astype(np.float32)
+    return x, experts, weights, probe
+
+
+def _slot_maps(maps, placement, rank):
+    """Each of this rank's slots runs its logical expert's map (an empty
+    slot gets no rows: any map)."""
+    logical = placement.slots[rank]
+    return np.where((logical >= 0)[:, None, None], maps[np.maximum(logical, 0)], 0)
+
+
+def _sent_rows(comm, experts, kept, placement):
+    """[P]: the rows this rank sends to each rank in a flat dispatch: a
+    token once to each rank holding the slot of a kept choice, as
+    ``replica_table`` picks it."""
+    slots = placement.replica_for(comm.rank, np.where(kept, experts, -1))
+    ranks = np.where(slots >= 0, slots // placement.slots_per_rank, -1)
+    return np.array([(ranks == r).any(axis=1).sum() for r in range(comm.size)])
+
+
+@pytest.mark.quick_sample(8)  # each framework and mode, both placements, both paths
+@pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_dispatch_with_a_placement(world, case):
+    """y, dx, d weights, the logical and per-slot counts, the rows each rank
+    sends, and a drained rank's empty expert_x, against the per-token loop
+    of the logical experts and the replica rule."""
+    framework, mode, hierarchical, kind = case
+    num_experts = 2 * world.size
+    capacity_factor, limit = MODES[mode]
+    placement = _placement(world, kind, num_experts)
+    batch = _routing(world, num_experts)
+    x, experts, weights, probe = batch
+    maps = _maps(num_experts)
+    d = DISPATCHER[framework]()(world, num_experts, capacity_factor=capacity_factor,
+                                max_tokens_per_rank=limit, hierarchical=hierarchical,
+                                placement=placement)
+    y, dx, dw, handle = RUN[framework](world, d, batch, _slot_maps(maps, placement, world.rank),
+                                       None, "sync")
+    want_y, want_dx, want_dw, kept, dropped = _reference(x, experts, weights, probe, maps,
+                                                         capacity_factor, None)
+    stats = d.collect_stats() if handle is None or handle.stats is None else handle.stats
+    # the kept choices, per slot as this rank's replica table sends them
+    kept_here = kept_choices(experts, weights, capacity_factor, num_experts)
+    slots = placement.replica_for(world.rank, np.where(kept_here, experts, -1))
+    per_slot = np.bincount(slots[slots >= 0], minlength=placement.num_physical)
+    ok = (_close(y, want_y)
+          and np.array_equal(stats.tokens_per_expert, world.allreduce(kept))
+          and np.array_equal(stats.dropped, world.allreduce(dropped))
+          and np.array_equal(stats.tokens_per_slot, world.allreduce(per_slot)))
+    if dx is not None:
+        ok = ok and _close(dx, want_dx) and _close(dw, want_dw)
+    if framework != "jax" and not hierarchical:  # the rows each rank sent, rank by rank
+        ok = ok and np.array_equal(stats.traffic[world.rank] // (HIDDEN * 4),
+                                   _sent_rows(world, experts, kept_here, placement))
+    if handle is not None and (placement.slots[world.rank] < 0).all():
+        ok = ok and int(np.asarray(handle.tokens_per_expert).sum()) == 0  # drained
+    assert all_ranks(ok)
+
+
+def test_a_replica_on_the_senders_rank_keeps_the_token_home(world):
+    """A token whose every choice has a replica on its own rank sends no
+    row to another rank: each rank's tokens choose the logical experts it
+    holds, and every row stays home (the traffic counts it)."""
+    num_experts = 2 * world.size
+    placement = _placement(world, "replicated", num_experts)
+    here = placement.slots[world.rank]
+    mine = np.unique(here[here >= 0])  # distinct logical experts held here, k alike
+    experts = np.tile(np.pad(mine, (0, here.size - mine.size), constant_values=-1),
+                      (TOKENS, 1))
+    x = np.ones((TOKENS, HIDDEN), np.float32)
+    d = moe.Dispatcher(world, num_experts, placement=placement)
+    _, handle = d.dispatch(x, experts, np.ones(experts.shape, np.float32))
+    off_rank = handle.stats.traffic - np.diag(np.diag(handle.stats.traffic))
+    home = int(handle.stats.traffic[world.rank, world.rank]) // (HIDDEN * 4)
+    assert all_ranks(off_rank.sum() == 0 and home == TOKENS
+                     and int(np.asarray(handle.tokens_per_expert).sum()) == TOKENS * mine.size)
+
+
+@pytest.mark.parametrize("framework", ["numpy", "jax"])
+def test_bad_placements_are_refused_on_every_rank(world, framework):
+    """A placement for another world size, num_experts other than its
+    num_logical, and ranks holding different placements: refused by the
+    constructor on every rank, with the problem named."""
+    num_experts = 2 * world.size
+    Dispatcher = DISPATCHER[framework]()
+    good = _placement(world, "replicated", num_experts)
+    other_world = moe.rebalance(_load(num_experts), ranks=world.size + 1, redundant=1)
+    raises_everywhere(commlib.CollectiveMismatchError,
+                      lambda: Dispatcher(world, num_experts, placement=other_world),
+                      match=f"the placement is for {world.size + 1} ranks")
+    raises_everywhere(commlib.CollectiveMismatchError,
+                      lambda: Dispatcher(world, num_experts + 1, placement=good),
+                      match="must equal the placement's num_logical")
+    mine = good if world.rank else _placement(world, "drained", num_experts)
+    raises_everywhere(commlib.CollectiveMismatchError,
+                      lambda: Dispatcher(world, num_experts, placement=mine),
+                      match="different arguments")
