@@ -387,9 +387,14 @@ def from_bytes(raw: Any, dtype: Any, row_shape: Tuple[int, ...]) -> Any:
         return torch.empty((rows,) + tuple(row_shape), dtype=dtype, device=raw.device)
     try:
         viewed = raw.view(dtype)
-    except (RuntimeError, ValueError):  # strides the view cannot express; flattened,
-        # since torch counts one row of any stride as contiguous and keeps that stride
-        viewed = contiguous(raw).reshape(-1).view(dtype)
+    except (RuntimeError, ValueError):  # strides or an offset the view cannot express:
+        # one fresh copy, flattened (torch counts one row of any stride or storage offset
+        # as contiguous, and would keep both)
+        if kind == "torch":
+            import torch
+            viewed = raw.clone(memory_format=torch.contiguous_format).reshape(-1).view(dtype)
+        else:
+            viewed = contiguous(raw).reshape(-1).view(dtype)
     return viewed.reshape((rows,) + tuple(row_shape))
 
 

@@ -1,0 +1,229 @@
+"""Expert weights moved between placements, and a replicated expert's
+gradients summed over its replicas (issue 45).
+
+Both take this rank's arrays laid out by slot: ``[slots_per_rank, ...]``,
+row j for the logical expert ``placement.slots[rank][j]`` (what a
+``Dispatcher(..., placement=)`` gives slot j). One array, or a dict of them
+(a layer's weights and biases, and in training its optimizer state: Adam's
+``exp_avg`` and ``exp_avg_sq`` are more arrays laid out the same way);
+several arrays of any dtypes and trailing shapes travel as one row of bytes
+per expert, one message per peer. NumPy, CuPy, torch, or JAX outside ``jit``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ..namespace import (
+    accumulated,
+    as_bytes,
+    detached,
+    device,
+    dtype_name,
+    framework,
+    from_bytes,
+    from_host_ints,
+    namespace,
+    on_cuda,
+    take_rows,
+)
+from .contract import placement_fingerprint, placement_problem
+from .placement import EMPTY, Placement, moves
+
+__all__ = ["move_expert_weights", "sum_replica_gradients"]
+
+
+def move_expert_weights(comm, weights: Any, current: Placement, new: Placement) -> Any:
+    """``weights`` laid out by slot under ``current`` (one array or a dict of
+    arrays, each ``[current.slots_per_rank, ...]``), returned laid out by
+    slot under ``new`` (``[new.slots_per_rank, ...]``, the same structure,
+    framework and dtypes). Collective.
+
+    Only what moves travels, in one ``alltoallv`` (none when nothing moves):
+    a rank receives each logical expert it gains and holds nowhere now once,
+    from the rank ``moves`` names (a holder on its node first), every array
+    of it in the same row. A weight this rank holds already, in any slot, is
+    copied locally. An empty slot of ``new`` (a drained rank has only those)
+    is zeros. Every rank must pass the same placements, array names, dtypes
+    and trailing shapes: else, or where a rank's input is wrong (placements
+    for another world size or other experts, a leading size other than
+    ``current.slots_per_rank``), ``CollectiveMismatchError`` on every rank.
+    """
+    arrays, rebuild = _flatten(weights)
+    problem = _placements_problem(comm, current, new) or _arrays_problem(arrays, current)
+    facts = () if problem else (placement_fingerprint(current), placement_fingerprint(new),
+                                *_array_facts(arrays))
+    comm.agree("move_expert_weights", *facts, problem=problem)
+    arrays = list(detached(*arrays.values()))
+    rank, holds = comm.rank, current.slots[comm.rank].tolist()
+    first_slot = {expert: holds.index(expert) for expert in set(holds) if expert != EMPTY}
+    travelling = _travelling(current, new)
+    sent = sorted((t for t in travelling if t[1] == rank), key=lambda t: t[2])
+    arriving = sorted((t for t in travelling if t[2] == rank), key=lambda t: t[1])
+    received: Optional[List[Any]] = None
+    if travelling:  # the same list on every rank: all exchange, or none
+        payload = _pack(arrays, [first_slot[e] for e, _, _ in sent])
+        raw, _ = comm.alltoallv(payload, _per_rank([t[2] for t in sent], comm.size),
+                                _per_rank([t[1] for t in arriving], comm.size))
+        received = _unpack(raw, arrays)
+    arrived = {expert: len(holds) + i for i, (expert, _, _) in enumerate(arriving)}
+    zero = len(holds) + len(arriving)
+    source = [zero if e == EMPTY else first_slot[e] if e in first_slot else arrived[e]
+              for e in new.slots[rank].tolist()]
+    moved = [take_rows(_pool(a, None if received is None else received[i]),
+                       from_host_ints(source, like=a)) for i, a in enumerate(arrays)]
+    return rebuild(moved)
+
+
+def sum_replica_gradients(comm, grads: Any, placement: Placement) -> Any:
+    """``grads`` laid out by slot under ``placement`` (one array or a dict,
+    each ``[placement.slots_per_rank, ...]``), with every slot's rows
+    replaced by the sum of its logical expert's gradients over all of its
+    replicas: replicas that start equal stay equal after an optimizer step.
+    Call it after the backward pass, before the optimizer step (the dense
+    parameters' all-reduce is ``allreduce_gradients``'s). Collective.
+
+    A rank first sums its own replicas of an expert (in slot order), then
+    sends that partial sum to each other rank holding the expert, all in
+    one ``alltoallv`` (none when no expert has replicas on two ranks); every
+    holder adds the partials in rank order. Sums run in float32 for 16-bit
+    gradients and partials travel in the gradients' dtype, so every replica
+    computes the same bits. An empty slot's gradients come back zero.
+    Refused on every rank (``CollectiveMismatchError``) as
+    ``move_expert_weights`` refuses.
+    """
+    arrays, rebuild = _flatten(grads)
+    problem = _placements_problem(comm, placement, placement) or _arrays_problem(arrays,
+                                                                              placement)
+    facts = () if problem else (placement_fingerprint(placement), *_array_facts(arrays))
+    comm.agree("sum_replica_gradients", *facts, problem=problem)
+    arrays = list(detached(*arrays.values()))
+    rank, slots = comm.rank, placement.slots
+    held = [sorted(set(row) - {EMPTY}) for row in slots.tolist()]  # each rank's experts
+    ranks_of = [[r for r in range(comm.size) if e in held[r]] for e in range(
+        placement.num_logical)]
+    mine = held[rank]
+    at = {e: i for i, e in enumerate(mine)}
+    # this rank's partial sum of each expert it holds: its slots of that expert, in order
+    local = [[j for j, x in enumerate(slots[rank].tolist()) if x == e] for e in mine]
+    partials = [_sums(a, None, local) for a in arrays]
+    # to each other rank, the partials of the experts it holds too; from it, the same
+    sent = [(q, at[e]) for q in range(comm.size) if q != rank for e in mine if e in held[q]]
+    arriving = [(q, e) for q in range(comm.size) if q != rank for e in held[q] if e in at]
+    received: Optional[List[Any]] = None
+    if any(len(r) > 1 for r in ranks_of):  # a function of the placement: all or none
+        payload = _pack(partials, [i for _, i in sent])
+        raw, _ = comm.alltoallv(payload, _per_rank([q for q, _ in sent], comm.size),
+                                _per_rank([q for q, _ in arriving], comm.size))
+        received = _unpack(raw, arrays)
+    # the partials, in rank order: this rank's among the partials pool, the others after it
+    where = {(rank, e): i for i, e in enumerate(mine)}
+    where.update({key: len(mine) + i for i, key in enumerate(arriving)})
+    totals = [_sums(p, None if received is None else received[i],
+                    [[where[r, e] for r in ranks_of[e]] for e in mine])
+              for i, p in enumerate(partials)]
+    source = [at.get(e, len(mine)) for e in slots[rank].tolist()]  # EMPTY: the zero row
+    return rebuild([take_rows(_pool(t, None), from_host_ints(source, like=t)) for t in totals])
+
+
+def _sums(local: Any, received: Any, terms: List[List[int]]) -> Any:
+    """One row per entry of ``terms``: the sum of those rows of the pool
+    (``local``, then ``received``), in that order, accumulated in float32
+    for 16-bit dtypes and returned in local's dtype."""
+    pool = accumulated(_pool(local, received))
+    zero = pool.shape[0] - 1
+    most = max((len(t) for t in terms), default=0)
+    order = np.array([t + [zero] * (most - len(t)) for t in terms], dtype=np.int64)
+    total = take_rows(pool, from_host_ints(order[:, 0] if most else [], like=local))
+    for k in range(1, most):
+        total = total + take_rows(pool, from_host_ints(order[:, k], like=local))
+    return namespace(local).astype(total, local.dtype)
+
+
+def _flatten(tree: Any):
+    """(name -> array, a function rebuilding ``tree``'s structure from a list)."""
+    if isinstance(tree, dict):
+        names = list(tree)
+        return dict(tree), lambda values: dict(zip(names, values))
+    return {"": tree}, lambda values: values[0]
+
+
+def _placements_problem(comm, current: Any, new: Any) -> Optional[ValueError]:
+    for name, placement in (("current", current), ("new", new)):
+        if not isinstance(placement, Placement):
+            return ValueError(f"{name} must be a commlib.moe.Placement, got "
+                              f"{type(placement).__name__}")
+        problem = placement_problem(comm, placement.num_logical, placement)
+        if problem is not None:
+            return problem
+    if (current.num_logical, current.nodes) != (new.num_logical, new.nodes):
+        return ValueError(f"current places {current.num_logical} experts in {current.nodes} "
+                          f"nodes, new {new.num_logical} in {new.nodes}: a move keeps both")
+    return None
+
+
+def _arrays_problem(arrays: Dict[str, Any], placement: Placement) -> Optional[ValueError]:
+    if not arrays:
+        return ValueError("no arrays given: pass one array or a dict of them")
+    kinds = set()
+    for name, a in arrays.items():
+        label = f"array {name!r}" if name else "the array"
+        try:
+            kinds.add((framework(a), on_cuda(a) and str(device(a))))
+        except TypeError as error:
+            return ValueError(f"{label}: {error}")
+        if a.ndim == 0 or a.shape[0] != placement.slots_per_rank:
+            return ValueError(f"{label} has shape {tuple(a.shape)}: its leading size must be "
+                              f"this rank's {placement.slots_per_rank} slots")
+    if len(kinds) > 1:
+        return ValueError(f"the arrays must share one framework and device, got {sorted(kinds)}")
+    return None
+
+
+def _array_facts(arrays: Dict[str, Any]) -> List[str]:
+    side = "CUDA arrays" if on_cuda(next(iter(arrays.values()))) else "host arrays"
+    return [side] + [f"{name or 'array'}: {dtype_name(a)} {tuple(a.shape[1:])}"
+                     for name, a in arrays.items()]
+
+
+def _travelling(current: Placement, new: Placement) -> List[Tuple[int, int, int]]:
+    """``moves(current, new)`` once per (expert, receiver), without the
+    experts the receiver holds already: the weights that cross the wire."""
+    seen = set()
+    travelling = []
+    for expert, source, target in moves(current, new):
+        if (expert, target) not in seen and expert not in current.slots[target]:
+            seen.add((expert, target))
+            travelling.append((expert, source, target))
+    return travelling
+
+
+def _per_rank(ranks: Any, size: int) -> np.ndarray:
+    return np.bincount(np.asarray(ranks, dtype=np.int64), minlength=size)
+
+
+def _pack(arrays: List[Any], rows: List[int]) -> Any:
+    """The ``rows`` of every array, as one row of bytes each: uint8 [rows, bytes]."""
+    parts = [as_bytes(take_rows(a, from_host_ints(rows, like=a))) for a in arrays]
+    return parts[0] if len(parts) == 1 else namespace(parts[0]).concat(parts, axis=1)
+
+
+def _unpack(raw: Any, arrays: List[Any]) -> List[Any]:
+    """``_pack`` undone: each array's rows out of the received bytes."""
+    parts, offset = [], 0
+    for a in arrays:
+        width = a.dtype.itemsize * math.prod(a.shape[1:])  # torch's dtypes know theirs too
+        parts.append(from_bytes(raw[:, offset:offset + width], a.dtype, tuple(a.shape[1:])))
+        offset += width
+    return parts
+
+
+def _pool(local: Any, received: Any) -> Any:
+    """The rows a result takes from: this rank's, then those received (if
+    any), then one row of zeros (for empty slots and padding)."""
+    xp = namespace(local)
+    zero = xp.zeros((1,) + tuple(local.shape[1:]), dtype=local.dtype, device=device(local))
+    return xp.concat([local] + ([] if received is None else [received]) + [zero], axis=0)
