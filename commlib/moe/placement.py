@@ -161,8 +161,8 @@ def moves(current: Placement, new: Placement) -> List[Tuple[int, int, int]]:
     holders = [np.unique(current.rank_of(r)) for r in current.logical_to_physical]
     listed = []
     for rank in range(new.ranks):
-        gained = Counter(new.slots[rank].tolist()) - Counter(current.slots[rank].tolist())
-        for expert in sorted(e for e in gained.elements() if e >= 0):
+        gained = set(new.slots[rank].tolist()) - set(current.slots[rank].tolist())
+        for expert in sorted(e for e in gained if e >= 0):
             near = holders[expert][new.node_of(holders[expert]) == new.node_of(rank)]
             listed.append((expert, int((near if near.size else holders[expert])[0]), rank))
     return listed

@@ -13,7 +13,7 @@ per expert, one message per peer. NumPy, CuPy, torch, or JAX outside ``jit``.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -60,7 +60,7 @@ def move_expert_weights(comm, weights: Any, current: Placement, new: Placement) 
     arrays = list(detached(*arrays.values()))
     rank, holds = comm.rank, current.slots[comm.rank].tolist()
     first_slot = {expert: holds.index(expert) for expert in set(holds) if expert != EMPTY}
-    travelling = _travelling(current, new)
+    travelling = moves(current, new)
     sent = sorted((t for t in travelling if t[1] == rank), key=lambda t: t[2])
     arriving = sorted((t for t in travelling if t[2] == rank), key=lambda t: t[1])
     received: Optional[List[Any]] = None
@@ -187,18 +187,6 @@ def _array_facts(arrays: Dict[str, Any]) -> List[str]:
     side = "CUDA arrays" if on_cuda(next(iter(arrays.values()))) else "host arrays"
     return [side] + [f"{name or 'array'}: {dtype_name(a)} {tuple(a.shape[1:])}"
                      for name, a in arrays.items()]
-
-
-def _travelling(current: Placement, new: Placement) -> List[Tuple[int, int, int]]:
-    """``moves(current, new)`` once per (expert, receiver), without the
-    experts the receiver holds already: the weights that cross the wire."""
-    seen = set()
-    travelling = []
-    for expert, source, target in moves(current, new):
-        if (expert, target) not in seen and expert not in current.slots[target]:
-            seen.add((expert, target))
-            travelling.append((expert, source, target))
-    return travelling
 
 
 def _per_rank(ranks: Any, size: int) -> np.ndarray:
