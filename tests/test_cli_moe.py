@@ -1,11 +1,13 @@
 """``simulate`` in-process (CliRunner), ``diag moe`` in a world of one and
 under mpiexec at 2 and 4 ranks on emulated nodes, and the requirement that
-ties them: simulate predicts the inter-node bytes diag moe measures."""
+ties them: simulate predicts the inter-node bytes diag moe measures; diag
+moe's skewed routings (--zipf, --load-matrix) and --placement rebalance."""
 
 import json
 import math
 import sys
 
+import click
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -13,6 +15,7 @@ from click.testing import CliRunner
 from commlib.moe import quantize
 from commlib.tools import simulate
 from commlib.tools.diag import moe as diag_moe
+from commlib.topology import Topology
 
 from launch import run
 
@@ -166,6 +169,11 @@ def test_every_dtype_choice_quantizes_to_fp8():
     (["--topk-groups", "2"], "--topk-groups"),
     (["--fixed-capacity", "--tokens", "0"], "--fixed-capacity"),
     (["--plot", "traffic.png"], "matplotlib"),
+    (["--zipf", "1", "--skew", "1"], "--skew and --zipf are each a routing"),
+    (["--zipf", "1", "--load-matrix", __file__], "--zipf and --load-matrix"),
+    (["--redundant", "2"], "give --placement rebalance too"),
+    (["--placement", "eplb"], "'eplb' is not one of 'none', 'rebalance'"),
+    (["--load-matrix", "no-such-load.npy"], "'no-such-load.npy' does not exist"),
 ])
 def test_diag_moe_usage_errors_exit_2(args, hint, monkeypatch):
     if hint == "matplotlib":
@@ -173,6 +181,79 @@ def test_diag_moe_usage_errors_exit_2(args, hint, monkeypatch):
     result = invoke(diag_moe.moe, "--tokens", "16", "--hidden", "8", *args)
     assert result.exit_code == 2, result.output
     assert hint in result.output
+
+
+# -- skewed routing and a placement, in a world of one --------------------------------
+def test_popularity_routing_follows_the_popularity_and_never_draws_a_zero():
+    popularity = simulate.zipf_popularity(16, 1.2, seed=0)
+    assert sorted(popularity) == sorted(1 / np.arange(1, 17) ** 1.2)  # shuffled, not changed
+    assert (popularity == simulate.zipf_popularity(16, 1.2, seed=0)).all()
+    experts, weights = simulate.popularity_routing(0, 2048, popularity, 2, seed=0)
+    load = np.bincount(experts.ravel(), minlength=16)
+    assert load.argmax() == popularity.argmax() and load.argmin() == popularity.argmin()
+    assert (experts[:, 0] != experts[:, 1]).all()
+    np.testing.assert_allclose(weights.sum(1), 1, rtol=1e-6)
+    popularity[:12] = 0
+    experts, _ = simulate.popularity_routing(1, 2048, popularity, 4, seed=0)
+    assert (np.bincount(experts.ravel(), minlength=16)[:12] == 0).all()
+
+
+def test_diag_moe_rebalances_a_zipf_routing_in_one_rank(tmp_path):
+    doc, out = diag_json(tmp_path, "--zipf", "1.2", "--placement", "rebalance")
+    placed = doc["placement"]
+    assert doc["config"]["zipf"] == 1.2 and "zipf 1.2 (shuffled by the seed)" in out
+    assert doc["tokens_per_rank"] == [256 * 4] and doc["rank_imbalance"] == 1.0
+    # one rank: one redundant expert by default, every slot on it
+    assert placed["policy"] == "rebalance" and placed["packing"] == "global"
+    assert placed["redundant"] == 1 and placed["slots_per_rank"] == 17
+    assert sorted(set(placed["physical_to_logical"])) == list(range(16))
+    assert placed["tokens_per_rank"] == [256 * 4] and sum(placed["tokens_per_slot"]) == 256 * 4
+    assert placed["dropped"] == doc["dropped"] == 0 and placed["seconds_per_iter"] > 0
+    assert "identity   rebalanced" in out and "tokens on rank 0" in out
+    plain, out = diag_json(tmp_path, "--zipf", "1.2")
+    assert plain["placement"] is None and "rebalanced" not in out
+    assert plain["tokens_per_expert"] == doc["tokens_per_expert"]
+
+
+def test_diag_moe_routes_by_a_saved_load(tmp_path):
+    load = np.zeros(16)
+    load[[2, 5, 11]] = [5.0, 1.0, 3.0]
+    np.save(tmp_path / "load.npy", load)
+    np.savetxt(tmp_path / "load.txt", load)
+    docs = [diag_json(tmp_path, "--topk", "2", "--load-matrix", str(tmp_path / name))
+            for name in ("load.npy", "load.txt")]
+    assert docs[0][0]["tokens_per_expert"] == docs[1][0]["tokens_per_expert"]
+    routed = np.asarray(docs[0][0]["tokens_per_expert"])
+    assert np.flatnonzero(routed).tolist() == [2, 5, 11] and routed.sum() == 256 * 2
+    assert f"load from {tmp_path / 'load.txt'}" in docs[1][1]
+
+
+@pytest.mark.parametrize("content, message", [
+    (np.ones(15), "it has shape (15,)"),
+    (np.ones((2, 16)), "it has shape (2, 16)"),
+    (-np.ones(16), "non-negative and not all 0"),
+    (np.zeros(16), "non-negative and not all 0"),
+    ("one two", "cannot read"),
+])
+def test_diag_moe_refuses_a_bad_load_file(tmp_path, content, message):
+    path = tmp_path / "load.txt"
+    if isinstance(content, str):
+        path.write_text(content)
+    else:
+        np.savetxt(path, content)
+    result = invoke(diag_moe.moe, *SMALL, "--load-matrix", str(path))
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--load-matrix'" in result.output and message in result.output
+
+
+def test_a_placement_needs_equal_nodes():
+    """3 ranks as nodes of 2 and 1 (63 experts, so the count is no objection)."""
+    options = diag_moe.moe.make_context("moe", ["--experts", "63", "--placement",
+                                                "rebalance"]).params
+    settings = diag_moe.Settings(**{name: options[name] for name in
+                                    diag_moe.Settings.__dataclass_fields__})
+    with pytest.raises(click.BadParameter, match=r"these nodes have \[1, 2\]"):
+        diag_moe.check_usage(settings, 3, Topology(0, (0, 0, 1), emulated=True))
 
 
 # -- under mpiexec: measured against predicted ------------------------------------
@@ -232,3 +313,20 @@ def test_fp8_fixed_capacity_sends_the_counted_tokens_at_fp8_row_size(tmp_path):
             == np.asarray(counted["traffic"]) * fp8_row_bytes(200)).all()
     assert doc["tokens_per_expert"] == counted["tokens_per_expert"]
     assert doc["dropped"] == counted["dropped"] == 0
+
+
+def test_rebalance_evens_out_a_zipf_routing_over_two_nodes(tmp_path):
+    """Two emulated nodes, Zipf s=1.2, two redundant experts: the
+    rebalanced placement carries every token the identity one did, its
+    busiest rank lighter, as the rebalancer predicted from the measured
+    load; rank 0 prints both columns."""
+    doc, out = launch_diag(tmp_path, 2, 1, "--topk", "2", "--zipf", "1.2",
+                           "--placement", "rebalance")
+    placed = doc["placement"]
+    assert placed["redundant"] == 2 and placed["slots_per_rank"] == 9
+    assert sum(placed["tokens_per_rank"]) == sum(doc["tokens_per_rank"]) == 2 * 256 * 2
+    assert doc["rank_imbalance"] > 1.1 and placed["rank_imbalance"] < doc["rank_imbalance"]
+    assert placed["predicted_rank_imbalance"] < 1.05
+    assert np.asarray(placed["tokens_per_slot"]).reshape(2, 9).sum(1).tolist() == \
+        placed["tokens_per_rank"]
+    assert out.count("identity   rebalanced") == 1 and "tokens on rank 1" in out

@@ -63,6 +63,35 @@ def synthetic_routing(rank: int, tokens: int, experts: int, topk: int, skew: flo
     return route(logits, topk, score=SCORE, num_groups=num_groups, topk_groups=topk_groups)
 
 
+def zipf_popularity(experts: int, exponent: float, seed: int) -> np.ndarray:
+    """Expert popularity Zipf-distributed with ``exponent`` (the i-th most
+    popular expert ``i ** -exponent``), shuffled over the ids by
+    ``default_rng(seed)``, as measured routing often is: a function of its
+    arguments, so every rank draws the same."""
+    return np.random.default_rng(seed).permutation(1.0 / np.arange(1, experts + 1) ** exponent)
+
+
+def popularity_routing(rank: int, tokens: int, popularity: np.ndarray, topk: int, seed: int,
+                       num_groups: Optional[int] = None,
+                       topk_groups: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
+    """(experts, weights) [tokens, topk] of rank ``rank``: each token draws
+    its top-k without replacement, each draw in proportion to
+    ``popularity`` (one non-negative value per expert, not all 0): logits of
+    log popularity plus Gumbel noise from ``default_rng([seed, rank, 2])``
+    (the Gumbel top-k trick) through ``commlib.moe.route`` with the softmax
+    score. An expert of popularity 0 (floored at 1e-30 of the largest, as
+    logits must be finite) is never drawn while one of at least 1e-12 of the
+    largest is left: their logits lie further apart than Gumbel noise of
+    doubles reaches. With k > 1 the load is flatter than the popularity, a
+    token taking an expert at most once."""
+    popularity = np.asarray(popularity, dtype=np.float64)
+    rng = np.random.default_rng([seed, rank, 2])
+    floor = np.log(np.maximum(popularity, popularity.max() * 1e-30))
+    logits = floor + rng.gumbel(size=(tokens, popularity.size))
+    return route(logits.astype(np.float32), topk, score=SCORE, num_groups=num_groups,
+                 topk_groups=topk_groups)
+
+
 def parse_dtype(name: str) -> np.dtype:
     """A row element type by name; bfloat16 comes from ml_dtypes."""
     return np.dtype(getattr(ml_dtypes, name, name))

@@ -84,11 +84,12 @@ def fabric_rates(cluster: Cluster, ranks_per_host: int) -> Tuple[float, float]:
 def simulated(shape: List[str], hosts: int, ranks_per_host: int) -> Optional[simulate.Config]:
     """diag moe's ``shape`` as simulate describes it (the same routing and
     bytes); None for a fixed capacity, whose padding crosses too and
-    simulate does not count."""
+    simulate does not count, and for --zipf or --load-matrix, routings
+    simulate does not draw."""
     options = diag_moe.moe.make_context("moe", list(shape)).params
     settings = diag_moe.Settings(**{name: options[name] for name in
                                     diag_moe.Settings.__dataclass_fields__})
-    if settings.fixed_capacity:
+    if settings.fixed_capacity or (settings.zipf, settings.load_matrix) != (None, None):
         return None
     return simulate.Config(simulate.Layout(hosts, ranks_per_host, settings.experts),
                            settings.topk, settings.tokens, settings.row_bytes, settings.skew,

@@ -8,8 +8,18 @@ standard normal logits plus a ``--skew`` popularity bias towards low expert
 ids, softmax score), then dispatches host rows through
 ``commlib.moe.Dispatcher`` to identity experts and combines them back, so the
 times are the communication path alone. Rank 0 prints tokens/s and, from the
-dispatch's ``DispatchStats``, the bytes between and inside nodes. With the
-same configuration, ``commlib simulate`` predicts those bytes exactly.
+dispatch's ``DispatchStats``, the bytes between and inside nodes and the
+tokens each rank's experts received. With the same configuration, ``commlib
+simulate`` predicts those bytes exactly.
+
+A skewed routing instead: ``--zipf S`` (expert popularity Zipf-distributed
+with exponent S, shuffled by the seed) or ``--load-matrix FILE`` (one load
+per expert, .npy or text); each token then draws its top-k in proportion to
+the popularity (``simulate.popularity_routing``). ``--placement rebalance``
+then feeds the measured load per expert to ``commlib.moe.rebalance``
+(``--redundant`` replicas, default one per rank; hierarchical under
+``--topk-groups``), times dispatch + combine again through that placement,
+and prints each rank's tokens before (the identity placement) and after.
 
 ``--fp8`` sends the rows as e4m3 with a float32 scale per 128 channels (the
 experts get them dequantized to x's dtype); ``--fixed-capacity`` dispatches
@@ -31,10 +41,17 @@ import click
 import numpy as np
 
 import commlib
-from commlib.moe import Dispatcher, DispatchStats
+from commlib.moe import Dispatcher, DispatchStats, Placement, rebalance
 from commlib.moe.quantize import BLOCK
 from commlib.tools.cluster import parse_rate
-from commlib.tools.simulate import DTYPES, SCORE, parse_dtype, synthetic_routing
+from commlib.tools.simulate import (
+    DTYPES,
+    SCORE,
+    parse_dtype,
+    popularity_routing,
+    synthetic_routing,
+    zipf_popularity,
+)
 from commlib.tools.world import world
 from commlib.topology import Topology
 
@@ -49,11 +66,15 @@ class Settings:
     hidden: int
     dtype: str
     skew: float
+    zipf: Optional[float]
+    load_matrix: Optional[str]
     topk_groups: Optional[int]
     capacity_factor: Optional[float]
     hierarchical: bool
     fp8: bool
     fixed_capacity: bool
+    placement: str
+    redundant: Optional[int]
     pipeline_chunks: Optional[int]
     link_rate: Optional[str]
     iters: int
@@ -84,10 +105,11 @@ class Measurement:
     slots_per_expert: Optional[int]
 
 
-def check_usage(settings: Settings, size: int, nodes: int) -> None:
+def check_usage(settings: Settings, size: int, topology: Topology) -> None:
     """Usage errors (exit 2). Every rank decides from the same facts (the
     options, the world size, the topology every rank agrees on), so all of
     them exit together before any data moves and none is left waiting."""
+    nodes = topology.num_nodes
     if settings.experts % size:
         raise click.BadParameter(f"{settings.experts} experts cannot be spread evenly over "
                                  f"{size} ranks; use a multiple of {size}",
@@ -99,6 +121,14 @@ def check_usage(settings: Settings, size: int, nodes: int) -> None:
     if settings.fixed_capacity and settings.tokens == 0:
         raise click.BadParameter("needs --tokens of at least 1 (it is max_tokens_per_rank, "
                                  "which sizes the slots)", param_hint="'--fixed-capacity'")
+    if settings.redundant is not None and settings.placement != "rebalance":
+        raise click.BadParameter("counts the replicas a rebalanced placement adds; give "
+                                 "--placement rebalance too", param_hint="'--redundant'")
+    per_node = {len(topology.ranks_of(n)) for n in range(nodes)}
+    if settings.placement == "rebalance" and len(per_node) > 1:
+        raise click.BadParameter(f"a placement needs the same number of ranks on every node; "
+                                 f"these nodes have {sorted(per_node)}",
+                                 param_hint="'--placement'")
     if settings.topk_groups is None:
         return
     if settings.topk_groups > nodes:
@@ -110,6 +140,39 @@ def check_usage(settings: Settings, size: int, nodes: int) -> None:
         raise click.BadParameter(f"top-{settings.topk} does not fit in {settings.topk_groups} "
                                  f"node(s) of {per_node} experts; use at least "
                                  f"{-(-settings.topk // per_node)}", param_hint="'--topk-groups'")
+
+
+def popularity_of(settings: Settings) -> Optional[np.ndarray]:
+    """The expert popularity that ``--zipf`` or ``--load-matrix`` gives, or
+    None for ``--skew``'s logits; usage errors (exit 2) for two routings at
+    once and for a load file that is not one finite, non-negative value per
+    expert, not all 0. Every rank reads the file, before MPI starts."""
+    given = [name for name, chosen in (("--skew", settings.skew != 0),
+                                       ("--zipf", settings.zipf is not None),
+                                       ("--load-matrix", settings.load_matrix is not None))
+             if chosen]
+    if len(given) > 1:
+        raise click.UsageError(f"{' and '.join(given)} are each a routing; give one")
+    if settings.zipf is not None:
+        return zipf_popularity(settings.experts, settings.zipf, settings.seed)
+    if settings.load_matrix is None:
+        return None
+    hint = "'--load-matrix'"
+    try:
+        load = (np.load(settings.load_matrix) if settings.load_matrix.endswith(".npy")
+                else np.loadtxt(settings.load_matrix, ndmin=1))
+    except (OSError, ValueError) as error:
+        raise click.BadParameter(f"cannot read {settings.load_matrix} as a .npy or text "
+                                 f"array: {error}", param_hint=hint) from None
+    if load.shape != (settings.experts,):
+        raise click.BadParameter(f"{settings.load_matrix} must hold one load per expert, "
+                                 f"{settings.experts} (--experts) values; it has shape "
+                                 f"{load.shape}", param_hint=hint)
+    if not (load.dtype.kind in "iuf" and np.isfinite(load).all()
+            and (load >= 0).all() and load.sum() > 0):
+        raise click.BadParameter(f"{settings.load_matrix}: the loads must be finite, "
+                                 f"non-negative and not all 0", param_hint=hint)
+    return load.astype(np.float64)
 
 
 def check_plot_available(plot: Optional[str]) -> None:
@@ -165,15 +228,14 @@ def report(settings: Settings, comm: commlib.Communicator,
     stats = measured.stats
     sent = stats.inter_node_bytes + stats.intra_node_bytes
     topology = comm.topology
-    seconds, p99 = (float(t) for t in np.percentile(measured.times, [50, 99]))
+    times = timing(measured.times)
+    seconds = times["seconds_per_iter"]
     limit = (link_limit(stats.traffic, topology, parse_rate(settings.link_rate))
              if settings.link_rate else None)
     return {
         "tokens_per_s": total_tokens / seconds if seconds > 0 else float("inf"),
         "link_limit_s": limit,
-        "seconds_per_iter": seconds,
-        "time_us_p50": seconds * 1e6,
-        "time_us_p99": p99 * 1e6,
+        **times,
         "quantize": settings.quantize,
         "fixed_capacity": settings.fixed_capacity,
         "slots_per_expert": measured.slots_per_expert,
@@ -184,11 +246,53 @@ def report(settings: Settings, comm: commlib.Communicator,
         "imbalance": stats.imbalance,
         "dropped": int(stats.dropped.sum()),
         "tokens_per_expert": stats.tokens_per_expert.tolist(),
+        **rank_load(stats, comm.size),
         "traffic": stats.traffic.tolist(),
+        "placement": None,
         "config": dict(asdict(settings), score=SCORE, world_size=comm.size,
                        nodes=topology.num_nodes, emulated_nodes=topology.emulated,
                        ranks_per_node=[len(topology.ranks_of(n))
                                        for n in range(topology.num_nodes)]),
+    }
+
+
+def timing(times: np.ndarray) -> Dict[str, float]:
+    """The slowest rank's seconds per iteration: the median (p50) and p99."""
+    seconds, p99 = (float(t) for t in np.percentile(times, [50, 99]))
+    return {"seconds_per_iter": seconds, "time_us_p50": seconds * 1e6, "time_us_p99": p99 * 1e6}
+
+
+def rank_load(stats: DispatchStats, size: int) -> Dict[str, Any]:
+    """The tokens each rank's experts received in one dispatch (its slots'
+    ``tokens_per_slot`` summed), and the busiest rank's over the mean's."""
+    per_rank = stats.tokens_per_slot.reshape(size, -1).sum(1)
+    mean = per_rank.mean()
+    return {"tokens_per_rank": per_rank.tolist(),
+            "rank_imbalance": float(per_rank.max() / mean) if mean > 0 else 1.0}
+
+
+def placement_report(placement: Placement, groups: Optional[int], load: np.ndarray,
+                     measured: Measurement) -> Dict[str, Any]:
+    """The rebalanced placement and what its timed loop saw: the report's
+    ``placement`` entry. ``predicted_rank_imbalance`` is the rebalancer's
+    own measure (each expert's load split evenly over its replicas); the
+    measured one follows the replica rule, a sender's tokens for an expert
+    all going to one replica."""
+    stats = measured.stats
+    return {
+        "policy": "rebalance",
+        "packing": "hierarchical" if groups is not None and placement.nodes > 1 else "global",
+        "redundant": placement.num_physical - placement.num_logical,
+        "slots_per_rank": placement.slots_per_rank,
+        "physical_to_logical": placement.physical_to_logical.tolist(),
+        "predicted_rank_imbalance": placement.imbalance(load),
+        **timing(measured.times),
+        "slots_per_expert": measured.slots_per_expert,
+        "inter_node_bytes": stats.inter_node_bytes,
+        "intra_node_bytes": stats.intra_node_bytes,
+        "dropped": int(stats.dropped.sum()),
+        "tokens_per_slot": stats.tokens_per_slot.tolist(),
+        **rank_load(stats, placement.ranks),
     }
 
 
@@ -223,7 +327,7 @@ def summary_lines(result: Dict[str, Any]) -> List[str]:
         f", ranks per node {','.join(map(str, config['ranks_per_node']))}",
         f"# experts {config['experts']} top-{config['topk']} {routing}, {path} dispatch, "
         f"{config['tokens']} tokens/rank, hidden {config['hidden']} {config['dtype']}, "
-        f"skew {config['skew']}, capacity factor {config['capacity_factor']}",
+        f"{_popularity(config)}, capacity factor {config['capacity_factor']}",
         f"# rows {rows}, {result['payload_bytes_per_row']} B/row; {layout}",
         f"time per dispatch+combine  {result['seconds_per_iter'] * 1e3:.3f} ms "
         f"(median of {config['iters']}, slowest rank; p99 "
@@ -237,7 +341,45 @@ def summary_lines(result: Dict[str, Any]) -> List[str]:
         f"bytes per token            {result['bytes_per_token']:.1f}",
         f"imbalance                  {result['imbalance']:.3f}",
         f"dropped                    {result['dropped']}",
+        *rank_load_lines(result),
     ]
+
+
+def rank_load_lines(result: Dict[str, Any]) -> List[str]:
+    """Each rank's tokens in a column for the identity placement and, with
+    --placement rebalance, one for the rebalanced placement beside it, with
+    its time, bytes and drops."""
+    columns = [result] + ([result["placement"]] if result["placement"] else [])
+    placed = result["placement"]
+
+    def row(name: str, values: List[Any]) -> str:
+        return f"{name:<26}" + "".join(f"{value:>13}" for value in values)
+    lines = []
+    if placed:
+        lines.append(f"# placement rebalance ({placed['packing']}): {placed['redundant']} "
+                     f"redundant, {placed['slots_per_rank']} slots per rank, from the load "
+                     f"measured above; busiest/mean predicted "
+                     f"{placed['predicted_rank_imbalance']:.3f} (each expert's load split "
+                     f"evenly over its replicas)")
+    lines.append("#" + row("", ["identity", "rebalanced"][:len(columns)])[1:])
+    if placed:
+        lines += [row("time (ms)", [f"{c['seconds_per_iter'] * 1e3:.3f}" for c in columns]),
+                  row("inter_node_bytes", [c["inter_node_bytes"] for c in columns]),
+                  row("intra_node_bytes", [c["intra_node_bytes"] for c in columns]),
+                  row("dropped", [c["dropped"] for c in columns])]
+    lines.append(row("busiest/mean rank", [f"{c['rank_imbalance']:.3f}" for c in columns]))
+    lines += [row(f"tokens on rank {rank}", values)
+              for rank, values in enumerate(zip(*(c["tokens_per_rank"] for c in columns)))]
+    return lines
+
+
+def _popularity(config: Dict[str, Any]) -> str:
+    """The routing's popularity, as the header says it."""
+    if config["zipf"] is not None:
+        return f"zipf {config['zipf']} (shuffled by the seed)"
+    if config["load_matrix"] is not None:
+        return f"load from {config['load_matrix']}"
+    return f"skew {config['skew']}"
 
 
 def _over(seconds: float, limit: Optional[float]) -> Optional[float]:
@@ -275,6 +417,13 @@ def plot_traffic(traffic: np.ndarray, path: str) -> None:
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
 @click.option("--skew", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Popularity bias: logits + -skew*log(1+expert id).")
+@click.option("--zipf", type=click.FloatRange(min=0), default=None,
+              help="Expert popularity Zipf-distributed with this exponent (the i-th most "
+                   "popular i**-S), shuffled by --seed; each token draws its top-k in "
+                   "proportion. Instead of --skew.")
+@click.option("--load-matrix", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Expert popularity from a saved load, one value per expert (.npy, else "
+                   "text), e.g. DispatchStats.tokens_per_expert; drawn as with --zipf.")
 @click.option("--topk-groups", type=click.IntRange(min=1), default=None,
               help="Nodes a token may use (group-limited routing, one group per node). "
                    "Default: plain top-k.")
@@ -287,6 +436,14 @@ def plot_traffic(traffic: np.ndarray, path: str) -> None:
 @click.option("--fixed-capacity", is_flag=True,
               help="Sync-free fixed slots (max_tokens_per_rank = --tokens); stats collected "
                    "after the timed loop.")
+@click.option("--placement", type=click.Choice(["none", "rebalance"]), default="none",
+              show_default=True,
+              help="rebalance: moe.rebalance the measured load per expert, time the run "
+                   "again through that placement and print each rank's tokens beside the "
+                   "identity placement's (hierarchical under --topk-groups).")
+@click.option("--redundant", type=click.IntRange(min=0), default=None,
+              help="Replicas the rebalanced placement adds, in all (rounded up to fill "
+                   "every rank's slots). Default: one per rank.")
 @click.option("--pipeline-chunks", type=click.IntRange(min=1), default=None,
               help="Chunks a two-hop dispatch cuts its inter-node hop into (1: not "
               "pipelined). Default: chosen from the bytes.")
@@ -307,9 +464,10 @@ def moe(json_path: Optional[str], plot: Optional[str], **options: Any) -> None:
     (with --fp8, scaled to FP8's row size)."""
     settings = Settings(**options)
     check_plot_available(plot)
+    popularity = popularity_of(settings)
     with world() as comm:
-        check_usage(settings, comm.size, comm.topology.num_nodes)
-        result = run(comm, settings)
+        check_usage(settings, comm.size, comm.topology)
+        result = run(comm, settings, popularity)
         if comm.rank == 0:
             click.echo("\n".join(summary_lines(result)))
             if json_path:
@@ -319,23 +477,44 @@ def moe(json_path: Optional[str], plot: Optional[str], **options: Any) -> None:
                 plot_traffic(np.asarray(result["traffic"]), plot)
 
 
-def run(comm: commlib.Communicator, settings: Settings) -> Dict[str, Any]:
-    """Route this rank's tokens, time the dispatch and build the report."""
+def run(comm: commlib.Communicator, settings: Settings,
+        popularity: Optional[np.ndarray]) -> Dict[str, Any]:
+    """Route this rank's tokens (``popularity``: drawn in proportion to it;
+    None: --skew's logits), time the dispatch and build the report; with
+    --placement rebalance, rebalance the measured load (the same stats on
+    every rank, so the same placement) and time it again through that."""
     groups = None if settings.topk_groups is None else comm.topology.num_nodes
-    experts, weights = synthetic_routing(comm.rank, settings.tokens, settings.experts,
-                                         settings.topk, settings.skew, settings.seed, groups,
-                                         settings.topk_groups)
+    if popularity is None:
+        experts, weights = synthetic_routing(comm.rank, settings.tokens, settings.experts,
+                                             settings.topk, settings.skew, settings.seed,
+                                             groups, settings.topk_groups)
+    else:
+        experts, weights = popularity_routing(comm.rank, settings.tokens, popularity,
+                                              settings.topk, settings.seed, groups,
+                                              settings.topk_groups)
     rng = np.random.default_rng([settings.seed, comm.rank, 1])
     x = rng.standard_normal((settings.tokens, settings.hidden), dtype=np.float32)
     x = x.astype(parse_dtype(settings.dtype))
-    dispatcher = Dispatcher(comm, settings.experts, capacity_factor=settings.capacity_factor,
-                            hierarchical=settings.hierarchical,
-                            max_tokens_per_rank=settings.tokens if settings.fixed_capacity
-                            else None)
-    dispatcher.pipeline_chunks = settings.pipeline_chunks
-    measured = time_dispatch(comm, dispatcher, x, experts, weights, settings.iters,
+
+    def timed(placement: Optional[Placement]) -> Measurement:
+        dispatcher = Dispatcher(comm, settings.experts,
+                                capacity_factor=settings.capacity_factor,
+                                hierarchical=settings.hierarchical,
+                                max_tokens_per_rank=settings.tokens if settings.fixed_capacity
+                                else None, placement=placement)
+        dispatcher.pipeline_chunks = settings.pipeline_chunks
+        return time_dispatch(comm, dispatcher, x, experts, weights, settings.iters,
                              settings.quantize)
-    return report(settings, comm, measured)
+
+    measured = timed(None)
+    result = report(settings, comm, measured)
+    if settings.placement == "rebalance":
+        load = measured.stats.tokens_per_expert
+        placement = rebalance(load, ranks=comm.size, nodes=comm.topology.num_nodes,
+                              redundant=comm.size if settings.redundant is None
+                              else settings.redundant, groups=groups)
+        result["placement"] = placement_report(placement, groups, load, timed(placement))
+    return result
 
 
 if __name__ == "__main__":
