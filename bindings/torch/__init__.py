@@ -42,14 +42,12 @@ def _attention(q, k, v, comm, algorithm: str, *, layout: str, causal: bool,
     """The ``commlib::attention`` op's out (``commlib::attention_wire``'s
     with a ``wire``). Arguments no graph can carry (a window that is not a
     (left, right) pair of token counts, sinks that are not a tensor) go to
-    the core, which refuses them on every rank; so do sinks with a ``wire``
-    (forward only either way: no op is needed for autograd)."""
+    the core, which refuses them on every rank."""
     if wire is not None:
         _wire_ops.refuse_gradients(comm, algorithm, wire, q, k, v,
                                    *([sinks] if isinstance(sinks, torch.Tensor) else []))
     reach = _window(window)
-    if reach is False or not (sinks is None or isinstance(sinks, torch.Tensor)) \
-            or (wire is not None and sinks is not None):
+    if reach is False or not (sinks is None or isinstance(sinks, torch.Tensor)):
         extra = {"ulysses_size": ulysses_size} if algorithm == "hybrid" else {}
         if algorithm != "ulysses":
             extra["method"] = method
@@ -61,16 +59,12 @@ def _attention(q, k, v, comm, algorithm: str, *, layout: str, causal: bool,
                                        **extra)
     tensor = isinstance(cu_seqlens, torch.Tensor)
     values = None if tensor or cu_seqlens is None else [int(o) for o in cu_seqlens]
+    op_args = (q, k, v, sinks, cu_seqlens if tensor else None, algorithm, comm.handle, layout,
+               causal, softmax_scale, values, reach, None if mask is None else mask.handle,
+               method, None if kernel is None else kernel.handle, ulysses_size)
     if wire is not None:
-        return _wire_ops.attention_wire(q, k, v, cu_seqlens if tensor else None, algorithm,
-                                        comm.handle, layout, causal, softmax_scale, values, reach,
-                                        None if mask is None else mask.handle, method,
-                                        None if kernel is None else kernel.handle, ulysses_size,
-                                        wire)
-    out, _ = _ops.attention(q, k, v, sinks, cu_seqlens if tensor else None, algorithm,
-                            comm.handle, layout, causal, softmax_scale, values, reach,
-                            None if mask is None else mask.handle, method,
-                            None if kernel is None else kernel.handle, ulysses_size)
+        return _wire_ops.attention_wire(*op_args, wire)
+    out, _ = _ops.attention(*op_args)
     return out
 
 

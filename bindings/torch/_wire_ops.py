@@ -26,16 +26,17 @@ def refuse_gradients(comm, algorithm: str, wire: Optional[str], *tensors: torch.
 
 @torch.library.custom_op("commlib::attention_wire", mutates_args=())
 def attention_wire(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   cu_seqlens: Optional[torch.Tensor], algorithm: str, comm: str, layout: str,
+                   sinks: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+                   algorithm: str, comm: str, layout: str,
                    causal: bool, softmax_scale: Optional[float],
                    cu_seqlens_values: Optional[List[int]], window: Optional[List[int]],
                    mask: Optional[str], method: str, kernel: Optional[str],
                    ulysses_size: int, wire: str) -> torch.Tensor:
     """out of Ulysses or hybrid attention (``algorithm``) with q, k, v and
-    out travelling as ``wire``."""
+    out travelling as ``wire``, ``sinks`` in its softmax."""
     settings = _settings(algorithm, comm, layout, causal, softmax_scale, cu_seqlens,
                          cu_seqlens_values, window, mask, method, kernel, ulysses_size)
-    return FORWARD[algorithm](q, k, v, wire=wire, **settings).contiguous()
+    return FORWARD[algorithm](q, k, v, wire=wire, sinks=sinks, **settings).contiguous()
 
 
 @attention_wire.register_fake

@@ -166,6 +166,28 @@ def test_relayouts_compile_whole_once_and_equal_eager(comm, heads, num_heads):
     assert all_ranks(counting.graphs == 1), f"{counting.graphs} graphs for {CALLS} calls"
 
 
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
+def test_the_fp8_wire_compiles_whole_once_and_equals_eager(comm, with_sinks):
+    """Ulysses with ``wire="float8"`` (forward only: under no_grad), with
+    sinks or without: one op, no graph break, one graph for every call,
+    compiled equal to eager bitwise."""
+    sinks = torch.linspace(-1.0, 2.0, HEADS) if with_sinks else None
+
+    def step(q, k, v):
+        return ct.ulysses_attention(q, k, v, comm, layout="zigzag", causal=True, sinks=sinks,
+                                    wire="float8")
+
+    with torch.no_grad():
+        count, reasons = breaks(step, *_shards(comm, "zigzag", {}, 0)[:3])
+        counting = Counting()
+        compiled = torch.compile(step, backend=counting, fullgraph=True)
+        same = [torch.equal(compiled(*qkv), step(*qkv))
+                for qkv in (_shards(comm, "zigzag", {}, call)[:3] for call in range(3))]
+    assert all_ranks(count == 0), reasons
+    assert all_ranks(all(same)), same
+    assert all_ranks(counting.graphs == 1), f"{counting.graphs} graphs for 3 calls"
+
+
 @pytest.mark.full
 @pytest.mark.parametrize("algorithm", ["ring", "ulysses"])
 def test_inductor_equals_eager_within_float32_rounding(comm, algorithm):

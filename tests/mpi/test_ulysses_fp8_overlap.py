@@ -112,7 +112,7 @@ def test_float8_in_the_hybrid_and_the_torch_binding(comm):
 
 
 def test_float8_with_sinks_applies_them_once(comm):
-    """Sinks and the FP8 wire together (the core call, forward only): near
+    """Sinks and the FP8 wire together (forward only): near
     the exact exchange with the same sinks, the binding equal to the core,
     and far from the call without sinks (so they were applied)."""
     from commlib.bindings import torch as binding
