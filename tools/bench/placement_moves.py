@@ -18,6 +18,7 @@ from mpi4py import MPI
 import commlib
 import commlib.moe as moe
 from commlib.tools.bench.timing import interleaved
+from commlib.tools.simulate import zipf_popularity
 
 
 class _Recording:
@@ -34,11 +35,6 @@ class _Recording:
         return self._comm.alltoallv(x, send_counts, recv_counts)
 
 
-def _load(experts: int, seed: int) -> np.ndarray:
-    """Zipf (s=1.0) popularity, shuffled: the same on every rank."""
-    return np.random.default_rng(seed).permutation(1.0 / np.arange(1, experts + 1))
-
-
 @click.command()
 @click.option("--experts", default=64, show_default=True)
 @click.option("--hidden", default=256, show_default=True)
@@ -48,8 +44,8 @@ def main(experts: int, hidden: int, ffn: int, iters: int) -> None:
     """One placement change's weights moved, against a bare alltoallv."""
     world = MPI.COMM_WORLD
     comm = commlib.init(backend="mpi", abort_on_error=True)
-    current = moe.rebalance(_load(experts, 1), ranks=comm.size, redundant=comm.size)
-    new = moe.rebalance(_load(experts, 2), ranks=comm.size, redundant=comm.size,
+    current = moe.rebalance(zipf_popularity(experts, 1.0, 1), ranks=comm.size, redundant=comm.size)
+    new = moe.rebalance(zipf_popularity(experts, 1.0, 2), ranks=comm.size, redundant=comm.size,
                         current=current)
     rng = np.random.default_rng(comm.rank)
     slots = current.slots_per_rank
