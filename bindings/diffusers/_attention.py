@@ -93,12 +93,13 @@ class ShardedAttention:
     def _is_cross(self, query: torch.Tensor, key: torch.Tensor) -> bool:
         """Whether the keys are the processor's ``encoder_hidden_states`` while
         its queries are the image shard alone (LTX-Video's attention to the
-        text), told by the processor's arguments where the lengths agree."""
+        text), told by the processor's arguments where the lengths agree. An
+        empty text leaves a joint attention (Flux's) over the image alone."""
         if key.shape[1] != query.shape[1]:
             return True
         image = self.streams.image
         return (called_with().get("encoder_hidden_states") is not None and image is not None
-                and query.shape[1] == image.padded)
+                and query.shape[1] == image.padded and self.streams.text_length != 0)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 scale: Optional[float], mask: Any) -> torch.Tensor:

@@ -190,6 +190,19 @@ def test_attention_to_a_text_shard_as_long_as_the_image_shard(comm):
     assert all_ranks(max_error(got, want) < TOL64), max_error(got, want)
 
 
+@pytest.mark.parametrize("text", ["sharded", "whole"])
+def test_an_empty_text_is_flux_joint_attention_over_the_image(comm, text):
+    """Flux with no text tokens: its joint attention is over the image alone
+    (the processor was given encoder_hidden_states, of length 0: not a
+    cross-attention over the text)."""
+    model = cached("flux")
+    lengths = ((1, 13), 0)
+    with torch.no_grad():
+        want = model(**inputs("flux", lengths)).sample
+        got = sharded(model, comm, lambda: model(**inputs("flux", lengths)).sample, text=text)
+    assert all_ranks(max_error(got, want) < TOL64), max_error(got, want)
+
+
 def test_float32_within_rounding(comm):
     """float32, uneven lengths, the hybrid where it exists: within 1e-5 of
     the unsharded float32 model (measured: below 2e-6)."""
