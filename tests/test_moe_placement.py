@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from commlib.moe import Placement, moves, rebalance
+from commlib.moe.placement import MAX_COLUMNS
 
 
 def zipf(num_experts, exponent, rng):
@@ -101,6 +102,45 @@ def test_remote_senders_spread_evenly_over_the_replicas():
     chosen = [int(p.replica_for(r, [0])[0]) for r in range(4, 16)]
     assert np.unique(chosen, return_counts=True)[1].tolist() == [3, 3, 3, 3]
     assert [int(p.replica_for(r, [0])[0]) for r in range(4)] == [0, 2, 4, 6]  # each its own
+
+
+@pytest.mark.parametrize("ranks, nodes, seed", [(3, 1, 0), (4, 1, 1), (4, 2, 2), (6, 3, 3),
+                                                (8, 2, 4), (5, 1, 5)])
+def test_every_replica_gets_an_equal_share_and_home_comes_first(ranks, nodes, seed):
+    """Every sender sending ``columns`` tokens of one expert, one a row, its
+    replicas receive equally many (the share ``rank_loads`` assumes), and a
+    sender holding h of its c replicas keeps min(1, h * ranks / c) of its
+    own tokens home."""
+    rng = np.random.default_rng(seed)
+    load = rng.permutation(zipf(4 * ranks, 1.4, rng))
+    p = rebalance(load, ranks=ranks, nodes=nodes, redundant=ranks + 1)
+    assert p.columns == np.lcm.reduce(np.unique(p.replica_counts))
+    for expert, replicas in enumerate(p.logical_to_physical):
+        got = np.stack([p.replica_for(s, np.full(p.columns, expert)) for s in range(ranks)])
+        received = [(got == slot).sum() for slot in replicas]
+        assert received == [ranks * p.columns // len(replicas)] * len(replicas), expert
+        for sender in range(ranks):
+            held = (p.slots[sender] == expert).sum()
+            home = (p.rank_of(got[sender]) == sender).sum()
+            assert home == p.columns * min(len(replicas), held * ranks) // len(replicas)
+        # one token a call: the senders' first columns spread over the replicas too
+        assert len(set(got[:, 0].tolist())) == min(len(replicas), ranks)
+    # [T, k]: every choice of token t takes column t, as a [T] call's token t does
+    ids = rng.integers(-1, load.size, (2 * p.columns, 3))
+    both = p.replica_for(1, ids)
+    assert all(np.array_equal(both[:, j], p.replica_for(1, ids[:, j])) for j in range(3))
+
+
+def test_replica_counts_whose_lcm_is_large_are_shared_within_one_column():
+    """Replica counts 7, 8 and 9 (lcm 504 > MAX_COLUMNS): each sender's
+    shares are rounded to whole columns of ``MAX_COLUMNS``."""
+    table = np.concatenate([np.zeros(7), np.ones(8), np.full(9, 2), np.arange(3, 27)])
+    p = Placement(27, 4, 1, table.astype(np.int64))
+    assert p.columns == MAX_COLUMNS
+    for expert, replicas in enumerate(p.logical_to_physical[:3]):
+        got = np.stack([p.replica_for(s, np.full(p.columns, expert)) for s in range(4)])
+        received = np.array([(got == slot).sum() for slot in replicas])
+        assert np.abs(received - 4 * p.columns / len(replicas)).max() <= 4
 
 
 # -- balance against DeepSeek's algorithm -------------------------------------------

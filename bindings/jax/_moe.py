@@ -169,7 +169,8 @@ class Dispatcher:
     layout's experts are its physical slots (``local_experts`` of them per
     rank, slot j of this rank running logical expert
     ``placement.slots[rank][j]``) and each logical id is sent to the slot
-    ``placement.replica_table[rank]`` names, a constant of the program.
+    ``placement.replica_table[rank]`` names for it and the token's row, a
+    constant of the program; capacities apply to the logical ids first.
     """
 
     def __init__(self, comm, num_experts: int, *, capacity_factor: Optional[float] = None,
@@ -261,24 +262,27 @@ class Dispatcher:
         n = flat.shape[0]
         iota = jnp.arange(n, dtype=jnp.int32)
         valid = (flat >= 0) & (flat < self.num_experts)
-        if self.placement is not None:  # logical ids -> this rank's slots for them
-            replicas = jnp.asarray(self.placement.replica_table[self.comm.rank], jnp.int32)
-            flat = jnp.where(valid, replicas[jnp.where(valid, flat, 0)], -1)
-        group = jnp.where(valid, flat, count)  # absent and bad ids sort last
+        group = jnp.where(valid, flat, self.num_experts)  # absent and bad ids sort last
         if self.drop_policy == "probs":  # within an expert heaviest first, ties by position
             by_weight = jax.lax.sort((-weights.reshape(-1).astype(jnp.float32), iota),
                                      num_keys=1, is_stable=True)[1]
-            order = by_weight[_order_by(group[by_weight], count)]
+            order = by_weight[_order_by(group[by_weight], self.num_experts)]
         else:
-            order = _order_by(group, count)
+            order = _order_by(group, self.num_experts)
         grouped = group[order]
         place = _place_in_group(grouped, iota)
         limit = contract.capacity(*experts.shape, self.num_experts, self.capacity_factor,
                                   self.max_tokens_per_rank) or capacity
         kept = jnp.zeros(n, bool).at[order].set((place < min(limit, capacity))
-                                                & (grouped < count))
-        if self.drop_policy == "probs":  # slots in token order among the kept
-            group = jnp.where(kept, flat, count)
+                                                & (grouped < self.num_experts))
+        if self.placement is not None:  # logical ids -> this rank's slots, by token row
+            columns = self.placement.columns
+            table = jnp.asarray(self.placement.replica_table[self.comm.rank].reshape(-1),
+                                jnp.int32)
+            column = (iota // max(experts.shape[1], 1)) % columns  # the token's row
+            flat = jnp.where(valid, table[jnp.where(valid, flat, 0) * columns + column], -1)
+        if self.drop_policy == "probs" or self.placement is not None:
+            group = jnp.where(kept, flat, count)  # slots in token order among the kept
             order = _order_by(group, count)
             place = _place_in_group(group[order], iota)
         slot = jnp.zeros(n, jnp.int32).at[order].set(place)

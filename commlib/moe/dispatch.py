@@ -105,11 +105,13 @@ class Dispatcher(FixedCapacity):
     experts on ``comm.size`` ranks, the same on every rank): the experts laid
     out are its physical slots instead, slot p on rank
     ``p // slots_per_rank``. The router's ids stay logical; each is sent to
-    the slot ``placement.replica_table[comm.rank]`` names (a replica on this
-    rank, else on its node, else spread), so ``expert_x`` is grouped by this
-    rank's slots, slot j running logical expert ``placement.slots[rank][j]``.
-    Capacities are per logical expert, as without a placement (a sender's
-    tokens for one logical expert all go to one slot).
+    the slot ``placement.replica_table[comm.rank]`` names for it and the
+    token's row (each replica an equal share of the expert's tokens: those
+    on this rank first, then on its node, then any), so ``expert_x`` is
+    grouped by this rank's slots, slot j running logical expert
+    ``placement.slots[rank][j]``. Capacities are per logical expert and
+    applied before the replica is chosen: the same assignments are dropped
+    as without a placement.
 
     ``pipeline_chunks``: the chunks a two-hop dispatch cuts its inter-node
     hop into, 1 for none; None, the default, chooses from the bytes
@@ -286,9 +288,9 @@ class Dispatcher(FixedCapacity):
         """Capacity and hop 1's copies, on the device. Ids outside [-1, E)
         are treated as -1 here (counted in ``invalid``), so that no gather
         reads out of bounds before they are refused (or, under a fixed
-        capacity, reported). Under a placement the logical ids become this
-        rank's slots for them first (``Plan.ids`` are slots): one slot per
-        logical expert, so each slot's capacity is its expert's."""
+        capacity, reported). Under a placement the capacity is applied to
+        the logical ids, so the same assignments are dropped as without one,
+        and then the kept ones become slots (``Plan.ids`` are slots)."""
         xp = namespace(x)
         kind, where = index_dtype(x), device(x)
         maps = self._device_maps(x)
@@ -302,13 +304,27 @@ class Dispatcher(FixedCapacity):
         inside = (ids >= -1) & (ids < count)
         invalid = xp.reshape(xp.sum(xp.astype(~inside, kind)), (1,))
         ids = xp.where(inside, ids, -1)
-        if self.placement is not None:
-            ids = lookup(self._beside(x, ("replicas",), lambda put: put(
-                np.array(self.placement.replica_table[self.comm.rank]))), ids)  # writable
         gate = float32(weights)
-        ids, dropped = self._apply_capacity(ids, gate)
+        lost = self._capacity_losses(ids, gate)
+        if self.placement is not None:
+            ids = self._slots_of(ids)
+        dropped = None
+        if lost is not None:
+            dropped = bincount(xp.where(lost, ids, -1), self.num_slots)
+            ids = xp.where(lost, -1, ids)
         keys, first = copy_keys(lookup(maps[0], ids))
         return Plan(ids, gate, keys, first, dropped, invalid, extremes)
+
+    def _slots_of(self, ids: Any) -> Any:
+        """[T, k] logical ids -> the slots this rank sends them to: token t
+        takes column ``t % columns`` of ``placement.replica_table[rank]``
+        (one gather)."""
+        xp = namespace(ids)
+        columns = self.placement.columns
+        table = self._beside(ids, ("replicas",), lambda put: put(
+            np.array(self.placement.replica_table[self.comm.rank]).reshape(-1)))  # writable
+        row = xp.arange(ids.shape[0], dtype=ids.dtype, device=device(ids))[:, None] % columns
+        return lookup(table, xp.where(ids >= 0, ids * columns + row, -1))
 
     def _host_counts(self, plan: Plan) -> Counts:
         """The dispatch's one copy to the host: [rows per (chunk, rank) on
@@ -367,13 +383,12 @@ class Dispatcher(FixedCapacity):
         return contract.capacity(tokens, k, self.num_experts, self.capacity_factor,
                                  self.max_tokens_per_rank)
 
-    def _apply_capacity(self, ids: Any, gate: Any) -> Tuple[Any, Any]:
-        """Drop the assignments beyond each expert's capacity from this rank:
-        returns (ids with dropped ones set to -1, dropped per expert on the
-        device, or None without a capacity). Fixed-size masks throughout."""
+    def _capacity_losses(self, ids: Any, gate: Any) -> Optional[Any]:
+        """[T, k]: the assignments beyond their expert's capacity from this
+        rank (None without a capacity). Fixed-size masks throughout."""
         cap = self._capacity(*ids.shape)
         if cap is None:
-            return ids, None
+            return None
         xp = namespace(ids)
         flat = xp.reshape(ids, (-1,))
         # group by expert; within an expert the heaviest (probs) or the
@@ -388,9 +403,7 @@ class Dispatcher(FixedCapacity):
                                    device=device(ids)) - xp.searchsorted(grouped, grouped)
         loses = (rank_in_expert >= cap) & (grouped >= 0)  # in sorted order
         lost = xpx.at(xp.zeros(flat.shape, dtype=xp.bool, device=device(ids)))[order].set(loses)
-        kept = xp.where(lost, -1, flat)
-        return (xp.reshape(kept, ids.shape),
-                bincount(xp.where(loses, grouped, -1), self.num_slots))
+        return xp.reshape(lost, ids.shape)
 
     def _destination_maps(self) -> List[np.ndarray]:
         """Per hop, expert (slot) -> destination rank (host int64 [E]): the

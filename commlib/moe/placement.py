@@ -15,6 +15,7 @@ its replicas, and a rank carries the sum of its slots' shares.
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from collections import Counter
 from dataclasses import dataclass
@@ -23,6 +24,9 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 EMPTY = -1  # a slot that holds no expert (a drained rank has only these)
+# replica_table's columns at most: replica counts whose lcm is larger share
+# a sender's tokens over its replicas within 1 / MAX_COLUMNS of exactly
+MAX_COLUMNS = 120
 
 
 @dataclass(frozen=True, eq=False)
@@ -109,35 +113,51 @@ class Placement:
         return tuple(tuple(part.tolist()) for part in np.split(order, bounds))
 
     @functools.cached_property
+    def columns(self) -> int:
+        """How many columns ``replica_table`` has per (sender, expert): the
+        least common multiple of the replica counts, so that every sender's
+        shares are exact, at most ``MAX_COLUMNS`` (shares then rounded)."""
+        return min(math.lcm(*np.unique(self.replica_counts).tolist()), MAX_COLUMNS)
+
+    @functools.cached_property
     def replica_table(self) -> np.ndarray:
-        """[ranks, num_logical]: the slot a sender sends each logical expert's
-        tokens to. The replica on the sender's rank if it has one, else one on
-        its node, else one of all of them, chosen by the sender's rank modulo
-        their number so that senders spread evenly; a function of the
-        placement alone, the same on every rank."""
+        """[ranks, num_logical, columns]: the slot each sender sends each
+        logical expert's tokens to, by column; token t of a sender's call
+        takes column ``t % columns``. A function of the placement alone, the
+        same on every rank.
+
+        Every replica is to receive an equal share of its expert's tokens
+        (what ``rank_loads`` assumes), each sender sending ``1 / ranks`` of
+        them: a sender fills the replicas on its own rank first, then those
+        on its node, then any, as far as each replica's share is not yet
+        full (``_shares``). A sender's columns interleave its replicas in
+        those proportions, rotated by its rank so that senders with one
+        token start on different replicas."""
+        table = np.empty((self.ranks, self.num_logical, self.columns), dtype=np.int64)
         senders = np.arange(self.ranks)
-        table = np.empty((self.ranks, self.num_logical), dtype=np.int64)
         for expert, replicas in enumerate(self.logical_to_physical):
-            where = self.rank_of(np.asarray(replicas))
-            here = where[None, :] == senders[:, None]                    # [sender, replica]
-            near = self.node_of(where)[None, :] == self.node_of(senders)[:, None]
-            pool = np.where(here.any(1, keepdims=True), here,
-                            np.where(near.any(1, keepdims=True), near, True))
-            nth = senders % pool.sum(1)                                  # which of the pool
-            pick = pool & (np.cumsum(pool, 1) == nth[:, None] + 1)
-            table[:, expert] = np.asarray(replicas)[pick.argmax(1)]
+            replicas = np.asarray(replicas)
+            where = self.rank_of(replicas)
+            units = _shares(senders, where, self.node_of(senders), self.node_of(where))
+            for sender, row in enumerate(units):
+                table[sender, expert] = np.roll(replicas[_interleaved(row, self.columns)],
+                                                -sender)
         table.flags.writeable = False
         return table
 
     def replica_for(self, sender_rank: int, logical_ids: Any) -> np.ndarray:
-        """The physical slot each of ``logical_ids`` goes to from
-        ``sender_rank`` (``replica_table``); -1 ("no expert") stays -1."""
+        """The physical slot each of ``logical_ids`` (one row per token:
+        [T] or [T, k]) goes to from ``sender_rank`` (``replica_table``, by
+        the token's row); -1 ("no expert") stays -1."""
         ids = np.asarray(logical_ids, dtype=np.int64)
         if not 0 <= sender_rank < self.ranks:
             raise ValueError(f"sender_rank {sender_rank} is not a rank of 0..{self.ranks - 1}")
         if ids.size and (ids.min() < EMPTY or ids.max() >= self.num_logical):
             raise ValueError(f"logical ids must lie in -1..{self.num_logical - 1}")
-        return np.where(ids >= 0, self.replica_table[sender_rank][ids], EMPTY)
+        rows = np.arange(ids.shape[0]) if ids.ndim else np.zeros((), np.int64)
+        rows = (rows % self.columns).reshape(rows.shape + (1,) * max(ids.ndim - 1, 0))
+        found = self.replica_table[sender_rank][np.maximum(ids, 0), rows]
+        return np.where(ids >= 0, found, EMPTY)
 
     def rank_loads(self, load: Any) -> np.ndarray:
         """Each rank's share of ``load`` (one value per logical expert), each
@@ -469,6 +489,43 @@ def _keep_slots(row: np.ndarray, now: np.ndarray) -> np.ndarray:
             kept[slot], left[expert] = expert, left[expert] - 1
     rest = iter(sorted(left.elements()))
     return np.array([next(rest) if e == EMPTY - 1 else e for e in kept.tolist()])
+
+
+def _shares(senders: np.ndarray, where: np.ndarray, sender_node: np.ndarray,
+            replica_node: np.ndarray) -> np.ndarray:
+    """[senders, replicas] integer units of one expert's tokens: each sender
+    has ``replicas`` units (its ``1 / senders`` of the tokens), each replica
+    takes ``senders`` units (its equal share). Filled greedily, a sender
+    first into replicas on its rank, then on its node, then anywhere."""
+    supply = np.full(senders.size, where.size)
+    demand = np.full(where.size, senders.size)
+    units = np.zeros((senders.size, where.size), dtype=np.int64)
+    for allowed in (where[None, :] == senders[:, None],
+                    replica_node[None, :] == sender_node[:, None],
+                    np.ones((senders.size, where.size), dtype=bool)):
+        for sender in senders:
+            for replica in np.flatnonzero(allowed[sender]):
+                given = min(supply[sender], demand[replica])
+                units[sender, replica] += given
+                supply[sender] -= given
+                demand[replica] -= given
+    return units
+
+
+def _interleaved(units: np.ndarray, columns: int) -> np.ndarray:
+    """``columns`` replica indices in proportion to ``units`` (largest
+    remainders where they do not divide), interleaved (smooth weighted round
+    robin) so that any run of consecutive tokens is shared about evenly."""
+    exact = units * columns / units.sum()
+    counts = np.floor(exact).astype(np.int64)
+    counts[np.argsort(counts - exact, kind="stable")[:columns - counts.sum()]] += 1
+    credit = np.zeros(units.size, dtype=np.int64)
+    picked = np.empty(columns, dtype=np.int64)
+    for column in range(columns):
+        credit += counts
+        picked[column] = int(np.argmax(credit))
+        credit[picked[column]] -= columns
+    return picked
 
 
 def _rank_loads(table: np.ndarray, load: np.ndarray) -> np.ndarray:

@@ -4,8 +4,8 @@ framework (the NumPy core, the torch binding, the JAX binding under
 ``jit``), counted and fixed capacity, flat and two-hop (core and torch):
 y and the gradients equal the per-token loop of the logical experts
 (``test_moe_matrix``'s reference: each slot runs its logical expert), the
-stats are per logical expert and per slot, a token goes to the replica on
-its own rank when there is one (the traffic says so), a drained rank holds
+stats are per logical expert and per slot, a token stays on its own rank
+when replicas there can take its share (the traffic says so), a drained rank holds
 no expert rows and gets its tokens back, and bad placements are refused on
 every rank.
 
@@ -125,13 +125,17 @@ def test_dispatch_with_a_placement(world, case):
 
 
 def test_a_replica_on_the_senders_rank_keeps_the_token_home(world):
-    """A token whose every choice has a replica on its own rank sends no
-    row to another rank: each rank's tokens choose the logical experts it
-    holds, and every row stays home (the traffic counts it)."""
+    """A token whose every choice has replicas on its own rank that can take
+    all of this rank's share of it (held * ranks >= replicas: each replica
+    takes an equal share) sends no row to another rank: each rank's tokens
+    choose such logical experts, and every row stays home (the traffic
+    counts it)."""
     num_experts = 2 * world.size
     placement = _placement(world, "replicated", num_experts)
     here = placement.slots[world.rank]
-    mine = np.unique(here[here >= 0])  # distinct logical experts held here, k alike
+    held = np.bincount(here[here >= 0], minlength=num_experts)
+    mine = np.flatnonzero((held > 0) & (held * world.size >= placement.replica_counts))
+    assert all_ranks(mine.size > 0)
     experts = np.tile(np.pad(mine, (0, here.size - mine.size), constant_values=-1),
                       (TOKENS, 1))
     x = np.ones((TOKENS, HIDDEN), np.float32)

@@ -16,10 +16,10 @@ exponent (shuffled by the seed) through the identity placement and through
 ``--redundant`` replicas (default one per rank). Every layer of one expert
 kind is timed in the same interleaved rounds (the slowest rank per step, the
 median reported) and its step set against the uniform routing's. Busiest/mean
-is measured (each rank's tokens, the replica rule sending all of one
-sender's tokens for an expert to one replica) beside the rebalancer's
-prediction (each expert's load split evenly over its replicas). The
-rebalanced layer's output is checked against the identity layer's.
+is measured (each rank's tokens, as the replica rule shares them out token
+by token) beside the rebalancer's prediction (each expert's load split
+evenly over its replicas). The rebalanced layer's output is checked against
+the identity layer's.
 """
 
 from __future__ import annotations

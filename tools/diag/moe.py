@@ -276,8 +276,7 @@ def placement_report(placement: Placement, groups: Optional[int], load: np.ndarr
     """The rebalanced placement and what its timed loop saw: the report's
     ``placement`` entry. ``predicted_rank_imbalance`` is the rebalancer's
     own measure (each expert's load split evenly over its replicas); the
-    measured one follows the replica rule, a sender's tokens for an expert
-    all going to one replica."""
+    measured one is what the replica rule sent, token by token."""
     stats = measured.stats
     return {
         "policy": "rebalance",
