@@ -2,10 +2,12 @@
 (``tests/covering.py``) of framework (the NumPy core, the torch binding, the
 JAX binding under ``jit``) x mode (counted with a capacity factor, fixed
 capacity, FP8 rows) x path (flat, two-hop, two-hop pipelined with
-``pipeline_chunks`` given to the Dispatcher) x sync/async x token spread.
-Every case either equals a per-token loop in NumPy (y, the drops per expert,
-and where the framework has autograd the gradients of x and the weights)
-or is refused on every rank with the error it names. Nothing is skipped.
+``pipeline_chunks`` given to the Dispatcher) x sync/async x token spread x
+expert placement (none; ``moe.rebalance`` of a skewed load with one
+redundant expert per rank; the same with the last rank drained). Every case
+either equals a per-token loop in NumPy (y, the drops per expert, and where
+the framework has autograd the gradients of x and the weights) or is
+refused on every rank with the error it names. Nothing is skipped.
 
 Emulated nodes for the two-hop paths: 2 ranks run as 2 nodes x 1, 3 as
 3 x 1, 4 as 2 x 2 (COMMLIB_RANKS_PER_NODE through ``ranks_per_node``).
@@ -43,18 +45,19 @@ MODES = {"counted": (1.0, False, None), "fixed": (None, True, None),
 PATHS = {"flat": (False, None), "two-hop": (True, 1), "pipelined": (True, CHUNKS)}
 FACTORS = {"framework": ["numpy", "torch", "jax"], "mode": list(MODES),
            "path": list(PATHS), "calls": ["sync", "async"],
-           "spread": ["random", "no_tokens", "one_expert", "k1", "minus_one"]}
+           "spread": ["random", "no_tokens", "one_expert", "k1", "minus_one"],
+           "placement": ["none", "replicated", "drained"]}
 # numpy and torch: every pair, and every framework x mode x path. JAX:
 # every mode x spread of the flat path (its only one), and each mode with
 # each two-hop path once (refused: no need to vary the rest)
 ALL_CASES = covering.covering(dict(FACTORS, framework=["numpy", "torch"]),
                               full=[("framework", "mode", "path")], seed=0)
 ALL_CASES += [dict(case, framework="jax", path="flat") for case in covering.covering(
-    {name: FACTORS[name] for name in ("mode", "calls", "spread")}, full=[("mode", "spread")],
-    seed=0)]
+    {name: FACTORS[name] for name in ("mode", "calls", "spread", "placement")},
+    full=[("mode", "spread")], seed=0)]
 ALL_CASES += covering.covering(dict(framework=["jax"], mode=list(MODES),
                                     path=["two-hop", "pipelined"], calls=["sync"],
-                                    spread=["random"]), seed=0)
+                                    spread=["random"], placement=["none"]), seed=0)
 # the quick tier (tests/tiers.py) runs a seeded sample of them
 QUICK_CASES = 16
 CASES = ALL_CASES if tiers.full() else covering.sample(ALL_CASES, QUICK_CASES)
@@ -100,6 +103,32 @@ def _routing(comm, spread, num_experts):
     weights = (rng.random((tokens, k)) + 0.1).astype(np.float32)
     probe = rng.standard_normal((tokens, HIDDEN)).astype(np.float32)
     return x, experts, weights, probe
+
+
+def skewed_load(num_experts):
+    """A skewed (Zipf s=1.2, shuffled) load, the same on every rank."""
+    popularity = 1.0 / np.arange(1, num_experts + 1) ** 1.2
+    return np.random.default_rng(45).permutation(popularity)
+
+
+def placement_for(world, kind, num_experts):
+    """None, or ``rebalance`` of ``skewed_load`` with one redundant expert
+    per rank, with the last rank drained for "drained"."""
+    if kind == "none":
+        return None
+    drain = (world.size - 1,) if kind == "drained" else ()
+    return moe.rebalance(skewed_load(num_experts), ranks=world.size,
+                         nodes=world.topology.num_nodes, redundant=world.size, drain=drain)
+
+
+def slot_maps(maps, placement, rank, size):
+    """This rank's experts' maps: its slots' logical experts' under a
+    placement (an empty slot gets no rows: any map), else its own."""
+    if placement is None:
+        local = maps.shape[0] // size
+        return maps[rank * local:(rank + 1) * local]
+    logical = placement.slots[rank]
+    return np.where((logical >= 0)[:, None, None], maps[np.maximum(logical, 0)], 0)
 
 
 def _maps(num_experts):
@@ -240,15 +269,16 @@ def test_moe_matrix(world, case):
     batch = _routing(world, case["spread"], num_experts)
     x, experts, weights, probe = batch
     maps = _maps(num_experts)
-    local = num_experts // world.size
-    mine = maps[world.rank * local:(world.rank + 1) * local]
+    placement = placement_for(world, case["placement"], num_experts)
+    mine = slot_maps(maps, placement, world.rank, world.size)
     refusal = _expected_refusal(case)
     Dispatcher = DISPATCHER[case["framework"]]()
 
     def make():
         limit = dict(max_tokens_per_rank=TOKENS) if fixed else {}
         return Dispatcher(world, num_experts, capacity_factor=capacity_factor,
-                          hierarchical=hierarchical, pipeline_chunks=chunks, **limit)
+                          hierarchical=hierarchical, pipeline_chunks=chunks,
+                          placement=placement, **limit)
     if refusal is not None and refusal[2] == "init":
         raises_everywhere(refusal[0], make, match=refusal[1])
         return

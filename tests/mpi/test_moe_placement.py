@@ -1,20 +1,30 @@
 """MoE dispatch and combine through an expert ``Placement`` (issue 45):
-replicas from ``rebalance`` on a skewed load, and a drained rank. Every
+replicas from ``rebalance`` on a skewed load, and a drained rank. Beside
+the conformance matrix's placement factor (``test_moe_matrix``), every
 framework (the NumPy core, the torch binding, the JAX binding under
 ``jit``), counted and fixed capacity, flat and two-hop (core and torch):
-y and the gradients equal the per-token loop of the logical experts
-(``test_moe_matrix``'s reference: each slot runs its logical expert), the
+y and the gradients equal the per-token loop of the logical experts, the
 stats are per logical expert and per slot, a token stays on its own rank
-when replicas there can take its share (the traffic says so), a drained rank holds
-no expert rows and gets its tokens back, and bad placements are refused on
-every rank.
+when replicas there can take its share (the traffic says so), a drained
+rank holds no expert rows and gets its tokens back, and bad placements are
+refused on every rank.
 
 Emulated nodes as in the matrix: 2 ranks run as 2 nodes x 1, 3 as 3 x 1,
 4 as 2 x 2."""
 
 import numpy as np
 import pytest
-from test_moe_matrix import DISPATCHER, RUN, _close, _maps, _reference, kept_choices
+from test_moe_matrix import (
+    DISPATCHER,
+    RUN,
+    _close,
+    _maps,
+    _reference,
+    kept_choices,
+    placement_for,
+    skewed_load,
+    slot_maps,
+)
 
 import commlib
 import commlib.moe as moe
@@ -42,24 +52,11 @@ def world(comm):
     nodes.free()
 
 
-def _load(num_experts):
-    """A skewed (Zipf s=1.2, shuffled) load, the same on every rank."""
-    popularity = 1.0 / np.arange(1, num_experts + 1) ** 1.2
-    return np.random.default_rng(45).permutation(popularity)
-
-
-def _placement(world, kind, num_experts):
-    """One redundant expert per rank, or every expert off the last rank."""
-    drain = (world.size - 1,) if kind == "drained" else ()
-    return moe.rebalance(_load(num_experts), ranks=world.size,
-                         nodes=world.topology.num_nodes, redundant=world.size, drain=drain)
-
-
 def _routing(comm, num_experts):
     """x [T, H], experts [T, K] drawn by the skewed load (distinct per
     token, some -1), weights, the loss probe."""
     rng = np.random.default_rng([45, comm.rank])
-    p = _load(num_experts)
+    p = skewed_load(num_experts)
     experts = np.stack([rng.choice(num_experts, K, replace=False, p=p / p.sum())
                         for _ in range(TOKENS)]).astype(np.int64)
     experts[rng.random(experts.shape) < 0.15] = -1
@@ -67,13 +64,6 @@ def _routing(comm, num_experts):
     weights = (rng.random((TOKENS, K)) + 0.1).astype(np.float32)
     probe = rng.standard_normal((TOKENS, HIDDEN)).astype(np.float32)
     return x, experts, weights, probe
-
-
-def _slot_maps(maps, placement, rank):
-    """Each of this rank's slots runs its logical expert's map (an empty
-    slot gets no rows: any map)."""
-    logical = placement.slots[rank]
-    return np.where((logical >= 0)[:, None, None], maps[np.maximum(logical, 0)], 0)
 
 
 def _sent_rows(comm, experts, kept, placement):
@@ -94,14 +84,15 @@ def test_dispatch_with_a_placement(world, case):
     framework, mode, hierarchical, kind = case
     num_experts = 2 * world.size
     capacity_factor, limit = MODES[mode]
-    placement = _placement(world, kind, num_experts)
+    placement = placement_for(world, kind, num_experts)
     batch = _routing(world, num_experts)
     x, experts, weights, probe = batch
     maps = _maps(num_experts)
     d = DISPATCHER[framework]()(world, num_experts, capacity_factor=capacity_factor,
                                 max_tokens_per_rank=limit, hierarchical=hierarchical,
                                 placement=placement)
-    y, dx, dw, handle = RUN[framework](world, d, batch, _slot_maps(maps, placement, world.rank),
+    y, dx, dw, handle = RUN[framework](world, d, batch,
+                                       slot_maps(maps, placement, world.rank, world.size),
                                        None, "sync")
     want_y, want_dx, want_dw, kept, dropped = _reference(x, experts, weights, probe, maps,
                                                          capacity_factor, None)
@@ -131,7 +122,7 @@ def test_a_replica_on_the_senders_rank_keeps_the_token_home(world):
     choose such logical experts, and every row stays home (the traffic
     counts it)."""
     num_experts = 2 * world.size
-    placement = _placement(world, "replicated", num_experts)
+    placement = placement_for(world, "replicated", num_experts)
     here = placement.slots[world.rank]
     held = np.bincount(here[here >= 0], minlength=num_experts)
     mine = np.flatnonzero((held > 0) & (held * world.size >= placement.replica_counts))
@@ -154,15 +145,15 @@ def test_bad_placements_are_refused_on_every_rank(world, framework):
     constructor on every rank, with the problem named."""
     num_experts = 2 * world.size
     Dispatcher = DISPATCHER[framework]()
-    good = _placement(world, "replicated", num_experts)
-    other_world = moe.rebalance(_load(num_experts), ranks=world.size + 1, redundant=1)
+    good = placement_for(world, "replicated", num_experts)
+    other_world = moe.rebalance(skewed_load(num_experts), ranks=world.size + 1, redundant=1)
     raises_everywhere(commlib.CollectiveMismatchError,
                       lambda: Dispatcher(world, num_experts, placement=other_world),
                       match=f"the placement is for {world.size + 1} ranks")
     raises_everywhere(commlib.CollectiveMismatchError,
                       lambda: Dispatcher(world, num_experts + 1, placement=good),
                       match="must equal the placement's num_logical")
-    mine = good if world.rank else _placement(world, "drained", num_experts)
+    mine = good if world.rank else placement_for(world, "drained", num_experts)
     raises_everywhere(commlib.CollectiveMismatchError,
                       lambda: Dispatcher(world, num_experts, placement=mine),
                       match="different arguments")
