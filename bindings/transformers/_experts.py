@@ -18,7 +18,7 @@ hold a part, which ``allreduce_gradients`` sums over them.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -38,6 +38,7 @@ __all__ = ["IMPLEMENTATION", "EXPERT_PARALLEL", "register_experts", "expert_para
 IMPLEMENTATION = "commlib_ep"
 EXPERT_PARALLEL = "_commlib_expert_parallel"  # on Parameters that hold this rank's experts only
 _DISPATCHER = "commlib_dispatcher"            # on experts modules made expert-parallel
+_DECODE_DISPATCHERS = "_commlib_decode_dispatchers"  # theirs for replicated tokens, by share
 # whether the tokens of this forward are the same on every rank (replicated_tokens()):
 # a plain module flag, which torch.compile reads (and guards on) without a break;
 # a ContextVar's get() breaks the graph at every experts module
@@ -125,7 +126,7 @@ def replicated_tokens() -> Iterator[None]:
 def _decode_dispatcher(experts: nn.Module, core: CoreDispatcher, tokens: int) -> CoreDispatcher:
     """The module's fixed-capacity Dispatcher for shares of ``tokens``
     replicated tokens (made once per share size, on every rank alike)."""
-    made = experts.__dict__.setdefault("_commlib_decode_dispatchers", {})
+    made = experts.__dict__.setdefault(_DECODE_DISPATCHERS, {})
     share = share_size(tokens, core.comm.size)
     if share not in made:
         made[share] = CoreDispatcher(core.comm, core.num_experts, max_tokens_per_rank=share,
@@ -211,9 +212,38 @@ def _keep_local_experts(experts: nn.Module, comm, max_tokens_per_rank: Optional[
             shard = nn.Parameter(slots, requires_grad=full.requires_grad)
             setattr(shard, EXPERT_PARALLEL, True)
             setattr(experts, name, shard)
+    _attach_dispatcher(experts, comm, max_tokens_per_rank, placement)
+
+
+def _attach_dispatcher(experts: nn.Module, comm, max_tokens_per_rank: Optional[int],
+                       placement: Optional[Placement]) -> None:
+    """The module's Dispatcher for ``placement`` (collective), its decode
+    Dispatchers (``_decode_dispatcher``) dropped: they follow it."""
     setattr(experts, _DISPATCHER, Dispatcher(comm, experts.num_experts,
                                              max_tokens_per_rank=max_tokens_per_rank,
                                              placement=placement))
+    experts.__dict__.pop(_DECODE_DISPATCHERS, None)
+
+
+def expert_weights(experts: nn.Module) -> Dict[str, nn.Parameter]:
+    """An expert-parallel module's expert parameters, laid out by its slots."""
+    return {name: experts._parameters[name] for name in _expert_parameter_names(experts)}
+
+
+def relayout(experts: nn.Module, placement: Placement, weights: Dict[str, torch.Tensor]) -> None:
+    """Switch an expert-parallel module to ``placement`` (collective): its
+    expert parameters (the same Parameter objects) take ``weights``, laid
+    out by the placement's slots, and its Dispatchers are made for it."""
+    core = dispatcher_of(experts).core
+    for name, tensor in weights.items():
+        experts._parameters[name].data = tensor
+    _attach_dispatcher(experts, core.comm, core.max_tokens_per_rank, placement)
+
+
+def decode_dispatchers(experts: nn.Module) -> List[CoreDispatcher]:
+    """The fixed-capacity Dispatchers decode has made for the module, in
+    the order made (the same on every rank)."""
+    return list(experts.__dict__.get(_DECODE_DISPATCHERS, {}).values())
 
 
 def _placements(placement: Union[None, Placement, Sequence[Placement]],
@@ -239,10 +269,15 @@ def expert_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
             if hasattr(module, _DISPATCHER)]
 
 
+def dispatcher_of(experts: nn.Module) -> Dispatcher:
+    """An expert-parallel experts module's Dispatcher."""
+    return getattr(experts, _DISPATCHER)
+
+
 def placement_of(experts: nn.Module) -> Optional[Placement]:
     """The placement an expert-parallel experts module's slots follow (None:
     expert e on rank e // (E/P))."""
-    return getattr(experts, _DISPATCHER).core.placement
+    return dispatcher_of(experts).core.placement
 
 
 def expert_parallel(model: nn.Module, comm, *, max_tokens_per_rank: Optional[int] = None,
