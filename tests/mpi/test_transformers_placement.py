@@ -13,8 +13,10 @@ expert's gradients over its replicas): the loss, every gradient and every
 weight (each slot of each rank against its logical expert's, an empty slot
 zero) equal the reference's within the MoE combine's float32 sums (1e-6 of
 scale; docs/architecture.md, precision), and every replica of an expert
-holds the same bits as the others after each step. Bad placements are
-refused on every rank, the model unchanged.
+holds the same bits as the others after each step. The experts classes
+whose flags those two families do not use (GPT-OSS, NemotronH, MuseSpark)
+match the unsharded module under a placement. Bad placements are refused
+on every rank, the model unchanged.
 """
 
 import copy
@@ -31,9 +33,11 @@ transformers = requires.module("transformers")
 from test_transformers_moe import (  # noqa: E402
     EXPERTS,
     FAMILIES,
+    FEATURES,
     ROWS_PER_RANK,
     SEQ,
     VOCAB,
+    MuseSparkExperts,
     causal_lm,
 )
 
@@ -70,24 +74,26 @@ def next_token_loss(model, tokens: torch.Tensor) -> torch.Tensor:
                                              tokens[:, 1:].reshape(-1))
 
 
-def close(mine: torch.Tensor, reference: torch.Tensor) -> bool:
+def close(mine: torch.Tensor, reference: torch.Tensor, tolerance: float = TOLERANCE) -> bool:
     scale = max(reference.abs().max().item(), 1e-300)
-    return (mine - reference).abs().max().item() <= TOLERANCE * scale
+    return (mine - reference).abs().max().item() <= tolerance * scale
 
 
-def mismatches(comm, reference, model, per_layer, what) -> list:
+def mismatches(comm, reference, model, per_layer, what, tolerance=TOLERANCE) -> list:
     """Names whose ``what`` ("grad" or "data") differs from the reference's:
     an expert parameter slot by slot against its logical expert's rows (an
-    empty slot against zeros)."""
+    empty slot against zeros). ``per_layer``: each layer's placement (a bare
+    experts module: one)."""
     expected = dict(reference.named_parameters())
     wrong = []
     for name, parameter in model.named_parameters():
         wanted, mine = getattr(expected[name], what), getattr(parameter, what)
         if getattr(parameter, EXPERT_PARALLEL, False):
-            held = torch.tensor(per_layer[int(name.split(".")[2])].slots[comm.rank])
+            layer = int(name.split(".")[2]) if len(per_layer) > 1 else 0
+            held = torch.tensor(per_layer[layer].slots[comm.rank])
             wanted = torch.where((held >= 0).reshape((-1,) + (1,) * (wanted.ndim - 1)),
                                  wanted[held.clamp(min=0)], 0)
-        if mine is None or not close(mine, wanted):
+        if mine is None or not close(mine, wanted, tolerance):
             wrong.append(name)
     return wrong
 
@@ -140,6 +146,35 @@ def test_sgd_steps_keep_every_replica_equal_to_the_unsharded_expert(comm, family
         report += [(step, "replicas differ", name)
                    for name in unequal_replicas(comm, model, per_layer)]
     assert all_ranks(not report), report
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_other_experts_classes_under_a_placement(comm, feature):
+    """The experts classes whose flags the two families do not use
+    (transposed weights with biases, no gate, a post-expert norm; float32):
+    outputs, input gradients and each slot's gradients (replicas summed,
+    biases too) against the unsharded module on every rank's tokens."""
+    if feature == "post-expert-norm" and MuseSparkExperts is None:
+        pytest.skip(f"transformers {transformers.__version__} has no post-expert norm")
+    reference = FEATURES[feature]()
+    placement = placements("drained", comm.size)
+    module = expert_parallel(copy.deepcopy(reference), comm, placement=placement)
+    tokens, width = 6, reference.down_proj.shape[2 if reference.is_transposed else 1]
+    gen = torch.Generator().manual_seed(2)
+    count = tokens * comm.size
+    x = torch.randn(count, width, generator=gen, requires_grad=True)
+    index = torch.rand(count, EXPERTS, generator=gen).topk(2).indices
+    weights = torch.rand(count, 2, generator=gen)
+    probe = torch.randn(count, width, generator=gen)
+    (reference(x, index, weights) * probe).sum().backward()
+    rows = slice(comm.rank * tokens, (comm.rank + 1) * tokens)
+    x_mine = x.detach()[rows].requires_grad_()
+    out = module(x_mine, index[rows], weights[rows])
+    (out * probe[rows]).sum().backward()
+    allreduce_gradients(module, comm)
+    expected = reference(x.detach(), index, weights)[rows]
+    assert all_ranks(close(out, expected, 1e-5) and close(x_mine.grad, x.grad[rows], 1e-5)
+                     and not mismatches(comm, reference, module, [placement], "grad", 1e-5))
 
 
 def test_each_rank_holds_its_slots(comm):
