@@ -46,7 +46,9 @@ class Rebalancer:
         self.moving: List[Tuple[nn.Module, Placement, PendingMove]] = []
         # what each module's main Dispatcher had counted at its last rebalance
         self.counted: Dict[int, np.ndarray] = {
-            id(m): np.array(dispatcher_of(m).stats.tokens_per_expert) for m in self.modules}
+            id(m): np.zeros(m.num_experts, np.int64) for m in self.modules}
+        for module in self.modules:  # the window opens: earlier calls' counts left out
+            self._load(module)
 
     def after_step(self) -> None:
         """After a decode step: moves started one step ago finish and the

@@ -175,13 +175,13 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, comm, *,
         cache.recurrent = recurrent_states(model.config) \
             if has_parallel_recurrent_layers(model) else None
     sampler = _Sampler(plan.processors, _generator(plan, seed, comm, input_ids.device))
+    rebalancer = None if rebalance_every is None else \
+        Rebalancer(model, comm, rebalance_every, redundant_experts)
     with _generation_attention(model, comm, name) as decoding:
         logits = _prefill(model, input_ids, cache, comm, name, prefill_method)
         stepper = _CompiledDecode(model, cache, comm, decoding, plan.max_length,
                                   input_ids.shape[0], input_ids.device) \
             if compile_decode else None
-        rebalancer = None if rebalance_every is None else \
-            Rebalancer(model, comm, rebalance_every, redundant_experts)
         sequences, scores = _decode(model, input_ids, cache, comm, logits, sampler, plan,
                                     stepper, rebalancer)
     cache.history = _history(sequences[:, :cache.length])
