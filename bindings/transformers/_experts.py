@@ -5,24 +5,29 @@ which keeps each rank's experts and switches a model to it.
 
 Every rank runs the router on its own tokens, unchanged. Dispatch sends each
 token to the ranks that own its top-k experts (expert e of E on rank
-``e // (E/P)``), the owner runs its experts' MLPs on contiguous row groups,
-and combine returns each token's routing-weighted sum. Gradients reach the
+``e // (E/P)``, or under a ``commlib.moe.Placement`` the slots of its
+replicas), the owner runs its slots' MLPs on contiguous row groups, and
+combine returns each token's routing-weighted sum. Gradients reach the
 tokens, the routing weights (hence the router) and the local expert weights.
 An expert's gradient is complete on its owner, which computed every token
 that used it, so its parameters carry ``_commlib_expert_parallel`` and stay
-out of the data-parallel gradient sum.
+out of the data-parallel gradient sum; a replicated expert's replicas each
+hold a part, which ``allreduce_gradients`` sums over them.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
 from commlib.moe import Dispatcher as CoreDispatcher
+from commlib.moe import Placement
+from commlib.moe.contract import placement_fingerprint, placement_problem
+from commlib.moe.placement import EMPTY
 from commlib.moe.replicated import replicated_moe, share_size
 
 from ..torch import Dispatcher
@@ -33,6 +38,7 @@ __all__ = ["IMPLEMENTATION", "EXPERT_PARALLEL", "register_experts", "expert_para
 IMPLEMENTATION = "commlib_ep"
 EXPERT_PARALLEL = "_commlib_expert_parallel"  # on Parameters that hold this rank's experts only
 _DISPATCHER = "commlib_dispatcher"            # on experts modules made expert-parallel
+_DECODE_DISPATCHERS = "_commlib_decode_dispatchers"  # theirs for replicated tokens, by share
 # whether the tokens of this forward are the same on every rank (replicated_tokens()):
 # a plain module flag, which torch.compile reads (and guards on) without a break;
 # a ContextVar's get() breaks the graph at every experts module
@@ -120,7 +126,7 @@ def replicated_tokens() -> Iterator[None]:
 def _decode_dispatcher(experts: nn.Module, core: CoreDispatcher, tokens: int) -> CoreDispatcher:
     """The module's fixed-capacity Dispatcher for shares of ``tokens``
     replicated tokens (made once per share size, on every rank alike)."""
-    made = experts.__dict__.setdefault("_commlib_decode_dispatchers", {})
+    made = experts.__dict__.setdefault(_DECODE_DISPATCHERS, {})
     share = share_size(tokens, core.comm.size)
     if share not in made:
         made[share] = CoreDispatcher(core.comm, core.num_experts, max_tokens_per_rank=share,
@@ -151,8 +157,9 @@ def _holds_expert_weights(module: nn.Module) -> bool:
     return hasattr(module, "num_experts") and weight is not None and weight.ndim >= 3
 
 
-def _refusal(experts: nn.Module, size: int) -> Optional[str]:
-    """Why this experts module cannot be split over ``size`` ranks (None: it can)."""
+def _refusal(experts: nn.Module, comm, placement: Optional[Placement]) -> Optional[str]:
+    """Why this experts module cannot be split over ``comm`` as ``placement``
+    says (None: it can)."""
     kind = type(experts).__name__
     if not all(hasattr(experts, flag) for flag in _MARKERS):
         return (f"{kind} holds expert weights but is not an ExpertsInterface class "
@@ -163,8 +170,12 @@ def _refusal(experts: nn.Module, size: int) -> Optional[str]:
                 f"(distributed_config / tp_plan); use that or expert_parallel, not both")
     if hasattr(experts, _DISPATCHER):
         return f"{kind} is already expert-parallel: expert_parallel was called twice"
-    count = experts.num_experts
-    if count % size:
+    count, size = experts.num_experts, comm.size
+    if placement is not None:
+        problem = placement_problem(comm, count, placement)
+        if problem is not None:
+            return f"{kind}: {problem}"
+    elif count % size:
         return (f"{kind} has {count} experts, which the world size {size} does not "
                 f"divide (expert e lives on rank e // (num_experts // size))")
     expected = _expert_parameter_names(experts)
@@ -180,49 +191,138 @@ def _refusal(experts: nn.Module, size: int) -> Optional[str]:
     return None
 
 
-def _keep_local_experts(experts: nn.Module, comm, max_tokens_per_rank: Optional[int]) -> None:
-    """Replace each expert parameter by this rank's slice, a copy of its own
-    so that the full tensor's memory is freed, and attach the Dispatcher.
-    ``num_experts`` stays global: the router's ids are global."""
-    local = experts.num_experts // comm.size
-    first = comm.rank * local
+def _keep_local_experts(experts: nn.Module, comm, max_tokens_per_rank: Optional[int],
+                        placement: Optional[Placement]) -> None:
+    """Replace each expert parameter by this rank's slots, a copy of its
+    own so that the full tensor's memory is freed, and attach the
+    Dispatcher. Slot j holds logical expert ``placement.slots[rank][j]``
+    (without a placement, expert ``rank * E/P + j``); an empty slot is
+    zeros. ``num_experts`` stays global: the router's ids are logical."""
+    if placement is None:
+        local = experts.num_experts // comm.size
+        held = list(range(comm.rank * local, (comm.rank + 1) * local))
+    else:
+        held = placement.slots[comm.rank].tolist()
+    rows = torch.tensor([max(e, 0) for e in held])
     with torch.no_grad():
         for name in _expert_parameter_names(experts):
             full = experts._parameters[name]
-            shard = nn.Parameter(full[first:first + local].clone(),
-                                 requires_grad=full.requires_grad)
+            slots = full.detach()[rows.to(full.device)]
+            slots[torch.tensor(held) == EMPTY] = 0
+            shard = nn.Parameter(slots, requires_grad=full.requires_grad)
             setattr(shard, EXPERT_PARALLEL, True)
             setattr(experts, name, shard)
+    _attach_dispatcher(experts, comm, max_tokens_per_rank, placement)
+
+
+def _attach_dispatcher(experts: nn.Module, comm, max_tokens_per_rank: Optional[int],
+                       placement: Optional[Placement]) -> None:
+    """The module's Dispatcher for ``placement`` (collective), its decode
+    Dispatchers (``_decode_dispatcher``) dropped: they follow it."""
     setattr(experts, _DISPATCHER, Dispatcher(comm, experts.num_experts,
-                                             max_tokens_per_rank=max_tokens_per_rank))
+                                             max_tokens_per_rank=max_tokens_per_rank,
+                                             placement=placement))
+    experts.__dict__.pop(_DECODE_DISPATCHERS, None)
 
 
-def expert_parallel(model: nn.Module, comm, *,
-                    max_tokens_per_rank: Optional[int] = None) -> nn.Module:
+def expert_weights(experts: nn.Module) -> Dict[str, nn.Parameter]:
+    """An expert-parallel module's expert parameters, laid out by its slots."""
+    return {name: experts._parameters[name] for name in _expert_parameter_names(experts)}
+
+
+def relayout(experts: nn.Module, placement: Placement, weights: Dict[str, torch.Tensor]) -> None:
+    """Switch an expert-parallel module to ``placement`` (collective): its
+    expert parameters (the same Parameter objects) take ``weights``, laid
+    out by the placement's slots, and its Dispatchers are made for it."""
+    core = dispatcher_of(experts).core
+    for name, tensor in weights.items():
+        experts._parameters[name].data = tensor
+    _attach_dispatcher(experts, core.comm, core.max_tokens_per_rank, placement)
+
+
+def decode_dispatchers(experts: nn.Module) -> List[CoreDispatcher]:
+    """The fixed-capacity Dispatchers decode has made for the module, in
+    the order made (the same on every rank)."""
+    return list(experts.__dict__.get(_DECODE_DISPATCHERS, {}).values())
+
+
+def _placements(placement: Union[None, Placement, Sequence[Placement]],
+                count: int) -> Union[List[Optional[Placement]], ValueError]:
+    """One placement (or None) per experts module, or why not."""
+    if placement is None or isinstance(placement, Placement):
+        return [placement] * count
+    listed = list(placement) if isinstance(placement, (list, tuple)) else None
+    if listed is None:
+        return ValueError(f"placement must be a commlib.moe.Placement, a sequence of them "
+                          f"(one per experts module) or None, got {type(placement).__name__}")
+    if len(listed) != count:
+        return ValueError(f"placement lists {len(listed)} placements, but the model has "
+                          f"{count} experts modules: give one for each, in model.modules() "
+                          f"order, or one for all")
+    return listed
+
+
+def expert_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """The experts modules ``expert_parallel`` split, with their names, in
+    ``model.named_modules()`` order."""
+    return [(name, module) for name, module in model.named_modules()
+            if hasattr(module, _DISPATCHER)]
+
+
+def dispatcher_of(experts: nn.Module) -> Dispatcher:
+    """An expert-parallel experts module's Dispatcher."""
+    return getattr(experts, _DISPATCHER)
+
+
+def placement_of(experts: nn.Module) -> Optional[Placement]:
+    """The placement an expert-parallel experts module's slots follow (None:
+    expert e on rank e // (E/P))."""
+    return dispatcher_of(experts).core.placement
+
+
+def expert_parallel(model: nn.Module, comm, *, max_tokens_per_rank: Optional[int] = None,
+                    placement: Union[None, Placement, Sequence[Placement]] = None
+                    ) -> nn.Module:
     """Split every experts module of ``model`` over ``comm`` (collective):
     each rank keeps experts ``rank * E/P`` to ``(rank + 1) * E/P - 1``, their
     parameters marked ``_commlib_expert_parallel``, and the experts run
-    ``"commlib_ep"``. ``max_tokens_per_rank``: the Dispatchers' fixed
+    ``"commlib_ep"``. ``placement``: a ``commlib.moe.Placement`` of the
+    E logical experts on ``comm``'s ranks for every experts module, or a
+    sequence of them, one per experts module in ``model.modules()`` order:
+    each rank then keeps one copy of logical expert e's weights for each
+    of its slots holding e (``placement.slots[rank]``; an empty slot,
+    zeros), and the module's Dispatcher takes the placement (replicas
+    share their expert's tokens; ``allreduce_gradients`` sums their
+    gradients). ``max_tokens_per_rank``: the Dispatchers' fixed
     capacity (no host read per forward: the model then compiles whole under
     ``torch.compile(fullgraph=True)``; tokens past a capacity are dropped and
     counted); default the counted mode (one graph break at each dispatch).
     Call it before building the optimizer; ``state_dict()`` then holds this
-    rank's experts. A model that cannot be split (E not a
-    multiple of the world size, an experts class whose features commlib_ep
-    does not compute) raises ValueError on every rank, unchanged."""
+    rank's experts (slots). A model that cannot be split (E not a multiple
+    of the world size without a placement, a placement of other experts or
+    for another world size, a wrong number of placements, an experts class
+    whose features commlib_ep does not compute) raises ValueError on every
+    rank, unchanged."""
     register_experts()
     experts = [module for module in model.modules() if _holds_expert_weights(module)]
-    refusals = [reason for reason in (_refusal(module, comm.size) for module in experts)
-                if reason is not None]
+    placements = _placements(placement, len(experts))
+    if isinstance(placements, ValueError):
+        refusals, placements = [str(placements)], [None] * len(experts)
+    else:
+        refusals = []
+    refusals += [reason for reason in (_refusal(module, comm, where)
+                                       for module, where in zip(experts, placements))
+                 if reason is not None]
     if not experts:
         refusals.append(f"{type(model).__name__} has no experts module (num_experts and 3-D "
                         f"expert weights, from transformers' use_experts_implementation)")
     problem = ValueError("; ".join(dict.fromkeys(refusals))) if refusals else None
     comm.agree("transformers.expert_parallel",
-               *(f"{type(module).__name__}: {module.num_experts} experts" for module in experts),
-               problem=problem)
-    for module in experts:
-        _keep_local_experts(module, comm, max_tokens_per_rank)
+               *(f"{type(module).__name__}: {module.num_experts} experts, "
+                 f"{placement_fingerprint(where)}"
+                 for module, where in zip(experts, placements)), problem=problem)
+    for module, where in zip(experts, placements):
+        _keep_local_experts(module, comm, max_tokens_per_rank, where)
         # what the decorated forward reads; the setter reaches the config's sub-configs
         module.config._experts_implementation = IMPLEMENTATION
     return model

@@ -67,8 +67,9 @@ from ._attention import (
     window_of,
 )
 from ._batch import sharded_batch
+from ._expert_rebalance import Rebalancer
 from ._experts import IMPLEMENTATION as EXPERTS
-from ._experts import replicated_tokens
+from ._experts import expert_modules, replicated_tokens
 from ._model_check import model_problem
 from ._recurrent import has_parallel_recurrent_layers
 from ._recurrent_generation import generation_states, recurrent_states
@@ -126,7 +127,8 @@ _ACTIVE: contextvars.ContextVar[Optional[_Step]] = contextvars.ContextVar("comml
 def generate(model: torch.nn.Module, input_ids: torch.Tensor, comm, *,
              past_key_values: Optional[ShardedKVCache] = None, seed: Optional[int] = None,
              prefill: Optional[str] = None, prefill_method: str = "auto",
-             compile_decode: bool = False, **generate_kwargs: Any) -> Any:
+             compile_decode: bool = False, rebalance_every: Optional[int] = None,
+             redundant_experts: Optional[int] = None, **generate_kwargs: Any) -> Any:
     """``model.generate(input_ids, **generate_kwargs)`` over ``comm``, on
     every rank with the same ``input_ids`` [batch, length] (rows of equal
     length: no padding). The options are resolved by transformers' own
@@ -148,30 +150,40 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, comm, *,
     ``"commlib_ring"``); ``prefill_method``: a later turn's "pass_q",
     "pass_kv" or "auto". ``compile_decode``: the decode step compiled
     (``torch.compile(fullgraph=True)``, one trace for the call; dense
-    models). Anything else that changes the picked tokens (beams,
-    penalties, masked tokens, ...) is refused on every rank."""
+    models). ``rebalance_every``: on a model made ``expert_parallel``,
+    every that many decode steps each experts module's load since its last
+    rebalance chooses a new placement (``commlib.moe.rebalance`` from the
+    current one, with ``redundant_experts`` replicas beyond one per expert;
+    default as many as it has now); the weights that move travel while the
+    old placement answers the next step, and every rank switches after it
+    (vLLM's EPLB; the tokens are a run's without it). Anything else that
+    changes the picked tokens (beams, penalties, masked tokens, ...) is
+    refused on every rank."""
     name = prefill or _model_layout_name(model)
     plan, problem = _plan(model, input_ids, generate_kwargs)
     if problem is None:
         problem = _input_problem(model, input_ids, past_key_values, plan, name, comm,
-                                 prefill_method, compile_decode)
+                                 prefill_method, compile_decode) or \
+            _rebalance_problem(model, rebalance_every, redundant_experts, compile_decode)
     comm.agree("transformers.generate", tuple(input_ids.shape), _history(input_ids),
                None if plan is None else plan.digest, seed, name, prefill_method,
                None if past_key_values is None else past_key_values.digest(),
-               bool(compile_decode), problem=problem)
+               bool(compile_decode), rebalance_every, redundant_experts, problem=problem)
     cache = past_key_values
     if cache is None:
         cache = ShardedKVCache(model.config.num_hidden_layers, comm.size, comm.rank)
         cache.recurrent = recurrent_states(model.config) \
             if has_parallel_recurrent_layers(model) else None
     sampler = _Sampler(plan.processors, _generator(plan, seed, comm, input_ids.device))
+    rebalancer = None if rebalance_every is None else \
+        Rebalancer(model, comm, rebalance_every, redundant_experts)
     with _generation_attention(model, comm, name) as decoding:
         logits = _prefill(model, input_ids, cache, comm, name, prefill_method)
         stepper = _CompiledDecode(model, cache, comm, decoding, plan.max_length,
                                   input_ids.shape[0], input_ids.device) \
             if compile_decode else None
         sequences, scores = _decode(model, input_ids, cache, comm, logits, sampler, plan,
-                                    stepper)
+                                    stepper, rebalancer)
     cache.history = _history(sequences[:, :cache.length])
     if not plan.config.return_dict_in_generate:
         return sequences
@@ -307,6 +319,30 @@ def _input_problem(model, input_ids: torch.Tensor, cache: Optional[ShardedKVCach
         return ValueError(f"the cache holds the first {cache.length} tokens of another "
                           f"conversation: input_ids must start with those tokens and add "
                           f"new ones")
+    return None
+
+
+def _rebalance_problem(model, every: Any, redundant: Any,
+                       compile_decode: bool) -> Optional[ValueError]:
+    """What is wrong with this call's ``rebalance_every`` and
+    ``redundant_experts`` (None: nothing)."""
+    if every is None:
+        return None if redundant is None else ValueError(
+            "redundant_experts applies only with rebalance_every (the replicas a rebalance "
+            "places); give both, or neither")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        return ValueError(f"rebalance_every must be a number of decode steps >= 1, got "
+                          f"{every!r}")
+    if redundant is not None and (isinstance(redundant, bool) or not isinstance(redundant, int)
+                                  or redundant < 0):
+        return ValueError(f"redundant_experts must be an int >= 0, got {redundant!r}")
+    if not expert_modules(model):
+        return ValueError("rebalance_every needs a model made expert_parallel (its experts "
+                          "placed over the ranks): call expert_parallel(model, comm) first")
+    if compile_decode:
+        return ValueError("rebalance_every is not implemented with compile_decode: a switch "
+                          "replaces the expert parameters and Dispatchers that the compiled "
+                          "step was traced with; generate with one or the other")
     return None
 
 
@@ -545,11 +581,13 @@ def _from(comm, logits: torch.Tensor, holder: int) -> torch.Tensor:
 
 def _decode(model, input_ids: torch.Tensor, cache: ShardedKVCache, comm,
             logits: torch.Tensor, sampler: "_Sampler", plan: _Plan,
-            stepper: Optional[_CompiledDecode] = None
+            stepper: Optional[_CompiledDecode] = None,
+            rebalancer: Optional[Rebalancer] = None
             ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """New tokens, one a step, as model.generate picks them: a finished row
     (its eos picked) takes the pad token from then on; stop when every row
-    is finished or the length is reached."""
+    is finished or the length is reached. ``rebalancer`` sees each decode
+    step end, and finishes a move still in flight at the end."""
     sequences, scores = input_ids, []
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     eos = torch.tensor(plan.eos, dtype=input_ids.dtype, device=input_ids.device)
@@ -559,6 +597,8 @@ def _decode(model, input_ids: torch.Tensor, cache: ShardedKVCache, comm,
         elif made:
             position = np.array([sequences.shape[1] - 1])
             logits = _replicated(model, sequences[:, -1:], position, cache, comm)
+        if made and rebalancer is not None:
+            rebalancer.after_step()
         scored, picked = sampler.pick(sequences, logits)
         scores.append(scored)
         if plan.eos:
@@ -570,6 +610,8 @@ def _decode(model, input_ids: torch.Tensor, cache: ShardedKVCache, comm,
             break
     if stepper is not None:
         stepper.finish(sequences.shape[1] - 1)
+    if rebalancer is not None:
+        rebalancer.finish()
     return sequences, scores
 
 

@@ -33,25 +33,39 @@ from ..namespace import (
 from .contract import placement_fingerprint, placement_problem
 from .placement import EMPTY, Placement, moves
 
-__all__ = ["move_expert_weights", "sum_replica_gradients"]
+__all__ = ["move_expert_weights", "start_expert_move", "PendingMove",
+           "sum_replica_gradients"]
 
 
 def move_expert_weights(comm, weights: Any, current: Placement, new: Placement) -> Any:
     """``weights`` laid out by slot under ``current`` (one array or a dict of
     arrays, each ``[current.slots_per_rank, ...]``), returned laid out by
     slot under ``new`` (``[new.slots_per_rank, ...]``, the same structure,
-    framework and dtypes). Collective.
+    framework and dtypes). Collective: ``start_expert_move(...).finish()``.
 
     Only what moves travels, in one ``alltoallv`` (none when nothing moves):
     a rank receives each logical expert it gains and holds nowhere now once,
     from the rank ``moves`` names (a holder on its node first), every array
     of it in the same row. A weight this rank holds already, in any slot, is
     copied locally. An empty slot of ``new`` (a drained rank has only those)
-    is zeros. Every rank must pass the same placements, array names, dtypes
-    and trailing shapes: else, or where a rank's input is wrong (placements
-    for another world size or other experts, a leading size other than
+    is zeros. Each array of the new layout is written once: one
+    concatenation of slices of this rank's rows and of the rows received.
+    Every rank must pass the same placements, array names, dtypes and
+    trailing shapes: else, or where a rank's input is wrong (placements for
+    another world size or other experts, a leading size other than
     ``current.slots_per_rank``), ``CollectiveMismatchError`` on every rank.
     """
+    return start_expert_move(comm, weights, current, new).finish()
+
+
+def start_expert_move(comm, weights: Any, current: Placement, new: Placement) -> "PendingMove":
+    """``move_expert_weights`` started: the rows that travel are packed and
+    posted, and this returns while they cross, so that a server keeps
+    answering with ``weights`` (``current``'s layout) meanwhile; ``finish()``
+    waits for them and returns the new layout. Collective, like every
+    collective started in the same order on every rank. The rows sent are
+    read now, the rows kept at ``finish()``: ``weights`` must not change in
+    between."""
     arrays, rebuild = _flatten(weights)
     problem = _placements_problem(comm, current, new) or _arrays_problem(arrays, current)
     facts = () if problem else (placement_fingerprint(current), placement_fingerprint(new),
@@ -63,19 +77,36 @@ def move_expert_weights(comm, weights: Any, current: Placement, new: Placement) 
     travelling = moves(current, new)
     sent = sorted((t for t in travelling if t[1] == rank), key=lambda t: t[2])
     arriving = sorted((t for t in travelling if t[2] == rank), key=lambda t: t[1])
-    received: Optional[List[Any]] = None
+    pending = None
     if travelling:  # the same list on every rank: all exchange, or none
         payload = _pack(arrays, [first_slot[e] for e, _, _ in sent])
-        raw, _ = comm.alltoallv(payload, _per_rank([t[2] for t in sent], comm.size),
-                                _per_rank([t[1] for t in arriving], comm.size))
-        received = _unpack(raw, arrays)
+        pending = comm.alltoallv_async(payload, _per_rank([t[2] for t in sent], comm.size),
+                                       _per_rank([t[1] for t in arriving], comm.size))
     arrived = {expert: len(holds) + i for i, (expert, _, _) in enumerate(arriving)}
     zero = len(holds) + len(arriving)
     source = [zero if e == EMPTY else first_slot[e] if e in first_slot else arrived[e]
               for e in new.slots[rank].tolist()]
-    moved = [take_rows(_pool(a, None if received is None else received[i]),
-                       from_host_ints(source, like=a)) for i, a in enumerate(arrays)]
-    return rebuild(moved)
+    return PendingMove(arrays, rebuild, source, pending)
+
+
+class PendingMove:
+    """A move of expert weights in flight (``start_expert_move``).
+    ``finish()`` (once, on every rank) waits for the rows on the wire and
+    returns the weights laid out by the new placement's slots. Dropped
+    unfinished, its exchange is abandoned as any ``Pending``'s is."""
+
+    def __init__(self, arrays: List[Any], rebuild, source: List[int], pending: Any):
+        self._arrays, self._rebuild, self._source = arrays, rebuild, source
+        self._pending, self._finished = pending, False
+
+    def finish(self) -> Any:
+        if self._finished:
+            raise RuntimeError("this expert move was already finished")
+        self._finished = True
+        received = [None] * len(self._arrays) if self._pending is None else \
+            _unpack(self._pending.wait(), self._arrays)
+        return self._rebuild([_assemble(a, r, self._source)
+                              for a, r in zip(self._arrays, received)])
 
 
 def sum_replica_gradients(comm, grads: Any, placement: Placement) -> Any:
@@ -126,7 +157,7 @@ def sum_replica_gradients(comm, grads: Any, placement: Placement) -> Any:
                     [[where[r, e] for r in ranks_of[e]] for e in mine])
               for i, p in enumerate(partials)]
     source = [at.get(e, len(mine)) for e in slots[rank].tolist()]  # EMPTY: the zero row
-    return rebuild([take_rows(_pool(t, None), from_host_ints(source, like=t)) for t in totals])
+    return rebuild([_assemble(t, None, source) for t in totals])
 
 
 def _sums(local: Any, received: Any, terms: List[List[int]]) -> Any:
@@ -194,16 +225,25 @@ def _per_rank(ranks: Any, size: int) -> np.ndarray:
 
 
 def _pack(arrays: List[Any], rows: List[int]) -> Any:
-    """The ``rows`` of every array, as one row of bytes each: uint8 [rows, bytes]."""
-    parts = [as_bytes(take_rows(a, from_host_ints(rows, like=a))) for a in arrays]
-    return parts[0] if len(parts) == 1 else namespace(parts[0]).concat(parts, axis=1)
+    """The ``rows`` of every array, as one row of bytes each: uint8 [rows,
+    bytes], written once (one concatenation of every row's bytes, views)."""
+    xp = namespace(arrays[0])
+    width = sum(_row_bytes(a) for a in arrays)
+    if not rows:
+        return xp.zeros((0, width), dtype=xp.uint8, device=device(arrays[0]))
+    parts = [xp.reshape(as_bytes(a[r:r + 1]), (-1,)) for r in rows for a in arrays]
+    return xp.reshape(xp.concat(parts, axis=0), (len(rows), width))
+
+
+def _row_bytes(a: Any) -> int:
+    return a.dtype.itemsize * math.prod(a.shape[1:])  # torch's dtypes know theirs too
 
 
 def _unpack(raw: Any, arrays: List[Any]) -> List[Any]:
     """``_pack`` undone: each array's rows out of the received bytes."""
     parts, offset = [], 0
     for a in arrays:
-        width = a.dtype.itemsize * math.prod(a.shape[1:])  # torch's dtypes know theirs too
+        width = _row_bytes(a)
         parts.append(from_bytes(raw[:, offset:offset + width], a.dtype, tuple(a.shape[1:])))
         offset += width
     return parts
@@ -215,3 +255,27 @@ def _pool(local: Any, received: Any) -> Any:
     xp = namespace(local)
     zero = xp.zeros((1,) + tuple(local.shape[1:]), dtype=local.dtype, device=device(local))
     return xp.concat([local] + ([] if received is None else [received]) + [zero], axis=0)
+
+
+def _assemble(local: Any, received: Any, source: List[int]) -> Any:
+    """The rows at ``source`` of ``_pool(local, received)``, without making
+    that pool: each run of consecutive rows of one part (or of zeros) is a
+    view, and one concatenation of them writes every byte of the result
+    once (a gather from the pool would copy the weights twice)."""
+    xp = namespace(local)
+    parts = [local] + ([] if received is None else [received])
+    bounds = np.cumsum([0] + [p.shape[0] for p in parts]).tolist()
+    runs: List[List[int]] = []  # [part, first row in it, rows]
+    for s in source:
+        part = next((k for k in range(len(parts)) if s < bounds[k + 1]), len(parts))
+        row = s - bounds[part] if part < len(parts) else 0
+        last = runs[-1] if runs else None
+        if last and last[0] == part and (part == len(parts) or last[1] + last[2] == row):
+            last[2] += 1
+        else:
+            runs.append([part, row, 1])
+    row_shape = tuple(local.shape[1:])
+    zero = xp.zeros((1,) + row_shape, dtype=local.dtype, device=device(local))
+    return xp.concat([parts[k][row:row + n] if k < len(parts)
+                      else xp.broadcast_to(zero, (n,) + row_shape) for k, row, n in runs],
+                     axis=0)

@@ -5,7 +5,8 @@ changes ``rebalance`` makes (identity to replicated, replicated to
 rebalanced from it, to and from a drained rank), several arrays of
 different dtypes and shapes in one exchange, in NumPy, torch and JAX;
 the bytes on the wire are exactly the weights that move, and none when
-nothing does. ``sum_replica_gradients`` equals the sum over replicas
+nothing does; a started move (``start_expert_move``) lets other
+collectives run before its ``finish()``. ``sum_replica_gradients`` equals the sum over replicas
 computed from every rank's slots, and leaves replicas bitwise equal. Bad
 input is refused on every rank.
 
@@ -44,7 +45,7 @@ def world(comm):
 
 
 class _CountingComm:
-    """The communicator, counting the bytes handed to alltoallv."""
+    """The communicator, counting the bytes handed to alltoallv (started or not)."""
 
     def __init__(self, comm):
         self._comm, self.sent, self.exchanges = comm, 0, 0
@@ -52,10 +53,16 @@ class _CountingComm:
     def __getattr__(self, name):
         return getattr(self._comm, name)
 
-    def alltoallv(self, x, *args):
+    def _count(self, x):
         self.sent += math.prod(x.shape) * x.dtype.itemsize
         self.exchanges += 1
-        return self._comm.alltoallv(x, *args)
+        return x
+
+    def alltoallv(self, x, *args):
+        return self._comm.alltoallv(self._count(x), *args)
+
+    def alltoallv_async(self, x, *args):
+        return self._comm.alltoallv_async(self._count(x), *args)
 
 
 def _load(num_experts, seed):
@@ -161,6 +168,25 @@ def test_a_single_array_and_nothing_sent_when_nothing_moves(world):
                              current.slots[:, ::-1].ravel())
     reordered = moe.move_expert_weights(counting, mine, current, shuffled)
     assert all_ranks(np.array_equal(reordered, mine[::-1]) and counting.exchanges == 0)
+
+
+def test_a_started_move_lets_other_collectives_run_until_it_finishes(world):
+    """``start_expert_move`` returns with the rows on the wire; collectives in
+    between (a server answering with the old weights: its dispatch's
+    ``alltoallv``) run and return their own rows; ``finish()`` gives what
+    ``move_expert_weights`` gives, once."""
+    _, current, new = _placements(world)[1]
+    mine = _mine(world, "torch", _experts(current.num_logical), current)
+    pending = moe.start_expert_move(world, mine, current, new)
+    ids = np.full((world.size, 2), world.rank, np.int64)
+    answered, _ = world.alltoallv(ids, np.ones(world.size, np.int64))
+    moved = pending.finish()
+    direct = moe.move_expert_weights(world, mine, current, new)
+    assert all_ranks(np.array_equal(answered, np.repeat(np.arange(world.size)[:, None], 2, 1))
+                     and all(np.array_equal(_bits(_from(moved[k])), _bits(_from(direct[k])))
+                             for k in direct))
+    with pytest.raises(RuntimeError, match="already finished"):
+        pending.finish()
 
 
 @pytest.mark.full  # torch.optim's first step costs 4 s of imports

@@ -66,12 +66,12 @@ FAMILIES = {
 }
 
 
-def causal_lm(family: str, experts: int = EXPERTS):
+def causal_lm(family: str, experts: int = EXPERTS, dtype=torch.float32):
     """The family's model, seed-identical on every rank, eager experts."""
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(
         FAMILIES[family](experts), attn_implementation="sdpa", experts_implementation="eager",
-        dtype=torch.float32)
+        dtype=dtype)
 
 
 def close(mine: torch.Tensor, reference: torch.Tensor) -> bool:
