@@ -29,6 +29,7 @@ from test_moe_matrix import (
 import commlib
 import commlib.moe as moe
 
+import arrayimpl
 import requires
 from conftest import all_ranks, raises_everywhere
 
@@ -157,3 +158,39 @@ def test_bad_placements_are_refused_on_every_rank(world, framework):
     raises_everywhere(commlib.CollectiveMismatchError,
                       lambda: Dispatcher(world, num_experts, placement=mine),
                       match="different arguments")
+
+
+@pytest.mark.parametrize("impl", arrayimpl.params(names=("cupy", "torch-cuda")))
+def test_a_placement_on_the_gpu(world, impl):
+    """The core Dispatcher through a placement with GPU arrays (the replica
+    table copied beside them), counted and fixed: y equals the per-token
+    loop, expert_x and y stay on the GPU; and a move of expert weights
+    between two placements arrives bitwise as on the host."""
+    num_experts = 2 * world.size
+    placement = placement_for(world, "replicated", num_experts)
+    x, experts, weights, _ = _routing(world, num_experts)
+    maps = _maps(num_experts)
+    mine = slot_maps(maps, placement, world.rank, world.size)
+    want = _reference(x, experts, weights, np.zeros_like(x), maps, None, None)[0]
+    ok = True
+    for limit in (None, TOKENS):
+        d = moe.Dispatcher(world, num_experts, max_tokens_per_rank=limit, placement=placement)
+        expert_x, handle = d.dispatch(impl.asarray(x), impl.asarray(experts),
+                                      impl.asarray(weights))
+        rows = impl.to_numpy(expert_x)
+        if limit is None:
+            ends = np.cumsum(handle.tokens_per_expert)  # counted: on the host
+            expert_y = np.concatenate([part @ mine[j] for j, part
+                                       in enumerate(np.split(rows, ends[:-1]))])
+        else:
+            expert_y = np.einsum("lsh,lhg->lsg", rows, mine)
+        y = d.combine(impl.asarray(expert_y.astype(np.float32)), handle)
+        ok = ok and impl.is_native(expert_x) and impl.is_native(y) \
+            and _close(impl.to_numpy(y), want)
+    new = moe.rebalance(skewed_load(num_experts)[::-1], ranks=world.size,
+                        nodes=placement.nodes, redundant=world.size, current=placement)
+    weights_by_slot = np.stack([np.full((3, 5), float(e)) for e in placement.slots[world.rank]])
+    on_host = moe.move_expert_weights(world, weights_by_slot, placement, new)
+    on_gpu = moe.move_expert_weights(world, impl.asarray(weights_by_slot), placement, new)
+    assert all_ranks(ok and impl.is_native(on_gpu)
+                     and np.array_equal(impl.to_numpy(on_gpu), on_host))
