@@ -714,7 +714,8 @@ class Pending:
             return self._native.wrap(self._out)
 
     def __del__(self):
-        if self._progress:
+        # an instance torch.compile's tracing made without __init__ holds nothing
+        if getattr(self, "_progress", False):
             PROGRESS.finish()
-        if self._abandon is not None:
+        if getattr(self, "_abandon", None) is not None:
             self._abandon(self._op, self._wait, self._out, self._sending)
