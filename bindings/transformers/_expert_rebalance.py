@@ -7,7 +7,8 @@ chooses a placement (``commlib.moe.rebalance`` from the current one: the
 fewest weights moved for a balance within its tolerance). The weights that
 move start travelling (``start_expert_move``) and the old placement answers
 the next decode step; after it every rank finishes the moves and switches
-(the parameters take the new slots, the Dispatchers are made for the new
+(the parameters take the new slots, overwriting only the slots that change
+where the slot count stays, and the Dispatchers are made for the new
 placement). Every rank counts the same steps, so every rank switches at
 the same one; a placement only changes which rank computes an expert, not
 what it computes, so the tokens are those of a run that never rebalanced.
@@ -73,9 +74,10 @@ class Rebalancer:
                 if self.redundant is None else self.redundant
             new = rebalance(self._load(module), ranks=self.comm.size, nodes=current.nodes,
                             redundant=redundant, current=current)
-            if new != current:
+            if new != current:  # as many slots: the changed ones overwritten, no second copy
                 self.moving.append((module, new, start_expert_move(
-                    self.comm, expert_weights(module), current, new)))
+                    self.comm, expert_weights(module), current, new,
+                    in_place=new.slots_per_rank == current.slots_per_rank)))
 
     def _load(self, module: nn.Module) -> np.ndarray:
         """The module's tokens per logical expert since its last rebalance:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Optional
 
+import array_api_extra as xpx
 import numpy as np
 
 from ..namespace import (
@@ -37,7 +38,8 @@ __all__ = ["move_expert_weights", "start_expert_move", "PendingMove",
            "sum_replica_gradients"]
 
 
-def move_expert_weights(comm, weights: Any, current: Placement, new: Placement) -> Any:
+def move_expert_weights(comm, weights: Any, current: Placement, new: Placement, *,
+                        in_place: bool = False) -> Any:
     """``weights`` laid out by slot under ``current`` (one array or a dict of
     arrays, each ``[current.slots_per_rank, ...]``), returned laid out by
     slot under ``new`` (``[new.slots_per_rank, ...]``, the same structure,
@@ -50,15 +52,21 @@ def move_expert_weights(comm, weights: Any, current: Placement, new: Placement) 
     copied locally. An empty slot of ``new`` (a drained rank has only those)
     is zeros. Each array of the new layout is written once: one
     concatenation of slices of this rank's rows and of the rows received.
+    ``in_place=True``: the slots that change are overwritten in
+    ``weights`` itself (NumPy, CuPy or torch; both placements with as many
+    slots per rank), which is returned: no second copy of the rank's
+    weights, and only the changed slots' rows written.
     Every rank must pass the same placements, array names, dtypes and
     trailing shapes: else, or where a rank's input is wrong (placements for
     another world size or other experts, a leading size other than
-    ``current.slots_per_rank``), ``CollectiveMismatchError`` on every rank.
+    ``current.slots_per_rank``, ``in_place`` with JAX arrays or another
+    slot count), ``CollectiveMismatchError`` on every rank.
     """
-    return start_expert_move(comm, weights, current, new).finish()
+    return start_expert_move(comm, weights, current, new, in_place=in_place).finish()
 
 
-def start_expert_move(comm, weights: Any, current: Placement, new: Placement) -> "PendingMove":
+def start_expert_move(comm, weights: Any, current: Placement, new: Placement, *,
+                      in_place: bool = False) -> "PendingMove":
     """``move_expert_weights`` started: the rows that travel are packed and
     posted, and this returns while they cross, so that a server keeps
     answering with ``weights`` (``current``'s layout) meanwhile; ``finish()``
@@ -67,9 +75,10 @@ def start_expert_move(comm, weights: Any, current: Placement, new: Placement) ->
     read now, the rows kept at ``finish()``: ``weights`` must not change in
     between."""
     arrays, rebuild = _flatten(weights)
-    problem = _placements_problem(comm, current, new) or _arrays_problem(arrays, current)
+    problem = _placements_problem(comm, current, new) or _arrays_problem(arrays, current) \
+        or (_in_place_problem(arrays, current, new) if in_place else None)
     facts = () if problem else (placement_fingerprint(current), placement_fingerprint(new),
-                                *_array_facts(arrays))
+                                f"in_place={bool(in_place)}", *_array_facts(arrays))
     comm.agree("move_expert_weights", *facts, problem=problem)
     arrays = list(detached(*arrays.values()))
     rank, holds = comm.rank, current.slots[comm.rank].tolist()
@@ -86,7 +95,9 @@ def start_expert_move(comm, weights: Any, current: Placement, new: Placement) ->
     zero = len(holds) + len(arriving)
     source = [zero if e == EMPTY else first_slot[e] if e in first_slot else arrived[e]
               for e in new.slots[rank].tolist()]
-    return PendingMove(arrays, rebuild, source, pending)
+    changed = [j for j, (was, now) in enumerate(zip(holds, new.slots[rank].tolist()))
+               if was != now] if in_place else None
+    return PendingMove(arrays, rebuild, source, pending, changed)
 
 
 class PendingMove:
@@ -95,9 +106,11 @@ class PendingMove:
     returns the weights laid out by the new placement's slots. Dropped
     unfinished, its exchange is abandoned as any ``Pending``'s is."""
 
-    def __init__(self, arrays: List[Any], rebuild, source: List[int], pending: Any):
+    def __init__(self, arrays: List[Any], rebuild, source: List[int], pending: Any,
+                 changed: Optional[List[int]] = None):
         self._arrays, self._rebuild, self._source = arrays, rebuild, source
         self._pending, self._finished = pending, False
+        self._changed = changed  # in place: the slots to overwrite
 
     def finish(self) -> Any:
         if self._finished:
@@ -105,8 +118,15 @@ class PendingMove:
         self._finished = True
         received = [None] * len(self._arrays) if self._pending is None else \
             _unpack(self._pending.wait(), self._arrays)
-        return self._rebuild([_assemble(a, r, self._source)
-                              for a, r in zip(self._arrays, received)])
+        if self._changed is None:
+            return self._rebuild([_assemble(a, r, self._source)
+                                  for a, r in zip(self._arrays, received)])
+        if self._changed:  # the changed slots' rows gathered first: a source may be one
+            sources = [self._source[j] for j in self._changed]
+            for a, r in zip(self._arrays, received):
+                slots = from_host_ints(self._changed, like=a)
+                xpx.at(a)[slots].set(_assemble(a, r, sources), copy=False)
+        return self._rebuild(self._arrays)
 
 
 def sum_replica_gradients(comm, grads: Any, placement: Placement) -> Any:
@@ -211,6 +231,19 @@ def _arrays_problem(arrays: Dict[str, Any], placement: Placement) -> Optional[Va
                               f"this rank's {placement.slots_per_rank} slots")
     if len(kinds) > 1:
         return ValueError(f"the arrays must share one framework and device, got {sorted(kinds)}")
+    return None
+
+
+def _in_place_problem(arrays: Dict[str, Any], current: Placement,
+                      new: Placement) -> Optional[ValueError]:
+    if current.slots_per_rank != new.slots_per_rank:
+        return ValueError(f"in_place needs as many slots per rank in both placements: current "
+                          f"has {current.slots_per_rank}, new {new.slots_per_rank}")
+    for name, a in arrays.items():
+        if framework(a) == "jax" or not getattr(getattr(a, "flags", None), "writeable", True):
+            return ValueError(f"in_place needs writable arrays; {name or 'the array'} is "
+                              f"{'a JAX array' if framework(a) == 'jax' else 'read-only'}: "
+                              f"move without in_place")
     return None
 
 

@@ -30,7 +30,7 @@ from conftest import all_ranks, raises_everywhere
 WORLD_SIZES = (2, 3, 4)
 
 requires.module("torch")
-requires.module("jax")
+jnp = requires.module("jax").numpy
 
 # JAX's eager ops compile per shape (15 s here): the full tier's
 FRAMEWORKS = ("numpy", "torch", pytest.param("jax", marks=pytest.mark.full))
@@ -131,13 +131,22 @@ def _mine(world, framework, table, placement):
             for name, rows in table.items()}
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_weights_arrive_bitwise_and_only_what_moves_travels(world, framework):
-    for name, current, new in _placements(world):
+@pytest.mark.parametrize("framework, in_place", [
+    ("numpy", False), ("torch", False), pytest.param("jax", False, marks=pytest.mark.full),
+    ("numpy", True), ("torch", True)])  # JAX in place: refused
+def test_weights_arrive_bitwise_and_only_what_moves_travels(world, framework, in_place):
+    """Every placement pair (in place: those with as many slots per rank,
+    the arrays given written and returned)."""
+    pairs = [p for p in _placements(world)
+             if not in_place or p[1].slots_per_rank == p[2].slots_per_rank]
+    assert pairs
+    for name, current, new in pairs:
         table = _experts(current.num_logical)
         counting = _CountingComm(world)
-        moved = moe.move_expert_weights(counting, _mine(world, framework, table, current),
-                                        current, new)
+        given = _mine(world, framework, table, current)
+        moved = moe.move_expert_weights(counting, given, current, new, in_place=in_place)
+        assert all_ranks(not in_place or all(
+            np.shares_memory(_from(moved[key]), _from(given[key])) for key in given)), name
         slots = new.slots[world.rank]
         expected = {key: np.where((slots >= 0).reshape((-1,) + (1,) * (rows.ndim - 1)),
                                   rows[np.maximum(slots, 0)], 0).astype(rows.dtype)
@@ -275,6 +284,16 @@ def test_bad_input_refused_on_every_rank(world):
     raises_everywhere(commlib.CollectiveMismatchError,
                       lambda: moe.move_expert_weights(world, retyped, current, new),
                       match="different arguments")
+    raises_everywhere(commlib.CollectiveMismatchError,
+                      lambda: moe.move_expert_weights(world, mine, current, new, in_place=True),
+                      match="as many slots per rank")
+    _, replicated, rebalanced = _placements(world)[1]
+    frozen = {key: jnp.asarray(rows) for key, rows in _mine(world, "numpy", table,
+                                                              replicated).items()}
+    raises_everywhere(commlib.CollectiveMismatchError,
+                      lambda: moe.move_expert_weights(world, frozen, replicated, rebalanced,
+                                                      in_place=True),
+                      match="JAX array")
     raises_everywhere(commlib.CollectiveMismatchError,
                       lambda: moe.sum_replica_gradients(world, mine, new),
                       match="leading size")
