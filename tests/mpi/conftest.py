@@ -26,8 +26,9 @@ settings.load_profile("mpi")
 # per world size, which made it three quarters of a launch's time, and its
 # traced exchanges are the same Communicator calls the NumPy and torch cases
 # make here. They run at 2 and 3 ranks (an odd size among them); the
-# hybrid's 2 x 2 grid exists only here, so its JAX cases stay. JAX on a GPU
-# is kept.
+# hybrid's 2 x 2 grid exists only here, so its JAX cases stay, as do those
+# of a test marked ``jax_at_4`` (two emulated hosts asked of it). JAX on a
+# GPU is kept.
 JAX_LEFT_OUT_AT = 4
 
 
@@ -43,9 +44,9 @@ def pytest_collection_modifyitems(config, items):
 def _left_out(item) -> bool:
     """A case parametrized with JAX on the host (a value "jax", a case dict
     or tuple holding it, or a backend whose framework is JAX, not on a
-    GPU), and not with the hybrid."""
+    GPU), and neither with the hybrid nor marked ``jax_at_4``."""
     callspec = getattr(item, "callspec", None)
-    if callspec is None:
+    if callspec is None or item.get_closest_marker("jax_at_4") is not None:
         return False
     values = list(_leaves(callspec.params.values()))
     host_jax = any(v == "jax" or (getattr(v, "framework", None) == "jax"
