@@ -25,3 +25,13 @@ def test_bench_placement_reports_every_layer_against_uniform_routing():
         for layer, redundant in (("uniform", 0), ("zipf 1.2", 0), ("zipf 1.2 rebalanced", 2)):
             assert re.search(rf"{kind} +{layer} +{redundant} +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+",
                              result.stdout), (kind, layer, result.stdout)
+
+
+def test_bench_placement_moves_reports_the_move_in_place_and_the_floor():
+    result = run(2, [sys.executable, "-m", "commlib.tools.bench.placement_moves", "--experts",
+                     "8", "--hidden", "8", "--ffn", "8", "--iters", "1"], timeout=300)
+    assert result.returncode == 0, result.stdout
+    for name in ("move_expert_weights", "in place", "bare alltoallv", "copy of the weights"):
+        assert re.search(rf"{name} +[\d.]+ ms", result.stdout), (name, result.stdout)
+    assert re.search(r"ratio [\d.]+x the bare exchange, [\d.]+x the floor .*; in place "
+                     r"[\d.]+x the bare exchange", result.stdout), result.stdout

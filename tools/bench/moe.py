@@ -72,6 +72,52 @@ def megatron_style(world: MPI.Comm, num_experts: int) -> Callable:
     return run
 
 
+class PlainSlots:
+    """The decode pair a user writes by hand in torch + mpi4py (issue 46's
+    baseline, DeepEP's low-latency layout): every expert has ``capacity``
+    slots per source rank, a token's slot is its row, so placing the rows
+    is one ``index_copy_``; one ``Alltoall`` each way over buffers made
+    once; identity experts; each token's results gathered and summed with
+    its weights. No checks, no statistics, no agreement."""
+
+    def __init__(self, world: MPI.Comm, num_experts: int, capacity: int, hidden: int) -> None:
+        import torch
+
+        self.world, self.capacity = world, capacity
+        size = world.Get_size()
+        self.local = num_experts // size
+        self.send = torch.zeros(num_experts * capacity, hidden, dtype=torch.bfloat16)
+        self.received = torch.zeros(size, self.local, capacity, hidden, dtype=torch.bfloat16)
+        self.back = torch.zeros(num_experts * capacity, hidden, dtype=torch.bfloat16)
+
+    def __call__(self, x, experts, weights):
+        import torch
+
+        tokens, k = experts.shape
+        slots = (experts * self.capacity + torch.arange(tokens)[:, None]).reshape(-1)
+        self.send.index_copy_(0, slots, x.repeat_interleave(k, dim=0))
+        self.world.Alltoall(self.send.view(torch.int16).numpy(),
+                            self.received.view(torch.int16).numpy())
+        expert_x = self.received.transpose(0, 1)  # [local experts, source, slot, H]
+        expert_y = expert_x.transpose(0, 1).contiguous()  # identity experts, sent back
+        self.world.Alltoall(expert_y.view(torch.int16).numpy(),
+                            self.back.view(torch.int16).numpy())
+        rows = self.back.index_select(0, slots).view(tokens, k, -1)
+        return torch.einsum("tk,tkh->th", weights, rows.float()).to(x.dtype)
+
+    def bare(self) -> Callable[[], None]:
+        """The same two ``Alltoall`` of the same buffers, nothing else."""
+        import torch
+
+        send, back = self.send.view(torch.int16).numpy(), self.back.view(torch.int16).numpy()
+        received = self.received.view(torch.int16).numpy()
+
+        def run() -> None:
+            self.world.Alltoall(send, received)
+            self.world.Alltoall(received, back)
+        return run
+
+
 def commlib_path(dispatcher: moe.Dispatcher) -> Callable:
     def run(x, experts, weights):
         expert_x, handle = dispatcher.dispatch(x, experts, weights)
@@ -461,18 +507,23 @@ def decode(tokens: str, hidden: int, num_experts: int, topk: int, repeat: int, i
     """A decode step's dispatch + combine of bfloat16 rows, counted and under
     a fixed capacity, through the torch Dispatcher and the core on NumPy
     arrays, against the bare mpi4py exchange of the same bytes there and
-    back (a count exchange and ``Alltoallv`` each way, nothing else), all
-    interleaved in one process (issue 37)."""
+    back (a count exchange and ``Alltoallv`` each way, nothing else), and
+    the plain pair a user writes by hand (``PlainSlots``) against its own
+    two bare ``Alltoall``, all interleaved in one process (issues 37, 46).
+    Each torch pair's framework operations are counted too
+    (``tools/bench/ops.py``)."""
     import ml_dtypes
     import torch
 
     from commlib.bindings.torch import Dispatcher as TorchDispatcher
+    from commlib.tools.bench.ops import torch_ops
     world = MPI.COMM_WORLD
     comm = commlib.init(backend="mpi", abort_on_error=True)
     raw = world.Dup()
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     say(f"bench_moe decode: {comm.size} ranks; {hidden} bfloat16 channels, {num_experts} "
-        f"experts, top-{topk}; identity experts; microseconds per pair, slowest rank")
+        f"experts, top-{topk}; identity experts; microseconds per pair, slowest rank; "
+        f"torch pairs' top-level aten ops")
     rows = []
     for count in (int(t) for t in tokens.split(",")):
         x, experts, weights = _torch_routing(comm, count, hidden, num_experts, topk, seed=1)
@@ -486,22 +537,35 @@ def decode(tokens: str, hidden: int, num_experts: int, topk: int, repeat: int, i
         row_bytes = hidden * 2 + 8 * topk
         bare = _there_and_back(raw, np.zeros((int(there.sum()), row_bytes), np.uint8), there,
                                back_bytes=hidden * 2)
-        contenders = {"mpi4py bare exchange": _loop(bare, repeat)}
+        plain = PlainSlots(raw, num_experts, count, hidden)
+        contenders = {"mpi4py bare exchange": _loop(bare, repeat),
+                      "bare Alltoall (slots)": _loop(plain.bare(), repeat),
+                      "torch plain slots": _loop(functools.partial(plain, x, experts, weights),
+                                                 repeat)}
+        against = {"torch plain slots": "bare Alltoall (slots)"}
+        ops = {"torch plain slots": torch_ops(functools.partial(plain, x, experts, weights))}
         fixed_ones = []
         for name in ("torch", "NumPy"):
             for mode, kw in (("counted", {}), ("fixed", {"max_tokens_per_rank": count})):
                 d = made[name](**kw)
                 if kw:
                     fixed_ones.append(d)
-                contenders[f"{name} {mode}"] = _loop(_pair(d, *args[name]), repeat)
+                pair = _pair(d, *args[name])
+                contenders[f"{name} {mode}"] = _loop(pair, repeat)
+                if name == "torch":
+                    ops[f"{name} {mode}"] = torch_ops(pair)
         times = {name: float(np.median(t)) / repeat * 1e6
                  for name, t in interleaved(world, contenders, iters).items()}
         say(f"-- {count} tokens per rank")
         for name, micros in times.items():
-            ratio = micros / times["mpi4py bare exchange"]
+            baseline = against.get(name, "mpi4py bare exchange")
+            ratio = micros / times[baseline]
             rows.append({"tokens": count, "contender": name, "us_per_pair": micros,
-                         "ratio_to_bare": ratio})
-            say(f"{name:>22}: {micros:9.1f} us per pair ({ratio:.2f}x bare)", flush=True)
+                         "baseline": baseline, "ratio_to_bare": ratio,
+                         "aten_ops": ops.get(name)})
+            counted = f", {ops[name]} aten ops" if name in ops else ""
+            say(f"{name:>22}: {micros:9.1f} us per pair ({ratio:.2f}x {baseline}{counted})",
+                flush=True)
         for d in fixed_ones:
             d.collect_stats()
     write_json(json_path, rows, comm.rank)
