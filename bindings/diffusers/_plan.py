@@ -11,8 +11,10 @@ The plan maps submodule names (``""`` the model, ``"blocks.0"``,
 
 As in diffusers, a tensor whose number of dimensions is not the plan's
 ``expected_dims`` is left whole (Wan's timestep: per token only in Wan 2.2
-TI2V). Shards are padded to equal lengths (``_shards.py``); which stream a
-gathered output belongs to is read from its length.
+TI2V), but for position ids with a leading batch of one (Flux's deprecated
+3-D ``img_ids``), which are split one axis further in. Shards are padded
+to equal lengths (``_shards.py``); which stream a gathered output belongs to
+is read from its length.
 """
 
 from __future__ import annotations
@@ -155,11 +157,24 @@ def _split_value(name: Any, value: Any, plan: Union[ContextParallelInput, Sequen
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"_cp_plan[{where!r}] splits {name!r}, which is a "
                          f"{type(value).__name__}, not a tensor")
+    split_dim = plan.split_dim
     if plan.expected_dims is not None and value.dim() != plan.expected_dims:
+        if not _batched_ids(name, value, plan):
+            return value
+        split_dim += 1  # Flux's deprecated [1, tokens, axes] ids: the model takes ids[0]
+    if streams.keeps_whole(name, value, split_dim, where):
         return value
-    if streams.keeps_whole(name, value, plan.split_dim, where):
-        return value
-    return streams.split(name, value, plan.split_dim, where)
+    return streams.split(name, value, split_dim, where)
+
+
+def _batched_ids(name: Any, value: torch.Tensor, plan: ContextParallelInput) -> bool:
+    """Position ids with a leading batch of one where the plan expects none
+    (diffusers deprecated them; Flux warns and takes ``ids[0]``): split one
+    axis further in, so that the model's ``ids[0]`` is this rank's shard,
+    where diffusers' own hooks leave them whole and the RoPE table then
+    disagrees with the split image."""
+    return (isinstance(name, str) and name.endswith("_ids")
+            and value.dim() == plan.expected_dims + 1 and value.shape[0] == 1)
 
 
 def _gatherer(where: str, outputs: Sequence[ContextParallelOutput], streams: Streams,

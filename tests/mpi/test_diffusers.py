@@ -190,6 +190,21 @@ def test_attention_to_a_text_shard_as_long_as_the_image_shard(comm):
     assert all_ranks(max_error(got, want) < TOL64), max_error(got, want)
 
 
+def test_flux_takes_its_deprecated_3d_ids(comm):
+    """Flux with img_ids/txt_ids of shape [1, tokens, 3] (diffusers warns
+    and takes ids[0]): the same image as the unsharded model (they were
+    left whole, and the RoPE table did not match the split image)."""
+    ring, ulysses = degrees("ulysses", comm.size)
+    model = cached("flux")
+    batched = inputs("flux", "uneven")
+    batched.update(img_ids=batched["img_ids"][None], txt_ids=batched["txt_ids"][None])
+    with torch.no_grad():
+        want = model(**inputs("flux", "uneven")).sample
+        got = sharded(model, comm, lambda: model(**batched).sample, ring_degree=ring,
+                      ulysses_degree=ulysses)
+    assert all_ranks(max_error(got, want) < TOL64), max_error(got, want)
+
+
 @pytest.mark.parametrize("text", ["sharded", "whole"])
 def test_an_empty_text_is_flux_joint_attention_over_the_image(comm, text):
     """Flux with no text tokens: its joint attention is over the image alone
