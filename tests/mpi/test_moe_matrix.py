@@ -23,6 +23,7 @@ import pytest
 import commlib
 import commlib.moe as moe
 from commlib.moe.quantize import dequantize_fp8, quantize_fp8
+from commlib.tools.simulate import zipf_popularity
 
 import covering
 import requires
@@ -107,8 +108,7 @@ def _routing(comm, spread, num_experts):
 
 def skewed_load(num_experts):
     """A skewed (Zipf s=1.2, shuffled) load, the same on every rank."""
-    popularity = 1.0 / np.arange(1, num_experts + 1) ** 1.2
-    return np.random.default_rng(45).permutation(popularity)
+    return zipf_popularity(num_experts, 1.2, 45)
 
 
 def placement_for(world, kind, num_experts):

@@ -23,6 +23,7 @@ from mpi4py import MPI
 
 import commlib
 import commlib.moe as moe
+from commlib.tools.simulate import zipf_popularity
 
 import requires
 from conftest import all_ranks, raises_everywhere
@@ -65,20 +66,16 @@ class _CountingComm:
         return self._comm.alltoallv_async(self._count(x), *args)
 
 
-def _load(num_experts, seed):
-    popularity = 1.0 / np.arange(1, num_experts + 1) ** 1.2
-    return np.random.default_rng(seed).permutation(popularity)
-
-
 def _placements(world):
     """(name, current, new) pairs made by ``rebalance``."""
     ranks, nodes = world.size, world.topology.num_nodes
     experts = 2 * ranks
     identity = moe.Placement.identity(experts, ranks, nodes)
-    replicated = moe.rebalance(_load(experts, 1), ranks=ranks, nodes=nodes, redundant=ranks)
-    rebalanced = moe.rebalance(_load(experts, 2), ranks=ranks, nodes=nodes, redundant=ranks,
+    first, second = (zipf_popularity(experts, 1.2, seed) for seed in (1, 2))
+    replicated = moe.rebalance(first, ranks=ranks, nodes=nodes, redundant=ranks)
+    rebalanced = moe.rebalance(second, ranks=ranks, nodes=nodes, redundant=ranks,
                                current=replicated)
-    drained = moe.rebalance(_load(experts, 2), ranks=ranks, nodes=nodes, redundant=ranks,
+    drained = moe.rebalance(second, ranks=ranks, nodes=nodes, redundant=ranks,
                             drain=(ranks - 1,))
     return [("identity->replicated", identity, replicated),
             ("replicated->rebalanced", replicated, rebalanced),
@@ -270,7 +267,7 @@ def test_bad_input_refused_on_every_rank(world):
     raises_everywhere(commlib.CollectiveMismatchError,
                       lambda: moe.move_expert_weights(world, mine, current, elsewhere),
                       match="world size")
-    other = moe.rebalance(_load(current.num_logical, 3), ranks=world.size,
+    other = moe.rebalance(zipf_popularity(current.num_logical, 1.2, 3), ranks=world.size,
                           nodes=world.topology.num_nodes, redundant=2 * world.size)
     raises_everywhere(commlib.CollectiveMismatchError,
                       lambda: moe.move_expert_weights(

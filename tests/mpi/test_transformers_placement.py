@@ -44,6 +44,7 @@ from test_transformers_moe import (  # noqa: E402
 import commlib.moe as moe  # noqa: E402
 from commlib.bindings.transformers._experts import EXPERT_PARALLEL, expert_parallel  # noqa: E402
 from commlib.bindings.transformers._gradients import allreduce_gradients  # noqa: E402
+from commlib.tools.simulate import zipf_popularity  # noqa: E402
 
 WORLD_SIZES = (2, 3)
 
@@ -53,8 +54,7 @@ STEPS = 3
 
 
 def skewed_load(seed: int) -> np.ndarray:
-    popularity = 1.0 / np.arange(1, EXPERTS + 1) ** 1.5
-    return np.random.default_rng(seed).permutation(popularity)
+    return zipf_popularity(EXPERTS, 1.5, seed)
 
 
 def placements(name: str, size: int):
