@@ -35,10 +35,12 @@ JAX_LEFT_OUT_AT = 4
 def pytest_collection_modifyitems(config, items):
     if MPI.COMM_WORLD.Get_size() != JAX_LEFT_OUT_AT:
         return
-    left_out = [item for item in items if _left_out(item)]
+    kept, left_out = [], []
+    for item in items:
+        (left_out if _left_out(item) else kept).append(item)
     if left_out:
         config.hook.pytest_deselected(items=left_out)
-        items[:] = [item for item in items if not _left_out(item)]
+        items[:] = kept
 
 
 def _left_out(item) -> bool:
