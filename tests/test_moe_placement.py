@@ -48,6 +48,7 @@ def test_replicas_and_their_slots():
     ((3, 2, 1, [0, 1, 2, -2]), "outside -1..2"),
     ((4, 3, 2, [0, 1, 2, 3, 0, 1]), r"ranks \(3\) must be a multiple of nodes \(2\)"),
     ((0, 2, 1, [0, 0]), "num_logical must be at least 1"),
+    ((3, 2, 1, [0.5, 0, 1, 2]), "integer expert ids"),
 ])
 def test_a_bad_placement_says_what_is_wrong(args, message):
     with pytest.raises(ValueError, match=message):
@@ -277,3 +278,20 @@ def test_draining_from_the_current_placement():
     assert (drained.slots[5] == -1).all()
     assert {e for e, source, _ in moves(current, drained) if source == 5} \
         <= set(current.slots[5].tolist())
+
+
+@pytest.mark.parametrize("before, after", [({"redundant": 3, "drain": [1]}, {"redundant": 3}),
+                                           ({"redundant": 6}, {})],
+                         ids=["undrained", "fewer-replicas"])
+def test_from_a_current_placement_with_more_slots_per_rank(before, after):
+    """Bringing a drained rank back, or dropping replicas: the new placement
+    has fewer slots per rank than the current one (this raised IndexError
+    while keeping the current slots); it is as balanced as one made from
+    scratch within the tolerance, and moves what it must."""
+    load = zipf(12, 1.2, np.random.default_rng(5))
+    current = rebalance(load, ranks=3, **before)
+    new = rebalance(load, ranks=3, current=current, **after)
+    scratch = rebalance(load, ranks=3, **after)
+    assert new.slots_per_rank < current.slots_per_rank
+    assert new.imbalance(load) <= scratch.imbalance(load) * 1.02 + 1e-12
+    assert len(moves(current, new)) <= len(moves(current, scratch))

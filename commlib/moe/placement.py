@@ -52,7 +52,11 @@ class Placement:
             object.__setattr__(self, name, _integer(name, getattr(self, name)))
         if self.ranks % self.nodes:
             raise ValueError(f"ranks ({self.ranks}) must be a multiple of nodes ({self.nodes})")
-        table = np.array(self.physical_to_logical, dtype=np.int64)
+        given = np.asarray(self.physical_to_logical)
+        table = given.astype(np.int64)
+        if given.dtype.kind not in "iub" and not np.array_equal(table, given):
+            raise ValueError("physical_to_logical must hold integer expert ids (-1 for an "
+                             "empty slot)")
         if table.ndim != 1 or table.size == 0 or table.size % self.ranks:
             raise ValueError(f"physical_to_logical must be 1-D with a multiple of ranks "
                              f"({self.ranks}) entries, got shape {table.shape}")
@@ -481,10 +485,11 @@ def _match(new: np.ndarray, current: np.ndarray) -> np.ndarray:
 
 
 def _keep_slots(row: np.ndarray, now: np.ndarray) -> np.ndarray:
-    """``row``'s experts rearranged so that those ``now`` holds keep their slot."""
+    """``row``'s experts rearranged so that those ``now`` holds keep their
+    slot (of the slots both have: a placement may have fewer per rank)."""
     kept = np.full_like(row, EMPTY - 1)
     left = Counter(row.tolist())
-    for slot, expert in enumerate(now.tolist()):
+    for slot, expert in enumerate(now.tolist()[:row.size]):
         if left[expert] > 0:
             kept[slot], left[expert] = expert, left[expert] - 1
     rest = iter(sorted(left.elements()))
