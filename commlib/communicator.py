@@ -482,6 +482,29 @@ class Communicator:
                                  (size, length // size) + tuple(send.data.shape[1:]))
         return _concat_blocks(xp.moveaxis(chunk_first, 1, split_axis + 1), concat_axis)
 
+    def prepare_alltoall(self, x: Any, out: Any) -> "PreparedAlltoall":
+        """``alltoall(x, out=out)`` set up once to run many times on the same
+        two arrays (C-contiguous, of one shape and dtype, axis 0 a multiple
+        of the size): ``start()`` begins one and returns its wait, with
+        none of a call's per-array work (the arrays are resolved here). Over
+        MPI it is MPI 4's persistent ``Alltoall_init`` (a start costs about
+        half a new ``Ialltoall``). For callers that keep their buffers
+        between calls: a decode step's MoE exchange (issue 46)."""
+        native = unwrap(x)
+        target = self._target(out, native)
+        if not native.data.flags.c_contiguous or native.data.ndim == 0 \
+                or native.data.shape[0] % self.size:
+            raise ValueError(f"prepare_alltoall takes a C-contiguous array whose axis 0 is a "
+                             f"multiple of {self.size}; got shape {tuple(native.data.shape)}")
+        backend = self._backend_for(native, unwrap(out))
+        if backend is self._host:
+            start = self._host.prepare_alltoall(native.data, target)
+        else:
+            def start():
+                backend.alltoall(native.data, target)
+                return _nothing
+        return PreparedAlltoall(self, start, native, target)
+
     @_on_callers_stream
     def alltoall_many(self, arrays: Sequence[Any]) -> List[Any]:
         """Several all-to-alls in one exchange: each array is cut along axis 0
@@ -496,13 +519,23 @@ class Communicator:
         return unpack(out)
 
     @_on_callers_stream
-    def alltoall_many_async(self, arrays: Sequence[Any]) -> "Pending":
+    def alltoall_many_async(self, arrays: Sequence[Any], out: Any = None) -> "Pending":
         """Start ``alltoall_many(arrays)`` and return once it is posted;
         ``.wait()`` gives the list of results. Computation in between
         overlaps the transfer (over MPI, where a progress thread runs:
-        ``commlib.progress``); the arrays must not change until the wait."""
+        ``commlib.progress``); the arrays must not change until the wait.
+        ``out`` (one array only): a C-contiguous array of its shape and
+        dtype that receives the result, for a caller that keeps its buffers
+        between calls (on the CPU a fresh large buffer costs its page
+        faults at every call)."""
         natives, backend, packed, unpack = self._pack_many(arrays, "alltoall_many_async")
-        out = natives[0].empty(packed.shape, np.uint8)
+        if out is None:
+            out = natives[0].empty(packed.shape, np.uint8)
+        elif len(natives) != 1:
+            raise ValueError(f"alltoall_many_async takes out= with one array, got "
+                             f"{len(natives)}")
+        else:
+            out = byte_view(self._target(out, natives[0])).reshape(packed.shape)
         chunk = [packed.shape[1]] * self.size
         wait = backend.start_alltoallv(packed, chunk, out, chunk)
         return Pending("alltoall_many", wait, natives[0], out, packed, self._abandon,
@@ -534,6 +567,9 @@ class Communicator:
             backend.hold_if_captured(*parts)
 
         def unpack(out) -> List[Any]:
+            if len(natives) == 1:  # the received bytes are the result: no copy
+                n = natives[0]
+                return [n.wrap(out.view(n.data.dtype).reshape(n.data.shape))]
             results, offset = [], 0
             for n, part in zip(natives, parts):
                 width = part.shape[1]
@@ -675,6 +711,49 @@ class Communicator:
     def barrier(self) -> None:
         self._begin("barrier")
         self._host.barrier()
+
+
+def _nothing() -> None:
+    """The wait of a transfer already ordered on its stream."""
+
+
+class PreparedAlltoall:
+    """``Communicator.prepare_alltoall``'s exchange: ``start()`` begins one
+    (counted and checked like any call) and returns its wait. Its arrays
+    must not change between a start and its wait."""
+
+    def __init__(self, comm: Communicator, start: Any, native: Native, out: Any):
+        self._comm, self._native, self._out = comm, native, out
+        self._transport = start
+        self._start = start if callable(start) else start.start
+        self._facts = (native.dtype, native.data.shape)
+
+    def start(self) -> "_Started":
+        self._comm._begin("alltoall", *self._facts)
+        with callers_stream(self._native):
+            return _Started(self._start(), self)
+
+
+class _Started:
+    """A prepared exchange in flight: calling it waits. Dropped without a
+    call, it hands the exchange (its request still active, its buffers still
+    written) to the communicator's ``_abandon``, like a dropped ``Pending``:
+    the next call raises on every rank instead of hanging."""
+
+    def __init__(self, wait: Callable[[], None], prepared: PreparedAlltoall):
+        self._wait: Optional[Callable[[], None]] = wait
+        self._prepared = prepared
+
+    def __call__(self) -> None:
+        wait, self._wait = self._wait, None
+        if wait is None:
+            raise RuntimeError("this alltoall was already waited on")
+        wait()
+
+    def __del__(self):
+        if getattr(self, "_wait", None) is not None:
+            prepared = self._prepared
+            prepared._comm._abandon("alltoall", self._wait, prepared, prepared._transport)
 
 
 class Pending:

@@ -100,8 +100,15 @@ def _from_cupy(x) -> Native:
 def _from_torch(x) -> Native:
     import torch
 
-    # a non-contiguous tensor is copied by torch, on its own device and stream
-    t = x.detach().resolve_conj().resolve_neg().contiguous()
+    # a non-contiguous tensor is copied by torch, on its own device and stream; each
+    # step only where it changes something (each is an operation: issue 46 counts them)
+    t = x.detach() if x.requires_grad else x
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
     name = str(t.dtype).removeprefix("torch.")
     twins = _ml_dtypes_twins()
     on_device = t.device.type == "cuda"

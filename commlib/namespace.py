@@ -95,6 +95,11 @@ def float32(x: Any) -> Any:
     """``x`` as float32 (itself when it already is): MoE's routing weights
     and sums are float32 whatever the rows' dtype."""
     xp = namespace(x)
+    if x.dtype == xp.float32:  # itself, without an operation (torch records even a no-op cast)
+        return x
+    if framework(x) == "numpy" and x.dtype.name == "bfloat16":
+        # ml_dtypes converts 2.4x slower than placing the 16 bits high in a float32
+        return (x.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     return xp.astype(x, xp.float32, copy=False)
 
 
@@ -321,12 +326,25 @@ def compact(values: Any, keep: Any, n: int) -> Any:
     return xpx.at(out)[xp.where(keep, slot, n)].set(values)[:n]
 
 
-def take_rows(x: Any, index: Any) -> Any:
-    """``x``'s rows at ``index`` (1-D integers), in x's framework. NumPy
-    indexes rather than ``take``s: np.take first copies a strided ``x``
-    whole (4x slower on the rows ``from_bytes`` views out of a message)."""
-    if framework(x) == "numpy":
-        return x[index]
+def take_rows(x: Any, index: Any, out: Any = None) -> Any:
+    """``x``'s rows at ``index`` (1-D integers, none negative), in x's
+    framework; into ``out`` (of the result's shape and dtype, not JAX) when
+    given. NumPy indexes rather than ``take``s: np.take first copies a
+    strided ``x`` whole (4x slower on the rows ``from_bytes`` views out of a
+    message), and with ``out`` it takes in "clip" mode (its default mode
+    first writes to a scratch copy); torch's ``index_select`` is called
+    directly (the array API's ``take`` first wraps negative indices: three
+    more ops per call)."""
+    kind = framework(x)
+    if kind == "numpy":
+        return x[index] if out is None else np.take(x, index, axis=0, out=out, mode="clip")
+    if kind == "torch":
+        if out is None:
+            return x.index_select(0, index)
+        import torch
+        return torch.index_select(x, 0, index, out=out)
+    if out is not None:  # CuPy
+        return x.take(index, axis=0, out=out)
     return namespace(x).take(x, index, axis=0)
 
 
@@ -436,4 +454,5 @@ def dtype_name(x: Any) -> str:
 def detached(*arrays: Any) -> tuple:
     """The arrays without autograd history (torch tensors detached): the
     algorithms compute values; gradients are the bindings' business."""
-    return tuple(x.detach() if compat.is_torch_array(x) else x for x in arrays)
+    return tuple(x.detach() if compat.is_torch_array(x) and x.requires_grad else x
+                 for x in arrays)

@@ -5,7 +5,8 @@ communicator, the GPU frameworks).
 
 Every rank's input comes from a generator seeded with (seed, rank), so each
 rank computes the whole reference itself, in NumPy, without communicating.
-Whatever only moves bytes (alltoallv, alltoall, alltoall_many, the ring
+Whatever only moves bytes (alltoallv, alltoall, alltoall_many,
+prepare_alltoall, the ring
 shifts, allgather, bcast) and max/min reductions must be bit-exact. Sums of
 floats are exact at one rank; over several they are compared within the
 rounding of a sum over ranks (the MPI path sums float16 and bfloat16 in
@@ -200,6 +201,44 @@ def check_alltoall_many(comm, impl: ArrayImpl, dtype: str) -> List[str]:
     return check.failures
 
 
+def check_prepare_alltoall(comm, impl: ArrayImpl, dtype: str) -> List[str]:
+    """One prepared exchange run three times, the input rewritten in place
+    between runs (what a decode step does with its buffers), each result
+    read from ``out``; two prepared on other buffers in flight together;
+    ``alltoall_many_async(out=)``. JAX arrays (immutable) are refused."""
+    size, me = comm.size, comm.rank
+    check = Check(impl)
+    inputs = [[rank_input(60 + run, r, (2 * size, 3), dtype) for r in range(size)]
+              for run in range(3)]
+    x, out = impl.asarray(inputs[0][me], dtype), impl.asarray(inputs[0][me] * 0, dtype)
+    if impl.framework == "jax":
+        try:
+            comm.prepare_alltoall(x, out)
+        except ValueError:
+            return []
+        return ["prepare_alltoall accepted JAX arrays, which it cannot write into"]
+    prepared = comm.prepare_alltoall(x, out)
+    for run, each in enumerate(inputs):
+        x[...] = impl.asarray(each[me], dtype)
+        prepared.start()()
+        want = np.concatenate([np.split(each[r], size)[me] for r in range(size)])
+        check.exact(f"prepare_alltoall, run {run}", out, want)
+        check.unchanged("prepare_alltoall", x, each[me])
+    others = [(impl.asarray(each[me], dtype), impl.asarray(each[me] * 0, dtype))
+              for each in inputs[:2]]
+    waits = [comm.prepare_alltoall(*pair).start() for pair in others]
+    for wait, (_, received), each in zip(waits[::-1], others[::-1], inputs[1::-1]):
+        wait()
+        want = np.concatenate([np.split(each[r], size)[me] for r in range(size)])
+        check.exact("prepare_alltoall, two in flight", received, want)
+    received = impl.asarray(inputs[0][me] * 0, dtype)
+    (got,) = comm.alltoall_many_async([x], out=received).wait()
+    want = np.concatenate([np.split(inputs[2][r], size)[me] for r in range(size)])
+    check.exact("alltoall_many_async(out=)", received, want)
+    check.exact("alltoall_many_async(out=)'s result", got, want)
+    return check.failures
+
+
 def check_ring_shift(comm, impl: ArrayImpl, dtype: str) -> List[str]:
     """ring_shift by 1, -1 and 2; ring_shift_async on lanes 0 and 1 in
     flight together; contiguous and transposed inputs."""
@@ -275,6 +314,7 @@ CHECKS: Dict[str, Callable[[Any, ArrayImpl, str], List[str]]] = {
     "alltoallv-recv_counts": functools.partial(check_alltoallv, give_recv_counts=True),
     "alltoall": check_alltoall,
     "alltoall_many": check_alltoall_many,
+    "prepare_alltoall": check_prepare_alltoall,
     "ring_shift": check_ring_shift,
     "allgather": check_allgather,
     "allreduce": check_allreduce,

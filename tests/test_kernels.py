@@ -62,3 +62,35 @@ def test_merge_of_two_key_blocks_is_attention_over_both(impl):
     want_out, want_lse = reference_attention(rq, rk, rv, False)
     assert impl.is_native(out) and impl.is_native(lse)
     assert _close(impl, out, want_out, 2e-6) and _close(impl, lse, want_lse, 2e-6)
+
+
+@pytest.mark.parametrize("impl", arrayimpl.params())
+def test_merge_all_of_key_blocks_is_attention_over_them(impl):
+    """Three blocks merged in one pass, one of them seeing no key for a row
+    (lse -inf, out 0, as the decode paths pack it), and a row that no block
+    sees (lse -inf and out 0 after the merge, never NaN)."""
+    from commlib.kernels.merge import merge_all
+
+    (q, k, v, _), (rq, rk, rv, _) = _block(impl, "float32", 2, seed=2, seq=24)
+    parts = [TILED.forward(q, k[:, a:b], v[:, a:b], False, 8 ** -0.5)
+             for a, b in ((0, 5), (5, 16), (16, 24))]
+    outs = np.stack([impl.to_numpy(out) for out, _ in parts])
+    lses = np.stack([impl.to_numpy(lse) for _, lse in parts])
+    outs[1, :, 3] = 0.0  # block 1 saw no key for query 3
+    lses[1, :, :, 3] = -np.inf
+    lses[:, :, :, 7] = -np.inf  # no block saw a key for query 7
+    out, lse = merge_all(impl.asarray(outs), impl.asarray(lses))
+    mask = np.ones((24, 24), bool)
+    mask[3, 5:16] = False
+    scores = np.einsum("bshd,bthd->bhst", rq, np.repeat(rk, 2, axis=2)) * 8 ** -0.5
+    scores = np.where(mask, scores, -np.inf)
+    want_lse = np.log(np.exp(scores).sum(-1))
+    want_out = np.einsum("bhst,bthd->bshd", np.exp(scores - want_lse[..., None]),
+                         np.repeat(rv, 2, axis=2))
+    want_lse[:, :, 7], want_out[:, 7] = -np.inf, 0.0
+    got_out, got_lse = impl.to_numpy(out), impl.to_numpy(lse)
+    assert impl.is_native(out) and impl.is_native(lse)
+    assert np.array_equal(np.isinf(got_lse), np.isinf(want_lse))
+    finite = np.isfinite(want_lse)
+    assert np.allclose(got_lse[finite], want_lse[finite], atol=2e-5)
+    assert np.allclose(got_out, want_out, atol=2e-5)

@@ -85,8 +85,10 @@ def moe_dispatch(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
     core = graph_names.lookup(dispatcher)
     expert_x, handle = core.dispatch(x, experts, weights, quantize=quantize,
                                      dequantize=quantize is not None)
-    counts = torch.as_tensor(handle.tokens_per_expert)
-    return expert_x.contiguous(), counts.clone(), _keep(handle)
+    counts = handle.tokens_per_expert
+    # host counts are copied (the handle keeps them); a fixed capacity's are fresh already
+    counts = counts if isinstance(counts, torch.Tensor) else torch.as_tensor(counts).clone()
+    return expert_x.contiguous(), counts, _keep(handle)
 
 
 @moe_dispatch.register_fake

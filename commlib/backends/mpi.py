@@ -13,6 +13,7 @@ equal chunks take MPI's ``Ialltoall``, the fastest for small messages.
 from __future__ import annotations
 
 import pickle
+import weakref
 from itertools import accumulate
 from typing import Any, Callable, List, Sequence
 
@@ -87,6 +88,49 @@ class _PersistentExchange:
             self._request.Free()
 
 
+class _PreparedAlltoall:
+    """An all-to-all of one pair of host buffers, set up once to run many
+    times: MPI 4's persistent ``Alltoall_init`` up to
+    ``IALLTOALL_MAX_BYTES`` a peer (``Ialltoall`` where MPI lacks it), the
+    pairwise loop above. ``start()`` begins one and returns its wait. The
+    request is freed with this object, or with the backend, whichever is
+    first."""
+
+    def __init__(self, backend: "MpiBackend", send: np.ndarray, out: np.ndarray):
+        self._backend, self._request, self._active = backend, None, False
+        chunk = send.nbytes // backend.size
+        sizes = [chunk] * backend.size
+        if chunk > IALLTOALL_MAX_BYTES:
+            self.start = lambda: backend.start_alltoallv(send, sizes, out, sizes)
+            return
+        buffers = ([byte_view(send), MPI.BYTE], [byte_view(out), MPI.BYTE])
+        try:
+            self._request = backend.comm.Alltoall_init(*buffers)
+        except NotImplementedError:
+            self.start = lambda: backend.wait_on(backend.comm.Ialltoall(*buffers))
+        self._buffers = (send, out)  # MPI writes into them until the request is freed
+
+    def start(self) -> Callable[[], None]:
+        self._request.Start()
+        self._active = True
+
+        def wait() -> None:
+            self._backend.wait_on(self._request)()
+            self._active = False
+        return wait
+
+    def free(self) -> None:
+        """Free the request, unless an exchange on it never finished (then
+        MPI may still write into the buffers: both stay held)."""
+        if self._request is not None and not self._active:
+            self._request, request = None, self._request
+            request.Free()
+
+    def __del__(self):
+        if self._backend.watchdog.failure is None and self._backend.watchdog.freed is None:
+            self.free()
+
+
 def _ints(sizes: Sequence[int]) -> List[int]:
     """Byte counts as a list of Python ints (the communicator passes lists;
     a NumPy array, as tests pass, works too)."""
@@ -111,15 +155,17 @@ class MpiBackend:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self._headers = {width: _PersistentExchange(comm, width) for width in HEADER_WIDTHS}
+        self._prepared: "weakref.WeakSet[_PreparedAlltoall]" = weakref.WeakSet()
 
     def free(self) -> None:
         """Collective. The communicators are freed only where nothing more
         can arrive on them (``Watchdog.close``)."""
+        prepared = list(self._prepared)
         if self.watchdog.failure is None:
-            for exchange in self._headers.values():
+            for exchange in [*self._headers.values(), *prepared]:
                 exchange.free()
         else:  # a failed call may have left one active, writing into its buffers
-            self.watchdog.hold(*self._headers.values())
+            self.watchdog.hold(*self._headers.values(), *prepared)
         self.watchdog.close(self.comm)
 
     # -- payload ---------------------------------------------------------
@@ -163,6 +209,16 @@ class MpiBackend:
             self.alltoallv(send, [chunk] * self.size, out, [chunk] * self.size)
             return
         self._wait(self.comm.Ialltoall([byte_view(send), MPI.BYTE], [byte_view(out), MPI.BYTE]))
+
+    def prepare_alltoall(self, send, out) -> _PreparedAlltoall:
+        """``alltoall(send, out)`` set up once for many ``start()`` calls."""
+        prepared = _PreparedAlltoall(self, send, out)
+        self._prepared.add(prepared)
+        return prepared
+
+    def wait_on(self, request) -> Callable[[], None]:
+        """The wait of a started request, under the watchdog."""
+        return lambda: self._wait(request)
 
     def start_sendrecv(self, send, dest, out, source) -> Callable[[], None]:
         requests = [self.comm.Irecv([byte_view(out), MPI.BYTE], source, _PAYLOAD_TAG),

@@ -4,8 +4,9 @@ decode, and the prefill of a new chunk against the cache.
 Decode (``decode_attention``): the t new tokens' queries are on every rank
 (the model runs replicated past the prefill). Each rank attends them to
 its own shard of the cache; the partial (out, lse) travel in one
-all-gather of the small partials, and every rank merges them in rank order,
-so every rank gets the same result, bit for bit, and no K or V moves
+all-gather of the small partials, and every rank merges them in one pass
+(``merge_all``: the same operations on the same bytes everywhere), so every
+rank gets the same result, bit for bit, and no K or V moves
 (SGLang's and vLLM's decode context parallelism).
 
 A chunk against the cache (``chunk_attention``, a second turn of a
@@ -40,7 +41,7 @@ import numpy as np
 
 from ..kernels import Kernel, kernel_for
 from ..kernels.blockwise import attend, finish
-from ..kernels.merge import merge
+from ..kernels.merge import merge_all
 from ..kernels.sinks import apply_sinks, check_sinks, sinks_fact
 from ..namespace import accumulated, accumulator_dtype, detached, device, framework, namespace
 from ..ring.exchange import RingExchange
@@ -88,11 +89,8 @@ def decode_attention(q: Any, k: Any, v: Any, comm, *, q_positions: Sequence[int]
     b, t, h, d = q.shape
     packed = xp.concat([xp.reshape(accumulated(out, q), (-1,)), xp.reshape(lse, (-1,))])
     gathered = xp.reshape(comm.allgather(packed), (comm.size, -1))
-    merged = None
-    for part in range(comm.size):  # rank order: the same sums on every rank
-        state = (xp.reshape(gathered[part, :b * t * h * d], (b, t, h, d)),
-                 xp.reshape(gathered[part, b * t * h * d:], (b, h, t)))
-        merged = state if merged is None else merge(*merged, *state)
+    merged = merge_all(xp.reshape(gathered[:, :b * t * h * d], (comm.size, b, t, h, d)),
+                       xp.reshape(gathered[:, b * t * h * d:], (comm.size, b, h, t)))
     out, lse = finish(merged, q, sinks)
     return (out, lse) if return_lse else out
 
@@ -154,11 +152,9 @@ def _decode_on_device(q: Any, k: Any, v: Any, comm, q_positions: Any, k_position
     packed = xp.concat([xp.reshape(out, (-1,)), xp.reshape(lse, (-1,)),
                         xp.astype(q_positions, wide)])
     gathered = xp.reshape(comm.allgather(packed), (comm.size, -1))
-    merged = None
-    for part in range(comm.size):  # rank order: the same sums on every rank
-        state = (xp.reshape(gathered[part, :b * t * h * d], (b, t, h, d)),
-                 xp.reshape(gathered[part, b * t * h * d:b * t * h * (d + 1)], (b, h, t)))
-        merged = state if merged is None else merge(*merged, *state)
+    merged = merge_all(
+        xp.reshape(gathered[:, :b * t * h * d], (comm.size, b, t, h, d)),
+        xp.reshape(gathered[:, b * t * h * d:b * t * h * (d + 1)], (comm.size, b, h, t)))
     told = gathered[:, b * t * h * (d + 1):]
     same = xp.all(told == told[:1])
     out, lse = apply_sinks(*merged, sinks)
@@ -329,9 +325,7 @@ def _pass_q(comm, kernel, scale, band, q, k, v, queries, keys):
         partials.append(xp.concat([xp.reshape(out, (-1,)), xp.reshape(lse, (-1,))]))
     received = comm.alltoall(xp.stack(partials))  # row r: rank r's partial for my queries
     count = len(queries[comm.rank])
-    merged = None
-    for part in range(comm.size):
-        out = xp.reshape(received[part, :b * longest * h * d], (b, longest, h, d))[:, :count]
-        lse = xp.reshape(received[part, b * longest * h * d:], (b, h, longest))[:, :, :count]
-        merged = (out, lse) if merged is None else merge(*merged, out, lse)
-    return merged
+    size = comm.size
+    return merge_all(
+        xp.reshape(received[:, :b * longest * h * d], (size, b, longest, h, d))[:, :, :count],
+        xp.reshape(received[:, b * longest * h * d:], (size, b, h, longest))[..., :count])

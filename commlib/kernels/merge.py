@@ -40,3 +40,22 @@ def merge(out: Any, lse: Any, block_out: Any, block_lse: Any) -> Tuple[Any, Any]
     merged = xp.astype(out, acc, copy=False) * weight_old
     merged += xp.astype(block_out, acc, copy=False) * weight_new
     return merged, merged_lse
+
+
+def merge_all(outs: Any, lses: Any) -> Tuple[Any, Any]:
+    """``merge`` of partials stacked on axis 0 (``outs`` [P, batch, seq,
+    heads, dim], ``lses`` [P, batch, heads, seq]) in one pass: the same
+    operations whatever P, where P - 1 ``merge`` steps run P - 1 times as
+    many (a decode step merges every rank's partial: issue 46). A partial
+    that saw no key weighs nothing; if none did, lse = -inf and out = 0."""
+    xp = namespace(outs)
+    acc = accumulator_dtype(outs)
+    lses = xp.astype(lses, acc, copy=False)
+    top = xp.max(lses, axis=0)
+    empty = top == -math.inf
+    base = xp.where(empty, 0.0, top)
+    weights = xp.exp(lses - base)
+    denominator = xp.where(empty, 1.0, xp.sum(weights, axis=0))
+    merged_lse = xp.where(empty, -math.inf, base + xp.log(denominator))
+    scale = xp.permute_dims(weights / denominator, (0, 1, 3, 2))[..., None]
+    return xp.sum(xp.astype(outs, acc, copy=False) * scale, axis=0), merged_lse

@@ -82,6 +82,7 @@ from ..namespace import (
     from_bytes,
     index_dtype,
     namespace,
+    on_cuda,
     sum_rows,
     to_host,
 )
@@ -90,13 +91,14 @@ from .call import Counts, DispatchHandle, PendingMoE, Plan, Wire
 from .expand import Expansion
 from .fixed import FixedCapacity
 from .hops import Hop, copy_keys, lookup, take_sent
+from .lowlatency import LowLatency, LowLatencyHandle
 from .pipeline import TwoHopRoute
 from .placement import Placement
 from .quantize import dequantize_fp8, quantize_fp8
 from .stats import DispatchStats
 
 
-class Dispatcher(FixedCapacity):
+class Dispatcher(FixedCapacity, LowLatency):
     """Expert-parallel dispatch and combine over ``comm``: expert e of
     ``num_experts`` lives on rank ``e // (num_experts // comm.size)``.
     ``max_tokens_per_rank`` selects the fixed-capacity mode.
@@ -141,6 +143,9 @@ class Dispatcher(FixedCapacity):
         self._hop_maps = self._destination_maps()
         self._on_device: Dict[tuple, Any] = {}
         self._unreported: Dict[Tuple[str, str], Any] = {}  # fixed capacity: counts on devices
+        self._received: Dict[tuple, Any] = {}  # the low-latency path's counts on devices
+        self._shapes: Dict[tuple, Any] = {}    # the low-latency path's tables, per shape
+        self._exchanges: Dict[tuple, list] = {}  # its exchange buffers, free between calls
 
     # -- dispatch ---------------------------------------------------------------
     def dispatch(self, x: Any, experts: Any, weights: Any, *, quantize: Optional[str] = None,
@@ -165,6 +170,15 @@ class Dispatcher(FixedCapacity):
         thread moves it meanwhile. x must not change until the wait."""
         problem = contract.input_problem(x, experts, weights, quantize) \
             or contract.chunks_problem(self.pipeline_chunks, self.hierarchical)
+        if self._low_latency() and framework(x) != "jax":  # JAX arrays are immutable
+            # the framework and device kind too: the exchange buffers are kept per both,
+            # and making a new set is collective
+            facts = () if problem is not None else self._facts(
+                x, experts, quantize, dequantize) + ("low-latency layout", framework(x),
+                                                     f"cuda={on_cuda(x)}")
+            self.comm.agree("moe.dispatch", *facts, problem=problem)
+            return self._dispatch_low_latency(x, experts, weights,
+                                              self._wire(x, quantize, dequantize))
         plan = counts = None
         if problem is None:
             plan = self._plan(x, experts, weights)
@@ -475,8 +489,10 @@ class Dispatcher(FixedCapacity):
         self._unreported.clear()
         traffic = np.zeros((size, size), np.int64)
         traffic[self.comm.rank] = local[2 * count + 1:]
-        stats = DispatchStats.gather(self.comm, local[:count], local[count:2 * count], traffic,
-                                     invalid=int(local[2 * count]),
+        kept, dropped, received, invalid = self._low_latency_counts()
+        stats = DispatchStats.gather(self.comm, local[:count] + kept,
+                                     local[count:2 * count] + dropped, traffic + received,
+                                     invalid=int(local[2 * count]) + invalid,
                                      slot_experts=self._slot_experts)
         self.stats = self.stats + stats
         return stats
@@ -492,6 +508,8 @@ class Dispatcher(FixedCapacity):
     def combine_async(self, expert_y: Any, handle: DispatchHandle) -> PendingMoE:
         """``combine``, returned as soon as the way back is in flight;
         ``.wait()`` gives y."""
+        if isinstance(handle, LowLatencyHandle):
+            return self._combine_low_latency(expert_y, handle)
         problem = contract.combine_problem(
             expert_y, handle.expert_shape or (int(handle.arrival_rows.shape[0]),),
             handle.arrival_rows)
@@ -505,6 +523,8 @@ class Dispatcher(FixedCapacity):
     def dispatch_backward(self, d_expert_x: Any, handle: DispatchHandle) -> Any:
         """d x from d expert_x (the dispatch's framework): each expert row's
         gradient summed back to its token along the combine path."""
+        if isinstance(handle, LowLatencyHandle):
+            return self._dispatch_backward_low_latency(d_expert_x, handle)
         return self._to_tokens(d_expert_x, handle).wait()
 
     def combine_backward(self, expert_y: Any, d_y: Any, handle: DispatchHandle,
@@ -513,6 +533,8 @@ class Dispatcher(FixedCapacity):
         framework): d y travels the dispatch path to the expert rows, where
         d expert_y = w * d y and each slot's d w = <d y, expert_y> travels
         back to its token."""
+        if isinstance(handle, LowLatencyHandle):
+            return self._combine_backward_low_latency(expert_y, d_y, handle)
         xp = namespace(expert_y)
         rows = self._expert_rows(expert_y, handle)
         arrived = float32(take_sent(self.send_rows(d_y, handle), handle.arrival_rows,

@@ -36,6 +36,16 @@ def most_tokens(comm, tokens):
     return int(comm.allreduce(np.array([tokens]), op="max")[0])
 
 
+def pair_traffic(world, experts, num_experts, row_bytes):
+    """[P, P] bytes under the low-latency layout: a token's row travels
+    once per distinct expert it names (DeepEP's low-latency mode), not once
+    per destination rank."""
+    per_rank = num_experts // world.size
+    pairs = {(t, int(e)) for t, row in enumerate(experts) for e in row if e >= 0}
+    mine = np.bincount([e // per_rank for _, e in pairs], minlength=world.size)
+    return np.asarray(world.allgather(mine[None] * row_bytes))
+
+
 @pytest.mark.parametrize("hierarchical", [False, True], ids=["flat", "two-hop"])
 @pytest.mark.parametrize("capacity", [None, 0.6])
 # "hot" repeats an expert within a token: more rows than a token can give
@@ -44,7 +54,9 @@ def most_tokens(comm, tokens):
 def test_fixed_capacity_equals_the_counted_dispatch(comm, case, capacity, hierarchical):
     """With room for every token: the same expert rows in the same order,
     the same counts, the same y (up to the order of the float32 sums), and
-    the same stats once collected."""
+    the same stats once collected; the traffic the same, or, in the
+    low-latency layout (flat, no capacity factor), a row per (token,
+    expert)."""
     world = world_for(comm)
     try:
         num_experts = 4 * comm.size
@@ -63,12 +75,14 @@ def test_fixed_capacity_equals_the_counted_dispatch(comm, case, capacity, hierar
         starts = np.cumsum(handle.tokens_per_expert) - handle.tokens_per_expert
         same_rows = all(np.array_equal(slots_x[e, :n], expert_x[s:s + n])
                         for e, (s, n) in enumerate(zip(starts, per_expert)))
+        traffic = handle.stats.traffic if hierarchical or capacity is not None else \
+            pair_traffic(world, experts, num_experts, x.itemsize * HIDDEN)
         assert all_ranks(
             slots.stats is None and per_expert.tolist() == handle.tokens_per_expert.tolist()
             and same_rows and np.allclose(y, y_fixed, rtol=1e-6, atol=1e-6)
             and stats.tokens_per_expert.tolist() == handle.stats.tokens_per_expert.tolist()
             and stats.dropped.tolist() == handle.stats.dropped.tolist()
-            and np.array_equal(stats.traffic, handle.stats.traffic) and stats.invalid == 0
+            and np.array_equal(stats.traffic, traffic) and stats.invalid == 0
             and fixed.stats.tokens_per_expert.tolist() == stats.tokens_per_expert.tolist())
     finally:
         world.free()
@@ -103,33 +117,24 @@ def test_fixed_capacity_never_reads_the_device(comm, monkeypatch, hierarchical):
         world.free()
 
 
-def kept_under_fixed_capacity(experts, limit, per_rank):
-    """Independent overflow rule: a rank's block to each destination holds
-    ``limit`` tokens, the earliest ones; the assignments of later tokens to
-    that destination are dropped."""
-    kept = experts.copy()
-    for dest in set((experts[experts >= 0] // per_rank).tolist()):
-        tokens = [t for t in range(len(experts)) if (experts[t] // per_rank == dest).any()
-                  and (experts[t] >= 0).any()]
-        for t in tokens[limit:]:
-            kept[t][experts[t] // per_rank == dest] = -1
-    return kept
-
-
 def test_overflow_beyond_the_capacity_is_dropped_and_counted(comm):
-    """Rank 0 dispatches more tokens than max_tokens_per_rank: the later
-    copies to each rank are dropped, y is the per-token loop without them,
-    and every assignment is either received or counted as dropped."""
+    """Rank 0 dispatches more tokens than max_tokens_per_rank: in the
+    low-latency layout a token's slot is its row, so the tokens past the
+    limit are dropped whatever their destinations (an independent rule:
+    their assignments become -1); y is the per-token loop without them, and
+    every assignment is either received or counted as dropped."""
+    world = world_for(comm)
     num_experts = 4 * comm.size
     maps = expert_maps(num_experts)
     x, experts, weights = make_routing(comm, "plain", num_experts, seed=11)
+    experts[1::2, 1:] = -1  # tokens that visit fewer ranks
     limit = 5
     if comm.rank != 0:
         x, experts, weights = x[:limit], experts[:limit], weights[:limit]
-    d = Dispatcher(comm, num_experts, max_tokens_per_rank=limit)
+    d = Dispatcher(world, num_experts, max_tokens_per_rank=limit)
     expert_x, handle = d.dispatch(x, experts, weights)
     y = d.combine(run_fixed_experts(comm, expert_x, handle, maps), handle)
-    kept = kept_under_fixed_capacity(experts, limit, num_experts // comm.size)
+    kept = np.where(np.arange(len(experts))[:, None] < limit, experts, -1)
     stats = d.collect_stats()
     sent = comm.allreduce(np.array([(experts >= 0).sum()]))[0]
     received = comm.allreduce(np.array([np.asarray(handle.tokens_per_expert).sum()]))[0]
@@ -138,6 +143,54 @@ def test_overflow_beyond_the_capacity_is_dropped_and_counted(comm):
                      and sent == received + stats.dropped.sum()
                      and stats.dropped.sum() == lost > 0
                      and received == stats.tokens_per_expert.sum())
+    world.free()
+
+
+@pytest.mark.parametrize("impl", arrayimpl.params(["numpy", "torch"]))
+def test_successive_decode_steps_reuse_the_buffers(comm, impl):
+    """The low-latency layout keeps its tables and buffers between calls:
+    steps of 3, 0, 4 (more than C: dropped and counted) and 2 tokens, each
+    rank starting at another step (a rank meets a token count first while
+    another has seen it: the buffers must not follow it, their making is
+    collective), with -1 and repeated experts, each against the per-token
+    loop, one step's pair in flight beside the next's dispatch, and the
+    stats of all of them collected at the end."""
+    num_experts, limit = 4 * comm.size, 3
+    maps = expert_maps(num_experts)
+    d = Dispatcher(comm, num_experts, max_tokens_per_rank=limit)
+    sent = received = lost = 0
+    previous = None
+    counts = (3, 0, 4, 2)
+    for step in range(len(counts)):
+        tokens = counts[(step + comm.rank) % len(counts)]
+        rng = np.random.default_rng([70 + step, comm.rank])
+        x = rng.standard_normal((tokens, HIDDEN)).astype(np.float32)
+        experts = rng.integers(-1, num_experts, (tokens, 3))
+        if tokens > 1:
+            experts[1, 2] = experts[1, 0] = max(experts[1, 0], 0)  # an expert named twice
+        weights = rng.random((tokens, 3)).astype(np.float32)
+        pending = d.dispatch_async(impl.asarray(x), impl.asarray(experts),
+                                   impl.asarray(weights))
+        if previous is not None:
+            want, got = previous
+            ok = np.allclose(impl.to_numpy(got.wait()), want, atol=1e-4)
+            assert all_ranks(ok)
+        expert_x, handle = pending.wait()
+        y = d.combine_async(run_fixed_experts(comm, expert_x, handle, maps, impl), handle)
+        kept = np.where(np.arange(tokens)[:, None] < limit, experts, -1)
+        previous = per_token_reference(x, kept, weights, maps), y
+        slots = {(t, e) for t, row in enumerate(kept) for e in row if e >= 0}
+        sent += len({(t, e) for t, row in enumerate(experts) for e in row if e >= 0})
+        received += int(np.asarray(impl.to_numpy(handle.tokens_per_expert)).sum())
+        lost += len({(t, e) for t, row in enumerate(experts) for e in row if e >= 0}) \
+            - len(slots)
+    want, got = previous
+    ok = np.allclose(impl.to_numpy(got.wait()), want, atol=1e-4)
+    stats = d.collect_stats()
+    totals = comm.allreduce(np.array([sent, received, lost]))
+    assert all_ranks(ok and totals[1] == stats.tokens_per_expert.sum()
+                     and totals[2] == stats.dropped.sum() > 0
+                     and totals[0] == totals[1] + totals[2])
 
 
 def test_fixed_capacity_counts_expert_ids_it_cannot_refuse(comm):
@@ -302,12 +355,15 @@ def test_a_handle_never_waited_on_is_an_error_at_the_next_call(comm, fixed):
 # largest |error| of the (x, weights, expert maps) gradients against the counted
 # dispatch's, relative to its largest: 2-3x the worst measured at 2 and 3 ranks
 # (seeds 40-42). Fixed capacity changes only the order of float32 sums (d x
-# measured 2e-7, d weights exact, d maps 1e-7); in bfloat16 d x and d weights
-# round to the same values (measured exact), and torch's bfloat16 einsum over
+# measured 2e-7, d weights exact, d maps 1e-7). In bfloat16 the fixed mode's
+# low-latency layout (flat, no capacity factor) sends a token's rows once
+# per expert and sums them once, in float32, on the sender, where the counted
+# dispatch first rounds each rank's partial sum to bfloat16 (d x, d weights
+# measured 0.0076, 0.0032: two bfloat16 steps); torch's bfloat16 einsum over
 # the padded [L, slots] layout reduces in another order than over [rows] (d
 # maps, measured 0.0113). FP8 rows: e4m3's 2**-4 rounding, measured 0.057.
 GRADIENT_TOLERANCE = {("fixed", "float32"): (5e-7, 5e-7, 5e-7),
-                      ("fixed", "bfloat16"): (0.0, 0.0, 0.03),
+                      ("fixed", "bfloat16"): (0.02, 0.01, 0.03),
                       **{(mode, dtype): (0.12,) * 3 for mode in ("fp8", "fixed-fp8")
                          for dtype in ("float32", "bfloat16")}}
 

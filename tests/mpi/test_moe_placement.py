@@ -67,12 +67,17 @@ def _routing(comm, num_experts):
     return x, experts, weights, probe
 
 
-def _sent_rows(comm, experts, kept, placement):
+def _sent_rows(comm, experts, kept, placement, per_slot=False):
     """[P]: the rows this rank sends to each rank in a flat dispatch: a
     token once to each rank holding the slot of a kept choice, as
-    ``replica_table`` picks it."""
+    ``replica_table`` picks it; ``per_slot`` (the low-latency layout of a
+    fixed capacity without a capacity factor) once to each such slot."""
     slots = placement.replica_for(comm.rank, np.where(kept, experts, -1))
     ranks = np.where(slots >= 0, slots // placement.slots_per_rank, -1)
+    if per_slot:
+        distinct = {(t, s) for t, row in enumerate(slots) for s in row if s >= 0}
+        return np.bincount([s // placement.slots_per_rank for _, s in distinct],
+                           minlength=comm.size)
     return np.array([(ranks == r).any(axis=1).sum() for r in range(comm.size)])
 
 
@@ -111,7 +116,8 @@ def test_dispatch_with_a_placement(world, case):
         ok = ok and _close(dx, want_dx) and _close(dw, want_dw)
     if framework != "jax" and not hierarchical:  # the rows each rank sent, rank by rank
         ok = ok and np.array_equal(stats.traffic[world.rank] // (HIDDEN * 4),
-                                   _sent_rows(world, experts, kept_here, placement))
+                                   _sent_rows(world, experts, kept_here, placement,
+                                              per_slot=mode == "fixed"))
     if handle is not None and (placement.slots[world.rank] < 0).all():
         ok = ok and int(np.asarray(handle.tokens_per_expert).sum()) == 0  # drained
     assert all_ranks(ok)

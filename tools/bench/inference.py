@@ -2,6 +2,13 @@
 model's ``model.generate`` in one process on the same cores, in one launch.
 
     mpiexec -n 2 python -m commlib.tools.bench.inference
+    mpiexec -n 2 python -m commlib.tools.bench.inference --experts 16 --seq 512
+
+``--experts N``: a Qwen3-MoE-shaped model of N experts (``--top-k`` each)
+instead of the Llama, its experts spread over the ranks
+(``expert_parallel``): each decode step then runs every layer's decode
+attention and MoE dispatch + combine (the fixed-capacity low-latency path,
+issue 46).
 
 First rank 0 alone (the other ranks wait without spinning) runs
 ``model.generate`` with SDPA and ``--threads`` torch threads (all the
@@ -19,23 +26,29 @@ cores); then every rank, one thread each, runs
 
 from __future__ import annotations
 
+import copy
 from typing import Dict, Optional
 
 import click
 import torch
 from mpi4py import MPI
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
 import commlib
 from commlib.bindings import transformers as cht
 from commlib.tools.bench.timing import best_slowest, first_rank_alone, json_option, write_json
 
 
-def _model(hidden: int, heads: int, kv_heads: int, layers: int, positions: int):
+def _model(hidden: int, heads: int, kv_heads: int, layers: int, positions: int,
+           experts: int = 0, top_k: int = 2):
+    """A tiny Llama, or with ``experts`` a Qwen3-MoE of that many experts."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=4 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, max_position_embeddings=positions)
+    common = dict(vocab_size=1024, hidden_size=hidden, intermediate_size=4 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, max_position_embeddings=positions)
+    config = Qwen3MoeConfig(**common, head_dim=hidden // heads, num_experts=experts,
+                            num_experts_per_tok=top_k, moe_intermediate_size=hidden) \
+        if experts else LlamaConfig(**common)
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
 
 
@@ -93,16 +106,22 @@ def _sharded(comm, model, ids, new: int, repeats: int) -> Dict[str, object]:
 @click.option("--repeats", default=2, show_default=True)
 @click.option("--memory-mib", default=1024, show_default=True,
               help="KV cache budget per process for the longest-context line.")
+@click.option("--experts", default=0, show_default=True,
+              help="A Qwen3-MoE of this many experts, spread over the ranks (0: a Llama).")
+@click.option("--top-k", default=2, show_default=True, help="Experts per token (--experts).")
 @json_option
 def main(seq: int, new: int, hidden: int, heads: int, kv_heads: int, layers: int,
-         threads: int, repeats: int, memory_mib: int, json_path: Optional[str]) -> None:
+         threads: int, repeats: int, memory_mib: int, experts: int, top_k: int,
+         json_path: Optional[str]) -> None:
     """Prefill, decode per token, KV bytes per rank and the longest context
     under a memory budget: commlib's generate on P ranks vs one process."""
     comm = commlib.init()
     world = comm.mpi_comm
-    model = _model(hidden, heads, kv_heads, layers, seq + new + 8)
+    model = _model(hidden, heads, kv_heads, layers, seq + new + 8, experts, top_k)
     ids = torch.randint(1024, (1, seq), generator=torch.Generator().manual_seed(1))
     baseline = first_rank_alone(world, lambda: _alone(model, ids, new, threads, repeats))
+    if experts:
+        model = cht.expert_parallel(copy.deepcopy(model), comm)
     sharded = _sharded(comm, model, ids, new, repeats)
     if comm.rank:
         return
@@ -111,6 +130,7 @@ def main(seq: int, new: int, hidden: int, heads: int, kv_heads: int, layers: int
     budget = memory_mib * 2 ** 20
     result = {
         "world_size": comm.size, "seq": seq, "new": new, "threads_alone": threads,
+        "experts": experts, "top_k": top_k,
         "prefill_alone_s": baseline["prefill_s"], "prefill_sharded_s": sharded["prefill_s"],
         "decode_alone_ms": 1e3 * baseline["decode_s_per_token"],
         "decode_sharded_ms": 1e3 * sharded["decode_s_per_token"],
@@ -120,7 +140,8 @@ def main(seq: int, new: int, hidden: int, heads: int, kv_heads: int, layers: int
         "same_tokens": bool(torch.equal(baseline["tokens"], sharded["tokens"])),
     }
     click.echo(
-        f"# {comm.size} ranks x 1 thread vs 1 process x {threads} threads; Llama hidden "
+        f"# {comm.size} ranks x 1 thread vs 1 process x {threads} threads; "
+        f"{f'Qwen3-MoE ({experts} experts, top-{top_k})' if experts else 'Llama'} hidden "
         f"{hidden}, {heads} heads / {kv_heads} kv, {layers} layers; prompt {seq}, "
         f"{new} decoded\n"
         f"prefill (to the first token)  {result['prefill_sharded_s']:.3f} s vs "

@@ -127,6 +127,15 @@ def commlib_path(dispatcher: moe.Dispatcher) -> Callable:
     return run
 
 
+def _warm_ops(call: Callable[[], Any]) -> int:
+    """The aten ops of a call after a first one (what is made once per
+    shape is not counted), as tests/mpi/test_decode_ops counts them."""
+    from commlib.tools.bench.ops import torch_ops
+
+    call()
+    return torch_ops(call)
+
+
 def _loop(call: Callable[[], Any], repeat: int) -> Callable[[], None]:
     """``call`` ``repeat`` times: one timed unit for microsecond calls."""
     def run() -> None:
@@ -516,7 +525,6 @@ def decode(tokens: str, hidden: int, num_experts: int, topk: int, repeat: int, i
     import torch
 
     from commlib.bindings.torch import Dispatcher as TorchDispatcher
-    from commlib.tools.bench.ops import torch_ops
     world = MPI.COMM_WORLD
     comm = commlib.init(backend="mpi", abort_on_error=True)
     raw = world.Dup()
@@ -543,7 +551,7 @@ def decode(tokens: str, hidden: int, num_experts: int, topk: int, repeat: int, i
                       "torch plain slots": _loop(functools.partial(plain, x, experts, weights),
                                                  repeat)}
         against = {"torch plain slots": "bare Alltoall (slots)"}
-        ops = {"torch plain slots": torch_ops(functools.partial(plain, x, experts, weights))}
+        ops = {"torch plain slots": _warm_ops(functools.partial(plain, x, experts, weights))}
         fixed_ones = []
         for name in ("torch", "NumPy"):
             for mode, kw in (("counted", {}), ("fixed", {"max_tokens_per_rank": count})):
@@ -553,7 +561,7 @@ def decode(tokens: str, hidden: int, num_experts: int, topk: int, repeat: int, i
                 pair = _pair(d, *args[name])
                 contenders[f"{name} {mode}"] = _loop(pair, repeat)
                 if name == "torch":
-                    ops[f"{name} {mode}"] = torch_ops(pair)
+                    ops[f"{name} {mode}"] = _warm_ops(pair)
         times = {name: float(np.median(t)) / repeat * 1e6
                  for name, t in interleaved(world, contenders, iters).items()}
         say(f"-- {count} tokens per rank")

@@ -1,0 +1,322 @@
+"""The flat fixed-capacity dispatch without a capacity factor, in DeepEP's
+low-latency layout (issue 46): the decode path. Every (expert, source rank)
+has C = ``max_tokens_per_rank`` slots, and a token's row for expert e goes
+to slot [e, its row], so each direction is one fixed-size ``alltoall`` whose
+send buffer is one gather of rows. The owner compacts each expert's filled
+slots to the front (one stable sort) to keep the fixed mode's contract
+(expert e's first ``tokens_per_expert[e]`` rows are real); combine sends
+every slot back, and the sender weighs and sums its own choices.
+
+Rows are gathered, never scattered: torch's CPU scatter of rows
+(``index_put_``, ``index_copy_``) moves a byte at a time, its gather a row
+at a time (10x at 14 KiB rows). So the sender works out which of its rows
+each slot holds (a scatter of small integers) and gathers the send buffer
+from its rows and one blank row; each row carries a flag byte after its
+payload (the blank row's is 0) saying the slot holds a token. Everything
+that depends only on the shapes (index tables, the rows with their flags)
+is made once per shape and reused: a call runs a few native operations
+beside its two exchanges, and reads nothing back from a device.
+
+Rows past C (more than ``max_tokens_per_rank`` tokens) are dropped and
+counted. A token naming an expert twice fills its slot once: combine weighs
+that row by both weights (the same y as one row per choice), and
+``tokens_per_expert`` counts it once."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Tuple
+
+import numpy as np
+
+from ..namespace import (
+    bincount,
+    device,
+    dtype_name,
+    float32,
+    framework,
+    index_dtype,
+    namespace,
+    sum_rows,
+    take_rows,
+    to_host,
+)
+from . import contract
+from .call import PendingMoE, Wire
+
+__all__ = ["LowLatency", "LowLatencyHandle"]
+
+FLAG = 8  # bytes after a row's payload (8: rows stay aligned); the first is 1 for a token
+
+
+@dataclass
+class _Shape:
+    """What one (framework, device, row bytes, tokens, k) needs, made once,
+    beside the arrays: ``rows`` [T + 1, W] uint8, this call's payloads
+    written into the first T (their flag set once), the last blank;
+    ``payloads`` the view written; ``choice_rows`` [T * k] the token of each
+    choice; ``fits`` [T, k] bool (None: T <= C, all fit); ``arrived`` [L *
+    P * C] the received slot of expert l's (source, place) slot, each
+    expert's from ``starts`` [L, 1]. Made per rank: ``tokens`` may differ
+    between ranks."""
+
+    row_bytes: int
+    rows: Any
+    payloads: Any
+    choice_rows: Any
+    token_rows: Any
+    fits: Any
+    arrived: Any
+    starts: Any
+
+
+@dataclass
+class LowLatencyHandle:
+    """What combine and the backwards need to undo a low-latency dispatch:
+    the sender's choices and their slots, the owner's compaction."""
+
+    tokens_per_expert: Any                 # [L] rows per local expert, on the device
+    stats: None = field(default=None, repr=False)  # collected by ``collect_stats()``
+    gate: Any = field(default=None, repr=False)    # [T, k] float32 weights
+    target: Any = field(default=None, repr=False)  # [T, k] slot of each choice, S * C: none
+    gather: Any = field(default=None, repr=False)  # [L * P * C] arrived slot of each expert row
+    expert_shape: Tuple[int, ...] = field(default=(), repr=False)  # (L, P * C)
+
+    @property
+    def homes(self) -> Any:
+        """Where each arrived slot's row is in ``expert_x`` (``gather``'s
+        inverse): combine gathers its rows in slot order with it."""
+        return namespace(self.gather).argsort(self.gather)
+
+
+class LowLatency:
+    """The ``Dispatcher``'s low-latency path (a mixin: it reads the
+    communicator, experts, options and ``_slots_of``)."""
+
+    _shapes: Dict[tuple, _Shape]
+    _exchanges: Dict[tuple, List[Tuple[Any, Any, Any]]]
+    _received: Dict[tuple, Any]
+
+    def _buffers(self, like: Any, dtype: Any, row: Tuple[int, ...],
+                 zero_row: bool = False) -> Tuple[Any, Any, Any]:
+        """(send, receive, their prepared exchange): [S * C, *row] arrays of
+        ``dtype`` (an array's) kept between calls, with
+        ``comm.prepare_alltoall`` of the two (on the CPU a fresh buffer of
+        this size costs its page faults every call, and each exchange its
+        set-up), with ``zero_row`` the receiving one a last row of zeros
+        that nothing overwrites (the spare slot: a choice without a slot
+        reads it, so needs no mask). A free set, else a new one; the caller
+        gives it back (``_release``) once its exchange has finished, so two
+        exchanges in flight (two micro-batches) never share one. Kept per
+        what every rank agreed on (never per rank's token count): preparing
+        is collective (MPI's ``Alltoall_init``), so every rank must need a
+        new set at the same call."""
+        key = (framework(like), str(device(like)), str(dtype), row, zero_row)
+        held = self._exchanges.get(key)
+        if held:
+            return held.pop()
+        xp = namespace(like)
+        slots = self.num_slots * self.max_tokens_per_rank
+        send = xp.zeros((slots,) + row, dtype=dtype, device=device(like))
+        receive = xp.zeros((slots + zero_row,) + row, dtype=dtype, device=device(like))
+        return send, receive, self.comm.prepare_alltoall(send, receive[:slots])
+
+    def _release(self, buffers: Tuple[Any, Any, Any]) -> None:
+        send, receive, _ = buffers
+        key = (framework(send), str(device(send)), str(send.dtype), tuple(send.shape[1:]),
+               receive.shape[0] > send.shape[0])
+        self._exchanges.setdefault(key, []).append(buffers)
+
+    def _low_latency(self) -> bool:
+        """Whether dispatches take this path: options only (never shapes,
+        which may differ between ranks), so every rank takes the same one."""
+        return (self.max_tokens_per_rank is not None and not self.hierarchical
+                and self.capacity_factor is None)
+
+    def _shape(self, like: Any, row_bytes: int, tokens: int, k: int) -> _Shape:
+        key = (framework(like), str(device(like)), row_bytes, tokens, k)
+        held = self._shapes.get(key)
+        if held is None:
+            size, local, cap = self.comm.size, self.local_experts, self.max_tokens_per_rank
+            source, place = np.divmod(np.arange(size * cap), cap)
+            arrived = (source * local * cap + place)[None, :] + (np.arange(local) * cap)[:, None]
+            width = -(-row_bytes // FLAG) * FLAG + FLAG
+            rows = np.zeros((tokens + 1, width), np.uint8)
+            rows[:tokens, width - FLAG] = 1
+            xp = namespace(like)
+            where = device(like)
+
+            def put(host):
+                return xp.asarray(host, dtype=index_dtype(like), device=where)
+            token_rows = np.arange(tokens).reshape(tokens, 1)
+            on_device = xp.asarray(rows, device=where)
+            held = self._shapes[key] = _Shape(
+                row_bytes, on_device, on_device[:tokens, :row_bytes],
+                put(np.repeat(np.arange(tokens), k)), put(token_rows),
+                None if tokens <= cap else xp.asarray(np.broadcast_to(
+                    token_rows < cap, (tokens, k)).copy(), device=where),
+                put(arrived.reshape(-1)), put(np.arange(local).reshape(local, 1) * size * cap))
+        return held
+
+    def _dispatch_low_latency(self, x: Any, experts: Any, weights: Any,
+                              wire: Wire) -> PendingMoE:
+        """Pack, one exchange, compact (see the module docstring)."""
+        xp = namespace(x)
+        cap, local = self.max_tokens_per_rank, self.local_experts
+        spare = self.num_slots * cap
+        tokens, k = experts.shape
+        row_bytes = int(wire.payload.shape[1])
+        shape = self._shape(x, row_bytes, tokens, k)
+        kind = shape.token_rows.dtype
+        ids = experts if experts.dtype == kind else xp.astype(experts, kind)
+        named = (ids >= 0) & (ids < self.num_experts)
+        invalid = (named ^ (ids != -1)).sum()
+        if self.placement is not None:
+            ids = self._slots_of(xp.where(named, ids, -1))
+        kept = named if shape.fits is None else named & shape.fits
+        target = xp.where(kept, ids * cap + shape.token_rows, spare)
+        shape.payloads[...] = wire.payload
+        source = xp.full(spare + 1, tokens, dtype=kind, device=device(ids))
+        source[target.reshape(-1)] = shape.choice_rows
+        send, arrived, exchange = buffers = self._buffers(x, shape.rows.dtype,
+                                                          (shape.rows.shape[1],))
+        take_rows(shape.rows, source[:spare], send)
+        wait = exchange.start()
+        self._note_sent(x, invalid, None if shape.fits is None
+                        else _once(xp.where(named & ~kept, ids, -1)))
+        flag = shape.rows.shape[1] - FLAG
+        size = self.comm.size
+
+        def finish():
+            wait()
+            self._release(buffers)  # read below, before any other exchange can start
+            flags = arrived[:, flag]  # [P * L * C]: source-major
+            empty = take_rows(flags, shape.arrived).reshape(local, -1) == 0
+            gather = take_rows(shape.arrived, (xp.argsort(empty, axis=1, stable=True)
+                                               + shape.starts).reshape(-1))  # filled first
+            expert_x = wire.deliver(tuple(
+                a.reshape((local, size * cap) + tuple(a.shape[1:]))
+                for a in wire.decode(take_rows(arrived[:, :row_bytes], gather))))
+            per_source = flags.reshape(size, local, cap).sum(axis=2, dtype=kind)
+            self._note_received(per_source, row_bytes)
+            handle = LowLatencyHandle(per_source.sum(axis=0), None, float32(weights), target,
+                                      gather, (local, size * cap))
+            return expert_x, handle
+        return PendingMoE(finish)
+
+    def _note_sent(self, like: Any, invalid: Any, lost: Any) -> None:
+        """The sender's counts, on the device: invalid ids, and (more than C
+        tokens) the choices dropped, per slot."""
+        key = (framework(like), str(device(like)), "invalid" if lost is None else "dropped")
+        counts = invalid if lost is None else namespace(like).concat(
+            [bincount(lost, self.num_slots), namespace(like).reshape(invalid, (1,))])
+        held = self._received.get(key)
+        self._received[key] = counts if held is None else held + counts
+
+    def _note_received(self, per_source: Any, row_bytes: int) -> None:
+        """The owner's counts, on the device: rows per (source, local slot)."""
+        key = (framework(per_source), str(device(per_source)), "received", row_bytes)
+        held = self._received.get(key)
+        self._received[key] = per_source if held is None else held + per_source
+
+    def _low_latency_counts(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """The counts noted since the last collection, on the host (one copy
+        each), cleared: (kept per slot, dropped per slot, traffic [P, P] in
+        payload bytes, invalid ids)."""
+        size, local, count = self.comm.size, self.local_experts, self.num_slots
+        kept, dropped = np.zeros(count, np.int64), np.zeros(count, np.int64)
+        traffic, invalid = np.zeros((size, size), np.int64), 0
+        first = self.comm.rank * local
+        for key, counts in self._received.items():
+            host = np.asarray(to_host(counts), np.int64).reshape(-1)
+            if key[2] == "received":
+                host = host.reshape(size, local)
+                kept[first:first + local] += host.sum(axis=0)
+                traffic[:, self.comm.rank] += host.sum(axis=1) * key[3]
+            else:
+                invalid += int(host[-1])
+                dropped += host[:-1] if key[2] == "dropped" else 0
+        self._received.clear()
+        return kept, dropped, traffic, invalid
+
+    def _combine_low_latency(self, expert_y: Any, handle: LowLatencyHandle) -> PendingMoE:
+        """combine's checks and agreement, then the way back, weighed."""
+        problem = contract.combine_problem(expert_y, handle.expert_shape, handle.gather)
+        facts = (f"dtype {dtype_name(expert_y)}", f"row shape {tuple(expert_y.shape[2:])}") \
+            if problem is None else ()
+        self.comm.agree("moe.combine", *facts, problem=problem)
+        return self._slots_back(expert_y, handle, handle.gate)
+
+    def _slots_back(self, expert_rows: Any, handle: LowLatencyHandle, gate: Any) -> PendingMoE:
+        """Expert rows [L, P * C, ...] back to their slots on the senders
+        (started now), each token's rows summed in float32 with ``gate``
+        [T, k] at the wait; in the rows' dtype."""
+        returning = self._unsorted(expert_rows, handle)
+        tokens, k = handle.target.shape
+        row_shape = tuple(expert_rows.shape[2:])
+        width = math.prod(row_shape)
+
+        def finish():
+            picked = returning(lambda back: take_rows(back, handle.target.reshape(-1)))
+            # a batched product (@: the array API's matmul promotes first, three more
+            # ops): torch's CPU sum over the middle axis of a broadcast product is
+            # 13x slower at decode sizes
+            summed = gate[:, None, :] @ float32(picked.reshape(tokens, k, width))
+            return namespace(summed).astype(summed.reshape((tokens,) + row_shape),
+                                            expert_rows.dtype)
+        return PendingMoE(finish)
+
+    def _unsorted(self, expert_rows: Any, handle: LowLatencyHandle) -> Callable:
+        """Expert rows [L, P * C, ...] put back in their arrived slots and
+        sent home, [S * C + 1, row] on the senders (the spare slot's row
+        zeros). Returns the wait: it calls ``read`` on what arrived (before
+        the buffer is reused) and returns its result."""
+        rows = expert_rows.reshape(handle.gather.shape[0], math.prod(expert_rows.shape[2:]))
+        send, back, exchange = buffers = self._buffers(rows, rows.dtype, (rows.shape[1],),
+                                                       zero_row=True)
+        take_rows(rows, handle.homes, send)
+        started = exchange.start()
+
+        def wait(read: Callable[[Any], Any]) -> Any:
+            started()
+            result = read(back)
+            self._release(buffers)
+            return result
+        return wait
+
+    def _dispatch_backward_low_latency(self, d_expert_x: Any, handle: LowLatencyHandle) -> Any:
+        """d x: each slot's gradient once per token (a repeated choice
+        filled one slot; a choice without a slot reads zeros anyway)."""
+        xp = namespace(d_expert_x)
+        once = xp.astype(_once(handle.target) >= 0, xp.float32)
+        return self._slots_back(d_expert_x, handle, once).wait()
+
+    def _combine_backward_low_latency(self, expert_y: Any, d_y: Any,
+                                      handle: LowLatencyHandle) -> Tuple[Any, Any]:
+        """(d expert_y, d weights): w * d y travels to the slots (summed
+        over a repeated choice); expert_y travels back for <d y, y_e>."""
+        xp = namespace(expert_y)
+        tokens, k = handle.target.shape
+        slots = handle.gather.shape[0]
+        width = math.prod(expert_y.shape[2:])
+        dy = float32(d_y).reshape(tokens, 1, width)
+        terms = (dy * handle.gate[:, :, None]).reshape(tokens * k, width)
+        there = xp.astype(sum_rows(terms, handle.target.reshape(-1), slots + 1)[:slots],
+                          expert_y.dtype)
+        arrived = self.comm.alltoall(there)
+        d_expert_y = take_rows(arrived, handle.gather).reshape(expert_y.shape)
+        picked = self._unsorted(expert_y, handle)(
+            lambda back: take_rows(back, handle.target.reshape(-1)))
+        # a choice without a slot read the zero row: its dot is 0
+        dots = float32(picked.reshape(tokens, k, width)) @ xp.matrix_transpose(dy)
+        return d_expert_y, dots.reshape(tokens, k)
+
+
+def _once(ids: Any) -> Any:
+    """[T, k] ``ids`` with each repeat of an earlier one in its row set to
+    -1: a token's choices of one expert share one slot, and count once."""
+    xp = namespace(ids)
+    column = xp.arange(ids.shape[1], device=device(ids))
+    earlier = (ids[:, :, None] == ids[:, None, :]) & (column[:, None] > column[None, :])
+    return xp.where(xp.any(earlier, axis=2), -1, ids)
