@@ -20,10 +20,12 @@ from typing import Any, Optional
 
 import torch
 
+from commlib import ulysses as _ulysses
 from commlib.kernels import Kernel
 
 from . import _attention_ops as _ops
 from . import _wire_ops
+from ._direct import runs_directly
 from ._inference import DecodeCache, chunk_attention, decode_attention
 from ._moe import Dispatcher, TorchHandle
 from ._overlapped import ulysses_attention_overlapped
@@ -131,10 +133,14 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm,
 
 def seq_to_head(x: torch.Tensor, comm, num_heads: Optional[int] = None) -> torch.Tensor:
     """Differentiable [b, s/P, h, d] -> [b, s, h_p, d]; its adjoint is head_to_seq."""
+    if runs_directly(x):
+        return _ulysses.seq_to_head(x, comm, num_heads)
     return _ops.seq_to_head(x, comm.handle, num_heads)
 
 
 def head_to_seq(x: torch.Tensor, comm, heads: Optional[int] = None,
                 num_heads: Optional[int] = None) -> torch.Tensor:
     """Differentiable [b, s, h_p, d] -> [b, s/P, h, d]; its adjoint is seq_to_head."""
+    if runs_directly(x):
+        return _ulysses.head_to_seq(x, comm, heads, num_heads)
     return _ops.head_to_seq(x, comm.handle, heads, num_heads)

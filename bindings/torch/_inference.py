@@ -29,6 +29,8 @@ from commlib import inference as _inference
 from commlib.kernels import Kernel
 from commlib.namespace import accumulator_dtype
 
+from ._direct import runs_directly
+
 __all__ = ["decode_attention", "chunk_attention", "DecodeCache"]
 
 Positions = Union[torch.Tensor, Sequence[int], np.ndarray]
@@ -123,6 +125,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *,
     if not _fits_an_op(window, sinks):  # the core refuses it on every rank
         return _inference.decode_attention(q, k, v, comm, q_positions=q_positions,
                                            k_positions=k_positions, causal=causal,
+                                           window=window, softmax_scale=softmax_scale,
+                                           kernel=kernel, return_lse=return_lse, sinks=sinks)
+    if runs_directly(q, k, v, sinks):  # the op's body, without its dispatch
+        return _inference.decode_attention(q, k, v, comm, q_positions=_positions(q_positions, q),
+                                           k_positions=_positions(k_positions, q), causal=causal,
                                            window=window, softmax_scale=softmax_scale,
                                            kernel=kernel, return_lse=return_lse, sinks=sinks)
     out, lse = decode_attention_op(q, k, v, sinks, _positions(q_positions, q),

@@ -39,6 +39,8 @@ import torch
 from commlib import graph_names
 from commlib import moe as _moe
 
+from ._direct import runs_directly
+
 __all__ = ["Dispatcher", "TorchHandle"]
 
 _held: Dict[int, _moe.DispatchHandle] = {}
@@ -181,17 +183,25 @@ moe_combine.register_autograd(_combine_gradients, setup_context=_save_combine)
 
 @dataclass
 class TorchHandle:
-    """A dispatch's handle: the key naming the core's handle, the weights
-    tensor combine differentiates, and the rows per local expert as the
-    dispatch returned them."""
+    """A dispatch's handle: the key naming the core's handle (or, for a
+    dispatch the core ran directly, the core's handle itself, its key made
+    if an op asks), the weights tensor combine differentiates, and the rows
+    per local expert as the dispatch returned them."""
 
-    key: torch.Tensor
+    key: Optional[torch.Tensor]
     weights: torch.Tensor
     counts: Any
+    direct: Optional[_moe.DispatchHandle] = None
 
     @property
     def core(self) -> _moe.DispatchHandle:
-        return _core_handle(self.key)
+        return self.direct if self.direct is not None else _core_handle(self.key)
+
+    def op_key(self) -> torch.Tensor:
+        """The key tensor the ops take."""
+        if self.key is None:
+            self.key = _keep(self.direct)
+        return self.key
 
     @property
     def tokens_per_expert(self) -> Any:
@@ -307,6 +317,10 @@ class Dispatcher:
         if quantize is not None and (not dequantize or not isinstance(quantize, str)):
             return self.dispatch_async(x, experts, weights, quantize=quantize,
                                        dequantize=dequantize).wait()
+        if runs_directly(x, weights):  # the op's body, without its dispatch
+            expert_x, handle = self.core.dispatch(x, experts, weights, quantize=quantize,
+                                                  dequantize=dequantize)
+            return expert_x, TorchHandle(None, weights, handle.tokens_per_expert, handle)
         run = moe_dispatch if self.core.max_tokens_per_rank is not None \
             or not torch.compiler.is_compiling() \
             or torch._dynamo.config.capture_dynamic_output_shape_ops else _counted_dispatch
@@ -331,7 +345,9 @@ class Dispatcher:
         return _Started(finish)
 
     def combine(self, expert_y: torch.Tensor, handle: TorchHandle) -> torch.Tensor:
-        return moe_combine(expert_y, handle.weights, handle.key, self.handle)
+        if runs_directly(expert_y, handle.weights):
+            return self.core.combine(expert_y, handle.core)
+        return moe_combine(expert_y, handle.weights, handle.op_key(), self.handle)
 
     def combine_async(self, expert_y: torch.Tensor, handle: TorchHandle) -> _Started:
         core = handle.core

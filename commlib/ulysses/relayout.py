@@ -90,7 +90,6 @@ def kv_heads_for(rank: int, kv_heads: int, size: int,
     return heads if (readers == readers[0]).all() else used
 
 
-@functools.lru_cache(maxsize=None)
 @functools.lru_cache(maxsize=256)
 def _owned(heads: int, size: int, query_heads: Optional[int]) -> Tuple[np.ndarray, ...]:
     """Every rank's ``kv_heads_for``; made once per shape (every relayout
@@ -108,9 +107,11 @@ def padded_heads(heads: int, size: int, query_heads: Optional[int] = None) -> in
 
 
 def _select(x: Any, heads: np.ndarray) -> Any:
-    """x[:, :, heads]: a view where the heads are consecutive."""
+    """x[:, :, heads]: a view where the heads are consecutive (they never
+    decrease, so a span of len - 1 means consecutive: no array compared on
+    every relayout)."""
     start = int(heads[0])
-    if np.array_equal(heads, np.arange(start, start + len(heads))):
+    if int(heads[-1]) - start == len(heads) - 1:
         return x[:, :, start:start + len(heads)]
     xp = namespace(x)
     return xp.take(x, xp.asarray(heads, device=device(x)), axis=2)

@@ -516,9 +516,10 @@ def decode(tokens: str, hidden: int, num_experts: int, topk: int, repeat: int, i
     """A decode step's dispatch + combine of bfloat16 rows, counted and under
     a fixed capacity, through the torch Dispatcher and the core on NumPy
     arrays, against the bare mpi4py exchange of the same bytes there and
-    back (a count exchange and ``Alltoallv`` each way, nothing else), and
-    the plain pair a user writes by hand (``PlainSlots``) against its own
-    two bare ``Alltoall``, all interleaved in one process (issues 37, 46).
+    back (a count exchange and ``Alltoallv`` each way, nothing else); the
+    fixed capacity (the low-latency slot layout) and the plain pair a user
+    writes by hand (``PlainSlots``) against the two bare ``Alltoall`` of
+    that layout's bytes, all interleaved in one process (issues 37, 46).
     Each torch pair's framework operations are counted too
     (``tools/bench/ops.py``)."""
     import ml_dtypes
@@ -550,7 +551,9 @@ def decode(tokens: str, hidden: int, num_experts: int, topk: int, repeat: int, i
                       "bare Alltoall (slots)": _loop(plain.bare(), repeat),
                       "torch plain slots": _loop(functools.partial(plain, x, experts, weights),
                                                  repeat)}
-        against = {"torch plain slots": "bare Alltoall (slots)"}
+        # the fixed capacity is the slot layout (a row per token and expert): its bytes
+        against = {name: "bare Alltoall (slots)"
+                   for name in ("torch plain slots", "torch fixed", "NumPy fixed")}
         ops = {"torch plain slots": _warm_ops(functools.partial(plain, x, experts, weights))}
         fixed_ones = []
         for name in ("torch", "NumPy"):
