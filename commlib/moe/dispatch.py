@@ -170,15 +170,16 @@ class Dispatcher(FixedCapacity, LowLatency):
         thread moves it meanwhile. x must not change until the wait."""
         problem = contract.input_problem(x, experts, weights, quantize) \
             or contract.chunks_problem(self.pipeline_chunks, self.hierarchical)
-        if self._low_latency() and framework(x) != "jax":  # JAX arrays are immutable
+        wire = self._wire(x, quantize, dequantize) if problem is None else None
+        if self._low_latency(wire) and framework(x) != "jax":  # JAX arrays are immutable
             # the framework and device kind too: the exchange buffers are kept per both,
-            # and making a new set is collective
+            # and making a new set is collective (the path is agreed on with them: ranks
+            # whose rows differ in size may have chosen differently)
             facts = () if problem is not None else self._facts(
                 x, experts, quantize, dequantize) + ("low-latency layout", framework(x),
                                                      f"cuda={on_cuda(x)}")
             self.comm.agree("moe.dispatch", *facts, problem=problem)
-            return self._dispatch_low_latency(x, experts, weights,
-                                              self._wire(x, quantize, dequantize))
+            return self._dispatch_low_latency(x, experts, weights, wire)
         plan = counts = None
         if problem is None:
             plan = self._plan(x, experts, weights)
@@ -186,7 +187,6 @@ class Dispatcher(FixedCapacity, LowLatency):
                 counts = self._host_counts(plan)
                 problem = contract.range_problem(self.num_experts, *counts.id_range)
         facts = self._facts(x, experts, quantize, dequantize) if problem is None else ()
-        wire = self._wire(x, quantize, dequantize) if problem is None else None
         if self.max_tokens_per_rank is None and not self.hierarchical:
             # flat counted: the rows each peer sends here and the stats' sum ride the
             # agreement (no count exchange, no allreduce of their own)

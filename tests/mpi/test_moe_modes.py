@@ -18,6 +18,7 @@ from test_moe import (
 )
 
 import commlib
+from commlib.moe import lowlatency
 from commlib.moe.dispatch import Dispatcher
 
 import arrayimpl
@@ -46,17 +47,25 @@ def pair_traffic(world, experts, num_experts, row_bytes):
     return np.asarray(world.allgather(mine[None] * row_bytes))
 
 
-@pytest.mark.parametrize("hierarchical", [False, True], ids=["flat", "two-hop"])
-@pytest.mark.parametrize("capacity", [None, 0.6])
+# (capacity factor, two-hop, the flat layout without a capacity factor: the
+# low-latency one while its rows are small, else the per-destination one)
+LAYOUTS = [(None, False, "low-latency"), (None, False, "per-destination"),
+           (0.6, False, "per-destination"), (None, True, "two-hop"), (0.6, True, "two-hop")]
+
+
+@pytest.mark.parametrize("capacity, hierarchical, layout", LAYOUTS,
+                         ids=[f"{c}-{layout}" for c, _, layout in LAYOUTS])
 # "hot" repeats an expert within a token: more rows than a token can give
 # an expert, which the fixed capacity counts as dropped
 @pytest.mark.parametrize("case", [c for c in CASES if c != "hot"])
-def test_fixed_capacity_equals_the_counted_dispatch(comm, case, capacity, hierarchical):
+def test_fixed_capacity_equals_the_counted_dispatch(comm, monkeypatch, case, capacity,
+                                                     hierarchical, layout):
     """With room for every token: the same expert rows in the same order,
     the same counts, the same y (up to the order of the float32 sums), and
     the same stats once collected; the traffic the same, or, in the
-    low-latency layout (flat, no capacity factor), a row per (token,
-    expert)."""
+    low-latency layout, a row per (token, expert)."""
+    if layout == "per-destination":  # as if the rows were too large for the other
+        monkeypatch.setattr(lowlatency, "LOW_LATENCY_MOST_BYTES", 0)
     world = world_for(comm)
     try:
         num_experts = 4 * comm.size
@@ -75,7 +84,7 @@ def test_fixed_capacity_equals_the_counted_dispatch(comm, case, capacity, hierar
         starts = np.cumsum(handle.tokens_per_expert) - handle.tokens_per_expert
         same_rows = all(np.array_equal(slots_x[e, :n], expert_x[s:s + n])
                         for e, (s, n) in enumerate(zip(starts, per_expert)))
-        traffic = handle.stats.traffic if hierarchical or capacity is not None else \
+        traffic = handle.stats.traffic if layout != "low-latency" else \
             pair_traffic(world, experts, num_experts, x.itemsize * HIDDEN)
         assert all_ranks(
             slots.stats is None and per_expert.tolist() == handle.tokens_per_expert.tolist()
