@@ -126,13 +126,25 @@ def diag_json(tmp_path, *args):
     return json.loads(path.read_text()), result.output
 
 
+def low_latency(ranks: int, cap: list, row: int) -> bool:
+    """Whether ``SMALL``'s fixed capacity takes the low-latency layout (no
+    capacity factor, a block to each peer of at most 1 MiB: a row per
+    (token, expert)) rather than the per-destination one (a row per
+    (token, rank))."""
+    from commlib.moe import lowlatency
+    block = 16 // ranks * 256 * (row + lowlatency.FLAG)
+    return not cap and block <= lowlatency.LOW_LATENCY_MOST_BYTES
+
+
 @pytest.mark.parametrize("cap, slots", [([], 256), (["--capacity-factor", "1.0"], 64)])
 @pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8"])
 def test_diag_moe_fp8_and_fixed_capacity_in_one_rank(tmp_path, fp8, cap, slots):
     """Against the counted, unquantized run of the same routing: the same
     load and drops per dispatch (a fixed capacity of --tokens overflows
     nothing; its stats, summed over the loop, come back per dispatch) and
-    every routed token's row once on the diagonal, at FP8's row size."""
+    every routed token's row on the diagonal, at FP8's row size: once, or
+    once per expert in the low-latency layout (FP8 without a capacity
+    factor: the float32 rows are too large for it)."""
     counted, _ = diag_json(tmp_path, *cap)
     flags = ["--fixed-capacity"] + (["--fp8"] if fp8 else [])
     doc, out = diag_json(tmp_path, *flags, *cap)
@@ -141,7 +153,10 @@ def test_diag_moe_fp8_and_fixed_capacity_in_one_rank(tmp_path, fp8, cap, slots):
     assert doc["slots_per_expert"] == slots
     row = fp8_row_bytes(200) if fp8 else 4 * 200
     assert doc["payload_bytes_per_row"] == row
-    assert doc["traffic"] == [[counted["traffic"][0][0] // (4 * 200) * row]]
+    rows = sum(counted["tokens_per_expert"]) if low_latency(1, cap, row) else \
+        counted["traffic"][0][0] // (4 * 200)
+    assert low_latency(1, cap, row) == (fp8 and not cap)
+    assert doc["traffic"] == [[rows * row]]
     assert doc["tokens_per_expert"] == counted["tokens_per_expert"]
     assert doc["dropped"] == counted["dropped"] and doc["imbalance"] == counted["imbalance"]
     assert f"{slots} slots per local expert" in out and f"{row} B/row" in out
@@ -296,21 +311,33 @@ def test_diag_moe_usage_error_exits_2_on_every_rank(tmp_path):
     assert proc.stdout.count("Invalid value for '--experts'") == 2
 
 
-def test_fp8_fixed_capacity_sends_the_counted_tokens_at_fp8_row_size(tmp_path):
+@pytest.mark.parametrize("layout", ["low-latency", "per-destination"])
+def test_fp8_fixed_capacity_sends_the_counted_tokens_at_fp8_row_size(tmp_path, layout):
     """Two emulated nodes: the same seed's counted, unquantized run sends
     each (token, rank) copy as itemsize * H bytes; --fp8 --fixed-capacity
-    sends the same copies, each H + 4 * ceil(H / 128) bytes."""
-    hidden = ["--hidden", "200"]
+    sends each copy as H + 4 * ceil(H / 128) bytes: the same copies in the
+    per-destination layout (H = 2000, rows too large for the other), one per
+    (token, expert) in the low-latency layout (H = 200), each rank receiving
+    a row per assignment of its experts."""
+    width = 200 if layout == "low-latency" else 2000
+    hidden = ["--hidden", str(width)]
+    assert low_latency(2, [], fp8_row_bytes(width)) == (layout == "low-latency")
     counted, _ = launch_diag(tmp_path, 2, 1, *hidden)
     doc, out = launch_diag(tmp_path, 2, 1, *hidden, "--fp8", "--fixed-capacity")
     assert out.count("inter_node_bytes") == 1
     assert doc["quantize"] == "fp8" and doc["fixed_capacity"] is True
     assert doc["slots_per_expert"] == 2 * 256
     assert counted["inter_node_bytes"] > 0
-    for key in ("inter_node_bytes", "intra_node_bytes"):
-        assert doc[key] == counted[key] // (4 * 200) * fp8_row_bytes(200)
-    assert (np.asarray(doc["traffic"]) * 4 * 200
-            == np.asarray(counted["traffic"]) * fp8_row_bytes(200)).all()
+    traffic = np.asarray(doc["traffic"])
+    if layout == "per-destination":
+        for key in ("inter_node_bytes", "intra_node_bytes"):
+            assert doc[key] == counted[key] // (4 * width) * fp8_row_bytes(width)
+        assert (traffic * 4 * width
+                == np.asarray(counted["traffic"]) * fp8_row_bytes(width)).all()
+    else:
+        per_rank = np.asarray(counted["tokens_per_expert"]).reshape(2, -1).sum(axis=1)
+        assert (traffic.sum(axis=0) == per_rank * fp8_row_bytes(width)).all()
+        assert doc["inter_node_bytes"] == traffic.sum() - np.trace(traffic) > 0
     assert doc["tokens_per_expert"] == counted["tokens_per_expert"]
     assert doc["dropped"] == counted["dropped"] == 0
 
