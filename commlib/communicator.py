@@ -503,7 +503,7 @@ class Communicator:
             def start():
                 backend.alltoall(native.data, target)
                 return _nothing
-        return PreparedAlltoall(self, start, native, target)
+        return PreparedAlltoall(self, start, native)
 
     @_on_callers_stream
     def alltoall_many(self, arrays: Sequence[Any]) -> List[Any]:
@@ -722,9 +722,9 @@ class PreparedAlltoall:
     (counted and checked like any call) and returns its wait. Its arrays
     must not change between a start and its wait."""
 
-    def __init__(self, comm: Communicator, start: Any, native: Native, out: Any):
-        self._comm, self._native, self._out = comm, native, out
-        self._transport = start
+    def __init__(self, comm: Communicator, start: Any, native: Native):
+        self._comm, self._native = comm, native
+        self._transport = start  # holds the arrays until the exchange is gone
         self._start = start if callable(start) else start.start
         self._facts = (native.dtype, native.data.shape)
 

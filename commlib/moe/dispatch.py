@@ -143,7 +143,7 @@ class Dispatcher(FixedCapacity, LowLatency):
         self._hop_maps = self._destination_maps()
         self._on_device: Dict[tuple, Any] = {}
         self._unreported: Dict[Tuple[str, str], Any] = {}  # fixed capacity: counts on devices
-        self._received: Dict[tuple, Any] = {}  # the low-latency path's counts on devices
+        self._noted: Dict[tuple, Any] = {}     # the low-latency path's counts on devices
         self._shapes: Dict[tuple, Any] = {}    # the low-latency path's tables, per shape
         self._exchanges: Dict[tuple, list] = {}  # its exchange buffers, free between calls
 

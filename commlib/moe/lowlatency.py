@@ -67,7 +67,6 @@ class _Shape:
     expert's from ``starts`` [L, 1]. Made per rank: ``tokens`` may differ
     between ranks."""
 
-    row_bytes: int
     rows: Any
     payloads: Any
     choice_rows: Any
@@ -102,7 +101,7 @@ class LowLatency:
 
     _shapes: Dict[tuple, _Shape]
     _exchanges: Dict[tuple, List[Tuple[Any, Any, Any]]]
-    _received: Dict[tuple, Any]
+    _noted: Dict[tuple, Any]
 
     def _buffers(self, like: Any, dtype: Any, row: Tuple[int, ...],
                  zero_row: bool = False) -> Tuple[Any, Any, Any]:
@@ -167,7 +166,7 @@ class LowLatency:
             token_rows = np.arange(tokens).reshape(tokens, 1)
             on_device = xp.asarray(rows, device=where)
             held = self._shapes[key] = _Shape(
-                row_bytes, on_device, on_device[:tokens, :row_bytes],
+                on_device, on_device[:tokens, :row_bytes],
                 put(np.repeat(np.arange(tokens), k)), put(token_rows),
                 None if tokens <= cap else xp.asarray(np.broadcast_to(
                     token_rows < cap, (tokens, k)).copy(), device=where),
@@ -226,14 +225,14 @@ class LowLatency:
         key = (framework(like), str(device(like)), "invalid" if lost is None else "dropped")
         counts = invalid if lost is None else namespace(like).concat(
             [bincount(lost, self.num_slots), namespace(like).reshape(invalid, (1,))])
-        held = self._received.get(key)
-        self._received[key] = counts if held is None else held + counts
+        held = self._noted.get(key)
+        self._noted[key] = counts if held is None else held + counts
 
     def _note_received(self, per_source: Any, row_bytes: int) -> None:
         """The owner's counts, on the device: rows per (source, local slot)."""
         key = (framework(per_source), str(device(per_source)), "received", row_bytes)
-        held = self._received.get(key)
-        self._received[key] = per_source if held is None else held + per_source
+        held = self._noted.get(key)
+        self._noted[key] = per_source if held is None else held + per_source
 
     def _low_latency_counts(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """The counts noted since the last collection, on the host (one copy
@@ -243,7 +242,7 @@ class LowLatency:
         kept, dropped = np.zeros(count, np.int64), np.zeros(count, np.int64)
         traffic, invalid = np.zeros((size, size), np.int64), 0
         first = self.comm.rank * local
-        for key, counts in self._received.items():
+        for key, counts in self._noted.items():
             host = np.asarray(to_host(counts), np.int64).reshape(-1)
             if key[2] == "received":
                 host = host.reshape(size, local)
@@ -252,7 +251,7 @@ class LowLatency:
             else:
                 invalid += int(host[-1])
                 dropped += host[:-1] if key[2] == "dropped" else 0
-        self._received.clear()
+        self._noted.clear()
         return kept, dropped, traffic, invalid
 
     def _combine_low_latency(self, expert_y: Any, handle: LowLatencyHandle) -> PendingMoE:

@@ -188,11 +188,11 @@ def test_successive_decode_steps_reuse_the_buffers(comm, impl):
         y = d.combine_async(run_fixed_experts(comm, expert_x, handle, maps, impl), handle)
         kept = np.where(np.arange(tokens)[:, None] < limit, experts, -1)
         previous = per_token_reference(x, kept, weights, maps), y
-        slots = {(t, e) for t, row in enumerate(kept) for e in row if e >= 0}
-        sent += len({(t, e) for t, row in enumerate(experts) for e in row if e >= 0})
+        named = {(t, e) for t, row in enumerate(experts) for e in row if e >= 0}
+        slots = {(t, e) for t, e in named if t < limit}
+        sent += len(named)
         received += int(np.asarray(impl.to_numpy(handle.tokens_per_expert)).sum())
-        lost += len({(t, e) for t, row in enumerate(experts) for e in row if e >= 0}) \
-            - len(slots)
+        lost += len(named) - len(slots)
     want, got = previous
     ok = np.allclose(impl.to_numpy(got.wait()), want, atol=1e-4)
     stats = d.collect_stats()

@@ -38,7 +38,8 @@ from mpi4py import MPI
 
 import commlib
 from commlib import moe
-from commlib.tools.bench.timing import interleaved, json_option, write_json
+from commlib.tools.bench.ops import warm_torch_ops
+from commlib.tools.bench.timing import interleaved, json_option, repeated, write_json
 
 
 def megatron_style(world: MPI.Comm, num_experts: int) -> Callable:
@@ -124,23 +125,6 @@ def commlib_path(dispatcher: moe.Dispatcher) -> Callable:
         y = dispatcher.combine(expert_x, handle)
         run.stats = handle.stats
         return y, int(handle.stats.traffic[dispatcher.comm.rank].sum())
-    return run
-
-
-def _warm_ops(call: Callable[[], Any]) -> int:
-    """The aten ops of a call after a first one (what is made once per
-    shape is not counted), as tests/mpi/test_decode_ops counts them."""
-    from commlib.tools.bench.ops import torch_ops
-
-    call()
-    return torch_ops(call)
-
-
-def _loop(call: Callable[[], Any], repeat: int) -> Callable[[], None]:
-    """``call`` ``repeat`` times: one timed unit for microsecond calls."""
-    def run() -> None:
-        for _ in range(repeat):
-            call()
     return run
 
 
@@ -478,12 +462,12 @@ def latency(sizes: str, repeat: int, iters: int, json_path: Optional[str]) -> No
         counts = np.full(size, 1, np.int64)
 
         contenders = {
-            "mpi4py Alltoall": _loop(functools.partial(raw.Alltoall, x, out), repeat),
-            "commlib alltoall": _loop(functools.partial(comm.alltoall, x), repeat),
-            "mpi4py counts + Alltoallv": _loop(_counted_exchange(raw, x, counts), repeat),
-            "commlib alltoallv": _loop(functools.partial(comm.alltoallv, x, counts), repeat),
+            "mpi4py Alltoall": repeated(functools.partial(raw.Alltoall, x, out), repeat),
+            "commlib alltoall": repeated(functools.partial(comm.alltoall, x), repeat),
+            "mpi4py counts + Alltoallv": repeated(_counted_exchange(raw, x, counts), repeat),
+            "commlib alltoallv": repeated(functools.partial(comm.alltoallv, x, counts), repeat),
             "commlib alltoallv (recv counts given)":
-                _loop(functools.partial(comm.alltoallv, x, counts, counts), repeat),
+                repeated(functools.partial(comm.alltoallv, x, counts, counts), repeat),
         }
         times = {name: float(np.median(t)) / repeat * 1e6
                  for name, t in interleaved(world, contenders, iters).items()}
@@ -547,14 +531,14 @@ def decode(tokens: str, hidden: int, num_experts: int, topk: int, repeat: int, i
         bare = _there_and_back(raw, np.zeros((int(there.sum()), row_bytes), np.uint8), there,
                                back_bytes=hidden * 2)
         plain = PlainSlots(raw, num_experts, count, hidden)
-        contenders = {"mpi4py bare exchange": _loop(bare, repeat),
-                      "bare Alltoall (slots)": _loop(plain.bare(), repeat),
-                      "torch plain slots": _loop(functools.partial(plain, x, experts, weights),
+        contenders = {"mpi4py bare exchange": repeated(bare, repeat),
+                      "bare Alltoall (slots)": repeated(plain.bare(), repeat),
+                      "torch plain slots": repeated(functools.partial(plain, x, experts, weights),
                                                  repeat)}
         # the fixed capacity is the slot layout (a row per token and expert): its bytes
         against = {name: "bare Alltoall (slots)"
                    for name in ("torch plain slots", "torch fixed", "NumPy fixed")}
-        ops = {"torch plain slots": _warm_ops(functools.partial(plain, x, experts, weights))}
+        ops = {"torch plain slots": warm_torch_ops(functools.partial(plain, x, experts, weights))}
         fixed_ones = []
         for name in ("torch", "NumPy"):
             for mode, kw in (("counted", {}), ("fixed", {"max_tokens_per_rank": count})):
@@ -562,9 +546,9 @@ def decode(tokens: str, hidden: int, num_experts: int, topk: int, repeat: int, i
                 if kw:
                     fixed_ones.append(d)
                 pair = _pair(d, *args[name])
-                contenders[f"{name} {mode}"] = _loop(pair, repeat)
+                contenders[f"{name} {mode}"] = repeated(pair, repeat)
                 if name == "torch":
-                    ops[f"{name} {mode}"] = _warm_ops(pair)
+                    ops[f"{name} {mode}"] = warm_torch_ops(pair)
         times = {name: float(np.median(t)) / repeat * 1e6
                  for name, t in interleaved(world, contenders, iters).items()}
         say(f"-- {count} tokens per rank")

@@ -20,6 +20,13 @@ def torch_ops(call: Callable[[], Any]) -> int:
                if event.name.startswith("aten::") and not _inside_aten(event))
 
 
+def warm_torch_ops(call: Callable[[], Any]) -> int:
+    """``torch_ops`` of a call after a first one: what is made once per
+    shape (tables, buffers) is not counted."""
+    call()
+    return torch_ops(call)
+
+
 def _inside_aten(event: Any) -> bool:
     parent = event.cpu_parent
     while parent is not None:

@@ -30,8 +30,8 @@ from mpi4py import MPI
 
 import commlib
 from commlib.bindings import torch as ct
-from commlib.tools.bench.moe import _loop, _warm_ops
-from commlib.tools.bench.timing import interleaved, json_option, write_json
+from commlib.tools.bench.ops import warm_torch_ops
+from commlib.tools.bench.timing import interleaved, json_option, repeated, write_json
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
@@ -125,8 +125,8 @@ def main(cached: int, tokens: int, heads: int, head_dim: int, repeat: int, iters
     rows: List[dict] = []
     for name, make in made.items():
         pair = make()
-        ops = world.allreduce(_warm_ops(pair["call"]), op=MPI.MAX)
-        times = interleaved(world, {kind: _loop(call, repeat) for kind, call in pair.items()},
+        ops = world.allreduce(warm_torch_ops(pair["call"]), op=MPI.MAX)
+        times = interleaved(world, {kind: repeated(call, repeat) for kind, call in pair.items()},
                             iters)
         call, floor = (float(np.median(times[kind])) / repeat * 1e6 for kind in ("call", "floor"))
         rows.append({"call": name, "us": call, "floor_us": floor, "ratio": call / floor,

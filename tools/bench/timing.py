@@ -53,6 +53,14 @@ def best_local(call: Callable[[], object], repeats: int,
     return best
 
 
+def repeated(call: Callable[[], Any], times: int) -> Callable[[], None]:
+    """``call`` ``times`` times: one timed unit for microsecond calls."""
+    def run() -> None:
+        for _ in range(times):
+            call()
+    return run
+
+
 # -- interleaved rounds ---------------------------------------------------------------
 def interleaved_medians(world: MPI.Comm, calls: List[Callable[[], object]],
                         repeats: int) -> List[float]:
