@@ -32,6 +32,8 @@ from commlib.sequence.documents import as_offsets, cu_seqlens_from_position_ids
 
 from ._attention import layout_of
 from ._model_check import check_model
+from ._sharded_forward import guard, remember
+from ._token_mixers import structure
 
 __all__ = ["shard_batch", "sharded_batch"]
 
@@ -78,7 +80,10 @@ def shard_batch(batch: Dict[str, Any], comm, *,
       ``max_length_q``/``max_length_k``: the longest document.
 
     The all-ones ``attention_mask`` is dropped: it carries nothing, and a
-    sharded one would mark the layout's padding.
+    sharded one would mark the layout's padding. The shard's forward is
+    checked (``_sharded_forward``): the model must be as checked, and
+    ``labels`` given without ``shift_labels`` are completed when they are
+    the shard's own, refused otherwise.
     """
     model = attn_implementation
     if not isinstance(model, torch.nn.Module):
@@ -86,9 +91,12 @@ def shard_batch(batch: Dict[str, Any], comm, *,
                          f"{model!r}: it checks that every layer of the model that mixes "
                          f"tokens along the sequence runs on shards; a name says nothing of "
                          f"the model's other layers (docs/transformers.md)")
+    guarded = guard(model, comm) if comm.size > 1 else None
     offsets = _checked_documents(batch)
     check_model(model, comm, before="shard_batch", training=True, longest=_longest(offsets))
-    return _shard(batch, offsets, comm, layout_of(model))
+    if guarded is not None:
+        guarded.checked = structure(getattr(model, "_orig_mod", model))
+    return remember(_shard(batch, offsets, comm, layout_of(model)))
 
 
 def sharded_batch(batch: Dict[str, Any], comm, *, layout: str) -> Dict[str, Any]:

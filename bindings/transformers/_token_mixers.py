@@ -24,16 +24,18 @@ import contextlib
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.nn.modules import module as torch_module  # its process-wide forward hooks
 from transformers import AttentionInterface
 from transformers.integrations.moe import ExpertsInterface
 
 from ._attention import LAYOUTS
 
-__all__ = ["Mixer", "token_mixers", "probed", "probing", "structure", "PROBE_LENGTH"]
+__all__ = ["Mixer", "Structure", "token_mixers", "probed", "probing", "structure",
+           "what_changed", "PROBE_LENGTH"]
 
 PROBE_LENGTH = 13  # tokens: prime, so that no hidden size or head count is mistaken for it
 # the positions whose input changes, one at a time: the first (every later token may read it)
@@ -319,15 +321,71 @@ def _returning(output: Any) -> Callable:
 
 
 # ---- the verdict ---------------------------------------------------------------------------
-_verdicts: "weakref.WeakKeyDictionary[nn.Module, Tuple[Any, List[Mixer]]]" = \
+class _ModuleKey(NamedTuple):
+    """What of one module the probe's answer depends on beyond its
+    parameters: which module, its class (a ``__class__`` swap), its own
+    forward (commlib's patches, anyone's), its forward hooks (by handle:
+    one removed and added again is another)."""
+
+    module: int
+    cls: type
+    forward: int
+    pre_hooks: Tuple[int, ...]
+    hooks: Tuple[int, ...]
+
+
+class Structure(NamedTuple):
+    """What the probe's answer depends on: the attention implementation,
+    the process-wide forward hooks, and each module's key (``_ModuleKey``'s fields), in
+    ``model.modules()`` order. A hook or a class swapped in after the check
+    mixes tokens as well as the module's own code could."""
+
+    implementation: Optional[str]
+    global_hooks: Tuple[Tuple[int, ...], Tuple[int, ...]]
+    modules: Tuple[Tuple[Any, ...], ...]
+
+
+def structure(model: nn.Module) -> Structure:
+    """``model``'s ``Structure`` now."""
+    return Structure(
+        getattr(getattr(model, "config", None), "_attn_implementation", None),
+        (tuple(torch_module._global_forward_pre_hooks),
+         tuple(torch_module._global_forward_hooks)),
+        # plain tuples in _ModuleKey's order: asked once a forward, a NamedTuple a module costs
+        tuple((id(m), type(m), id(m.__dict__.get("forward")), tuple(m._forward_pre_hooks),
+               tuple(m._forward_hooks)) for m in model.modules()))
+
+
+def what_changed(model: nn.Module, before: Structure) -> Optional[str]:
+    """What differs in ``model`` from ``before`` (None: nothing), named for
+    a message: the attention implementation, or the first module changed."""
+    now = structure(model)
+    if now == before:
+        return None
+    if now.implementation != before.implementation:
+        return (f"its attention implementation is now {now.implementation!r} (it was "
+                f"{before.implementation!r})")
+    if now.global_hooks != before.global_hooks:
+        return "a global forward hook was registered or removed (register_module_forward_hook)"
+    names = [name for name, _ in model.named_modules()]
+    if len(now.modules) != len(before.modules):
+        return f"modules were added or removed ({len(before.modules)} then, {len(now.modules)} now)"
+    for name, was, now_key in zip(names, before.modules, now.modules):
+        if was == now_key:
+            continue
+        old, new = _ModuleKey(*was), _ModuleKey(*now_key)
+        what = ("it is another module" if old.module != new.module else
+                f"its class is now {new.cls.__name__} (it was {old.cls.__name__})"
+                if old.cls is not new.cls else
+                "its forward was replaced" if old.forward != new.forward else
+                "a forward pre-hook was added or removed" if old.pre_hooks != new.pre_hooks else
+                "a forward hook was added or removed")
+        return f"{name or 'the model'} ({new.cls.__name__}): {what}"
+    return None
+
+
+_verdicts: "weakref.WeakKeyDictionary[nn.Module, Tuple[Structure, List[Mixer]]]" = \
     weakref.WeakKeyDictionary()
-
-
-def structure(model: nn.Module) -> Tuple[Any, ...]:
-    """What the probe's answer depends on: the modules, their own forwards
-    (commlib's patches), the attention implementation."""
-    return (getattr(getattr(model, "config", None), "_attn_implementation", None),
-            *((id(m), id(m.__dict__.get("forward"))) for m in model.modules()))
 
 
 def probed(model: nn.Module, parallel: Callable[[nn.Module], bool]) -> List[Mixer]:
