@@ -181,12 +181,13 @@ def _attention_function(name: str, attend: Attend, comm) -> Callable:
                   dropout: float = 0.0, scaling: Optional[float] = None,
                   is_causal: Optional[bool] = None, sliding_window: Optional[int] = None,
                   **kwargs: Any) -> Tuple[torch.Tensor, None]:
-        check_call(name, attention_mask, dropout, kwargs)
+        check_call(name, module, attention_mask, dropout, kwargs)
         if world_size > 1:
             _check_model_checked(name, module)
         cu_seqlens = _documents(name, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         checked(kwargs.get("position_ids"), cu_seqlens, query.shape[2])
+        _check_chunk(name, module, cu_seqlens, query.shape[2] * world_size)
         # the shards' (padded) length: a window as long covers every document too
         out = attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                      causal=causal, softmax_scale=scaling, cu_seqlens=cu_seqlens,
@@ -312,16 +313,32 @@ class PositionCheck:
         self.comm.agree(f"{self.name} positions", problem=problem)
 
 
-def check_call(name: str, attention_mask: Optional[torch.Tensor], dropout: float,
-               kwargs: Dict[str, Any]) -> None:
+def _check_mask(name: str, module: torch.nn.Module,
+                attention_mask: Optional[torch.Tensor]) -> None:
+    """Refuse a mask reaching the attention call. commlib's mask functions
+    make none (padding is refused there, on every rank), so it is the
+    layer's own (Doge's dynamic mask: a bias per key, learned from its
+    values) or a 4-D mask given to the model, which transformers passes on
+    as it is; commlib adds no bias to its scores."""
+    if attention_mask is None:
+        return
+    layer = getattr(module, "layer_idx", None)
+    raise ValueError(
+        f"{name}: {type(module).__name__}{'' if layer is None else f' (layer {layer})'} passes "
+        f"its attention call an attention mask of its own (a dynamic or learned mask, such "
+        f"as Doge's dynamic mask attention: a bias per key computed from the values; or a "
+        f"4-D attention_mask given to the model, which transformers passes on as it is), not "
+        f"padding: commlib's mask functions make no mask, and refuse padding. commlib applies "
+        f"only the causal mask, packed documents and a sliding window, on the global "
+        f"sequence, and adds no mask {tuple(attention_mask.shape)} to the scores: run this "
+        f"model unsharded")
+
+
+def check_call(name: str, module: torch.nn.Module, attention_mask: Optional[torch.Tensor],
+               dropout: float, kwargs: Dict[str, Any]) -> None:
     """Refuse, by name, what the attention would otherwise get wrong. Every
     check reads the model's config and the shapes, the same on every rank."""
-    if attention_mask is not None:
-        raise ValueError(
-            f"{name} got an attention mask of shape {tuple(attention_mask.shape)}; commlib "
-            f"applies the causal mask, the packed documents (cu_seq_lens_q/k) and a sliding "
-            f"window itself on the global sequence and takes no mask. Padding masks are not "
-            f"implemented: make the batch with shard_batch")
+    _check_mask(name, module, attention_mask)
     if dropout:
         raise ValueError(f"{name} does not implement attention dropout (dropout={dropout}); "
                          f"set the model's config.attention_dropout = 0.0")
@@ -377,22 +394,69 @@ def window_of(name: str, sliding_window: Optional[int], global_length: int,
     return (sliding_window - 1, 0)
 
 
+def attention_chunk(config: Any, layer: Optional[int] = None) -> Optional[int]:
+    """The chunk Llama 4's chunked attention confines ``layer``'s queries to
+    (``config.attention_chunk_size``, for its ``"chunked_attention"``
+    layers; any such layer when ``layer`` is None), or None. transformers'
+    chunked mask keeps the keys of the query's chunk of positions (in its
+    document, when packed): within a document no longer than the chunk,
+    that is the causal attention commlib computes."""
+    chunk = getattr(config, "attention_chunk_size", None)
+    types = getattr(config, "layer_types", None)
+    if chunk is None or types is None:  # no layer types: every layer may be chunked
+        return chunk
+    if layer is None or not 0 <= layer < len(types):
+        return chunk if "chunked_attention" in types else None
+    return chunk if types[layer] == "chunked_attention" else None
+
+
+def _check_chunk(name: str, module: torch.nn.Module, cu_seqlens: Documents,
+                 padded_length: int) -> None:
+    """Refuse a chunked layer whose chunk is shorter than the batch's
+    longest document: commlib does not implement chunked attention. The
+    documents' offsets are global, the same on every rank; under
+    torch.compile they are not read (a graph break per layer), and the
+    shards' padded length stands in for them."""
+    layer = getattr(module, "layer_idx", None)
+    chunk = attention_chunk(getattr(module, "config", None), layer)
+    if chunk is None or chunk >= padded_length:
+        return
+    longest, what, note = padded_length, "sequence as sharded", \
+        " (its padding included: under torch.compile the documents are not read)"
+    if not torch.compiler.is_compiling():
+        offsets = torch.as_tensor([0, padded_length] if cu_seqlens is None else cu_seqlens)
+        longest = int((offsets[1:] - offsets[:-1]).max())
+        what, note = "document" if offsets.numel() > 2 else "sequence", ""
+    if longest > chunk:
+        raise ValueError(
+            f"{name}: {type(module).__name__}{'' if layer is None else f' (layer {layer})'} "
+            f"attends within chunks of {chunk} tokens, shorter than this batch's longest {what} "
+            f"of {longest} tokens{note} (config.attention_chunk_size: Llama 4's chunked "
+            f"attention); commlib does not implement chunked attention. Within {chunk} tokens "
+            f"a chunk is the causal attention commlib computes: keep every sequence (packed "
+            f"document) within {chunk} tokens, or make config.attention_chunk_size cover them")
+
+
 def mask_function(name: str, comm) -> Callable:
     """transformers' mask hook for ``name``: no mask (commlib applies the
     causal mask, the documents and a sliding window), after refusing what it
-    does not implement: padding, or a chunked window shorter than the
-    sequence."""
+    does not implement: padding, or chunks its config does not describe. A
+    chunk the config describes is judged by each attention call, which
+    alone sees the user's sequence (``attention_chunk``); the shard's length
+    here is padded, and in commlib's probe it is the probe's."""
 
     def no_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
                 kv_offset: int = 0, mask_function: Optional[Callable] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 local_size: Optional[int] = None, config: Any = None, **kwargs: Any) -> None:
-        if (local_size is not None and local_size < q_length * comm.size
-                and not _is_sliding_window(local_size, config)):
-            raise ValueError(f"{name} does not implement chunked attention (chunks of "
-                             f"{local_size} < the sequence's {q_length * comm.size} tokens; "
-                             f"config.attention_chunk_size, as in Llama 4); only a sliding "
-                             f"window (config.sliding_window) is")
+        if (local_size is not None and not _is_sliding_window(local_size, config)
+                and attention_chunk(config) != local_size):
+            raise ValueError(f"{name}: {type(config).__name__} asks for attention in chunks "
+                             f"of {local_size} tokens, but its config does not say which "
+                             f"layers attend so (config.attention_chunk_size and "
+                             f"'chunked_attention' in config.layer_types, as Llama 4's do): "
+                             f"commlib, which does not implement chunked attention, cannot "
+                             f"tell whether the chunks cover the sequence")
         if attention_mask is not None:  # its values differ per rank: decide together
             padded = not bool(attention_mask.all())
             comm.agree(f"{name} attention mask", problem=ValueError(

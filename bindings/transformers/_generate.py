@@ -36,6 +36,12 @@ With ``compile_decode=True`` the decode step (the model on one token) is
 count on the device), so no step changes a shape or reads the device, and
 the step compiles once for the whole call; the tokens are eager's.
 
+The cache keeps a layer per attention call of a forward, in the order
+the forward makes them (``_Step.slot``): a layer that attends twice
+(DiffLlama's two softmaxes over the same keys) or a module that serves
+several layers (HRM-text's stacks, run in cycles) gets a cache layer per
+call, which transformers' ``layer_idx`` would not give it.
+
 The model runs under an attention implementation of its own for the call
 (``"commlib_generate"``); its configured one is restored afterwards.
 """
@@ -46,7 +52,7 @@ import contextlib
 import contextvars
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -61,6 +67,7 @@ from ..torch._inference import DecodeCache
 from ._attention import (
     LAYOUTS,
     SINKS,
+    attention_chunk,
     check_call,
     implementations,
     mask_function,
@@ -106,18 +113,61 @@ class _Plan:
     digest: str  # the options, to agree on
 
 
+# who made an attention call: the module's class and layer_idx
+Caller = Tuple[str, Optional[int]]
+
+
 @dataclass
 class _Step:
     """What the model's current forward is, for the attention: its tokens'
     positions (this rank's, or everyone's when ``replicated``), the cache
-    they go to, and for the first prefill the documents' offsets."""
+    they go to (None in the first prefill, whose K and V are ``kept`` for
+    the cache made after it, a layer per call), and for the first prefill
+    the documents' offsets."""
 
-    cache: ShardedKVCache
+    cache: Optional[ShardedKVCache]
     positions: np.ndarray
     replicated: bool
     offsets: Optional[List[int]] = None   # the first prefill's cu_seqlens
+    layout: Optional[str] = None          # and its layout
     method: str = "auto"                  # a chunk's pass-Q or pass-KV
     states: Any = None                    # a hybrid model's recurrent states (a transformers Cache)
+    calls: List[Caller] = field(default_factory=list)  # this forward's attention calls so far
+    kept: List[Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def slot(self, module: torch.nn.Module) -> int:
+        """The cache layer of this attention call: its place among the
+        forward's calls, which must be those of the first prefill's forward
+        (the same modules in the same order: each keeps its K and V in its
+        own layer)."""
+        slot, caller = len(self.calls), _caller(module)
+        self.calls.append(caller)
+        callers = [] if self.cache is None else self.cache.callers
+        if self.cache is not None and (slot >= len(callers) or callers[slot] != caller):
+            made = _describe(callers[slot]) if slot < len(callers) else "no such call"
+            raise ValueError(f"{_describe(caller)} makes attention call {slot} of this "
+                             f"forward, where the first prefill's forward had {made}: "
+                             f"commlib's generate keeps each call's K and V by its place among "
+                             f"the forward's attention calls, so every forward must make the "
+                             f"same calls in the same order")
+        return slot
+
+    def check_calls(self) -> None:
+        """After the forward: it made every call the cache has a layer for."""
+        if self.cache is not None and len(self.calls) != len(self.cache.callers):
+            raise ValueError(f"this forward made {len(self.calls)} attention calls, the first "
+                             f"prefill's {len(self.cache.callers)}: commlib's generate keeps "
+                             f"a cache layer per call, so every forward must make the same "
+                             f"calls")
+
+
+def _caller(module: torch.nn.Module) -> Caller:
+    return type(module).__name__, getattr(module, "layer_idx", None)
+
+
+def _describe(caller: Caller) -> str:
+    kind, layer = caller
+    return kind if layer is None else f"{kind} (layer {layer})"
 
 
 _ACTIVE: contextvars.ContextVar[Optional[_Step]] = contextvars.ContextVar("commlib_generate",
@@ -170,15 +220,17 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, comm, *,
                None if past_key_values is None else past_key_values.digest(),
                bool(compile_decode), rebalance_every, redundant_experts, problem=problem)
     cache = past_key_values
-    if cache is None:
-        cache = ShardedKVCache(model.config.num_hidden_layers, comm.size, comm.rank)
-        cache.recurrent = recurrent_states(model.config) \
-            if has_parallel_recurrent_layers(model) else None
     sampler = _Sampler(plan.processors, _generator(plan, seed, comm, input_ids.device))
     rebalancer = None if rebalance_every is None else \
         Rebalancer(model, comm, rebalance_every, redundant_experts)
     with _generation_attention(model, comm, name) as decoding:
-        logits = _prefill(model, input_ids, cache, comm, name, prefill_method)
+        if cache is None:
+            logits, cache = _first_prefill(model, input_ids, comm, name)
+        else:
+            logits = _prefill(model, input_ids, cache, comm, prefill_method)
+        unrolled = _compile_problem(cache.callers) if compile_decode else None
+        if unrolled is not None:  # known once a forward ran; the same on every rank
+            raise unrolled
         stepper = _CompiledDecode(model, cache, comm, decoding, plan.max_length,
                                   input_ids.shape[0], input_ids.device) \
             if compile_decode else None
@@ -293,12 +345,22 @@ def _input_problem(model, input_ids: torch.Tensor, cache: Optional[ShardedKVCach
     if prefill_method not in ("auto", "pass_q", "pass_kv"):
         return ValueError(f"prefill_method must be 'auto', 'pass_q' or 'pass_kv', got "
                           f"{prefill_method!r}")
-    total = plan.max_length
+    total, prompt = plan.max_length, input_ids.shape[1]
     most = getattr(model.config, "max_position_embeddings", None)
     if most is not None and total > most:
-        return ValueError(f"the prompt ({input_ids.shape[1]} tokens) and the new tokens "
-                          f"({total - input_ids.shape[1]}) exceed the model's "
+        return ValueError(f"the prompt ({prompt} tokens) and the new tokens "
+                          f"({total - prompt}) exceed the model's "
                           f"{most} positions (config.max_position_embeddings)")
+    chunk = attention_chunk(model.config.get_text_config())
+    if chunk is not None and total > chunk:
+        fix = f"generate at most {chunk - prompt} new tokens" if chunk > prompt else \
+            "run this model unsharded"
+        return ValueError(f"{type(model).__name__} attends within chunks of {chunk} tokens "
+                          f"(config.attention_chunk_size: Llama 4's chunked attention), and "
+                          f"this call reaches {total} tokens (the prompt's {prompt} and up to "
+                          f"{total - prompt} new); commlib's generate does not implement "
+                          f"chunked attention, which within {chunk} tokens is the causal "
+                          f"attention it computes: {fix}")
     if cache is None:
         return None
     if not isinstance(cache, ShardedKVCache):
@@ -311,9 +373,18 @@ def _input_problem(model, input_ids: torch.Tensor, cache: Optional[ShardedKVCach
         return ValueError("past_key_values must come from a generate on this model: a model "
                           "with recurrent layers continues only a cache holding their states, "
                           "and a model without them only a cache without")
-    if cache.num_layers != model.config.num_hidden_layers:
-        return ValueError(f"the cache holds {cache.num_layers} layers, the model has "
-                          f"{model.config.num_hidden_layers}")
+    callers = getattr(cache, "callers", None)
+    if callers is None:
+        return ValueError("past_key_values must be the ShardedKVCache a previous generate "
+                          "returned (it knows which attention call keeps each of its layers)")
+    present = {_caller(module) for module in model.modules()}
+    strangers = [_describe(caller) for caller in callers if caller not in present]
+    if strangers:
+        return ValueError(f"the cache comes from another model: its layers were kept by "
+                          f"attention calls of {', '.join(strangers[:3])}, which this "
+                          f"{type(model).__name__} does not have")
+    if compile_decode:
+        return _compile_problem(callers)
     if input_ids.shape[1] <= cache.length or cache.history != _history(
             input_ids[:, :cache.length]):
         return ValueError(f"the cache holds the first {cache.length} tokens of another "
@@ -344,6 +415,21 @@ def _rebalance_problem(model, every: Any, redundant: Any,
                           "replaces the expert parameters and Dispatchers that the compiled "
                           "step was traced with; generate with one or the other")
     return None
+
+
+def _compile_problem(callers: List[Caller]) -> Optional[ValueError]:
+    """The compiled decode step keeps each call's K and V in the cache layer
+    of its module's ``layer_idx`` (a fixed index: nothing counted while
+    traced), which is its place among the forward's calls only when every
+    layer attends once, in order."""
+    if [layer for _, layer in callers] == list(range(len(callers))):
+        return None
+    shown = ", ".join(_describe(caller) for caller in callers[:4])
+    return ValueError(f"compile_decode is not implemented for a model whose attention calls "
+                      f"are not one per layer in order (here {len(callers)} calls: {shown}"
+                      f"{', ...' if len(callers) > 4 else ''}; a layer that attends twice, "
+                      f"as DiffLlama's, or layers run again, as HRM-text's stacks): generate "
+                      f"it without compile_decode")
 
 
 def _history(tokens: torch.Tensor) -> int:
@@ -392,8 +478,9 @@ def _generation_attention(model: torch.nn.Module, comm, name: str) -> Iterator[_
 
 def _attention(attend: Callable, comm, decoding: _Decoding) -> Callable:
     """The attention transformers calls per layer during generate: keep the
-    step's K and V in the cache, then attend: the first prefill's sharded
-    attention, a chunk against the cache, or replicated tokens over it."""
+    step's K and V in the cache (in the first prefill, for the cache made
+    after it), then attend: the first prefill's sharded attention, a chunk
+    against the cache, or replicated tokens over it."""
 
     def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, attention_mask: Optional[torch.Tensor],
@@ -408,16 +495,19 @@ def _attention(attend: Callable, comm, decoding: _Decoding) -> Callable:
             raise RuntimeError(f"{GENERATION!r} attends only inside "
                                f"commlib.bindings.transformers.generate")
         kwargs.pop("position_ids", None)
-        check_call(GENERATION, attention_mask, dropout, kwargs)
+        check_call(GENERATION, module, attention_mask, dropout, kwargs)
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-        window = window_of(GENERATION, sliding_window, step.cache.length, causal)
+        length = step.offsets[-1] if step.cache is None else step.cache.length
+        window = window_of(GENERATION, sliding_window, length, causal)
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-        keys, values = step.cache.store(module.layer_idx, k, v)
+        slot = step.slot(module)
         settings = dict(causal=causal, window=window, softmax_scale=scaling,
                         sinks=kwargs.get(SINKS))
-        if step.offsets is not None:
-            out = attend(q, k, v, cu_seqlens=step.offsets, **settings)
-        elif step.replicated:
+        if step.cache is None:
+            step.kept.append((k, v))
+            return attend(q, k, v, cu_seqlens=step.offsets, **settings), None
+        keys, values = step.cache.store(slot, k, v)
+        if step.replicated:
             out = decode_attention(q, keys, values, comm, q_positions=step.positions,
                                    k_positions=step.cache.positions, **settings)
         else:
@@ -440,7 +530,7 @@ def _decode_attention(decoding: _Decoding, module: torch.nn.Module, query: torch
     window is passed whenever the model has one (one that covers the
     sequence hides nothing), so no step's settings differ."""
     kwargs.pop("position_ids", None)
-    check_call(GENERATION, attention_mask, dropout, kwargs)
+    check_call(GENERATION, module, attention_mask, dropout, kwargs)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     window = window_of(GENERATION, sliding_window, (sliding_window or 0) + 1, causal)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
@@ -507,21 +597,21 @@ def _forward(model: torch.nn.Module, step: _Step, keep: torch.Tensor,
         with torch.no_grad(), (replicated_tokens() if step.replicated
                                else contextlib.nullcontext()), \
                 (contextlib.nullcontext() if step.states is None
-                 else generation_states(step.states, layout=None if step.offsets is None
-                                        else step.cache.prefill[0])):
-            return model(use_cache=False, logits_to_keep=keep, **inputs).logits
+                 else generation_states(step.states, layout=step.layout)):
+            logits = model(use_cache=False, logits_to_keep=keep, **inputs).logits
+        step.check_calls()
+        return logits
     finally:
         _ACTIVE.reset(token)
 
 
 # -- prefill and decode ----------------------------------------------------------
-def _prefill(model, input_ids: torch.Tensor, cache: ShardedKVCache, comm, name: str,
+def _prefill(model, input_ids: torch.Tensor, cache: ShardedKVCache, comm,
              method: str) -> torch.Tensor:
-    """The tokens the cache lacks, run through the model into it; returns
-    the last position's logits [batch, vocab] (float32), on every rank."""
+    """The tokens ``cache`` (of an earlier turn) lacks, run through the
+    model into it; returns the last position's logits [batch, vocab]
+    (float32), on every rank."""
     start, length = cache.length, input_ids.shape[1]
-    if start == 0:
-        return _first_prefill(model, input_ids, cache, comm, name)
     new = np.arange(start, length)
     # too few to shard, or a recurrence to read in order: every rank runs them all
     if new.size < comm.size or _recurrent_states_of(cache) is not None:
@@ -533,25 +623,33 @@ def _prefill(model, input_ids: torch.Tensor, cache: ShardedKVCache, comm, name: 
     return _from(comm, _last_logits(model, step, input_ids[:, mine], mine), holder)
 
 
-def _first_prefill(model, input_ids: torch.Tensor, cache: ShardedKVCache, comm,
-                   name: str) -> torch.Tensor:
-    """The prompt sharded in ``name``'s layout and attended by it."""
+def _first_prefill(model, input_ids: torch.Tensor, comm,
+                   name: str) -> Tuple[torch.Tensor, ShardedKVCache]:
+    """The prompt sharded in ``name``'s layout and attended by it; returns
+    the last position's logits (as ``_prefill``) and the cache it made: a
+    layer per attention call of the forward, each holding this rank's
+    tokens' K and V."""
     length = input_ids.shape[1]
     shard = sharded_batch({"input_ids": input_ids}, comm, layout=LAYOUTS[name])
     offsets = shard["cu_seq_lens_q"].tolist()
     packing = packing_for(offsets, LAYOUTS[name], comm.size, shard["input_ids"].shape[1])
     index = local_index(packing, comm.rank)
     rows = np.flatnonzero(index >= 0)
-    cache.admit(index[rows], rows, length)
-    cache.prefill = (LAYOUTS[name], length)
     holder = next(r for r in range(comm.size) if (local_index(packing, r) == length - 1).any())
-    slot = int(np.flatnonzero(index == length - 1)[0]) if comm.rank == holder else 0
+    last = int(np.flatnonzero(index == length - 1)[0]) if comm.rank == holder else 0
     inputs = {key: shard[key] for key in ("input_ids", "position_ids", "cu_seq_lens_q",
                                           "cu_seq_lens_k", "max_length_q", "max_length_k")}
-    step = _Step(cache, index[rows], replicated=False, offsets=offsets,
-                 states=_recurrent_states_of(cache))
-    logits = _forward(model, step, torch.tensor([slot]), **inputs)
-    return _from(comm, logits[:, -1], holder)
+    states = recurrent_states(model.config) if has_parallel_recurrent_layers(model) else None
+    step = _Step(None, index[rows], replicated=False, offsets=offsets, layout=LAYOUTS[name],
+                 states=states)
+    logits = _forward(model, step, torch.tensor([last]), **inputs)
+    # a model without attention (its recurrent states carry the prompt) keeps an empty layer
+    cache = ShardedKVCache(max(len(step.kept), 1), comm.size, comm.rank)
+    cache.admit(index[rows], rows, length)
+    for layer, (k, v) in enumerate(step.kept):
+        cache.store(layer, k, v)
+    cache.prefill, cache.callers, cache.recurrent = (LAYOUTS[name], length), step.calls, states
+    return _from(comm, logits[:, -1], holder), cache
 
 
 def _replicated(model, tokens: torch.Tensor, positions: np.ndarray, cache: ShardedKVCache,

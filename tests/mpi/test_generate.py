@@ -21,7 +21,11 @@ torch = requires.module("torch")
 requires.module("transformers")
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
+    DiffLlamaConfig,
+    DogeConfig,
     GenerationConfig,
+    HrmTextConfig,
+    Llama4TextConfig,
     LlamaConfig,
     MistralConfig,
     Qwen3Config,
@@ -167,6 +171,70 @@ def cache_of(out):
     """The cache of a generate output: transformers 5.17 names the field
     ``past_key_values``, 5.25 ``cache`` (the old name a deprecated alias)."""
     return out.cache if "cache" in type(out).__dataclass_fields__ else out.past_key_values
+
+
+# families whose attention is not one call per layer: DiffLlama attends twice a layer (two
+# softmaxes over the same keys); HRM-text runs its two stacks of layers again and again
+# (here 1 layer a stack, 2 x (2 + 1) runs: 6 attention calls a forward)
+UNROLLED = {"diffllama": lambda: DiffLlamaConfig(**COMMON),
+            "hrm_text": lambda: HrmTextConfig(**{**COMMON, "num_hidden_layers": 1},
+                                              H_cycles=2, L_cycles=2)}
+
+
+def family_model(config):
+    torch.manual_seed(0)  # the same model on every rank
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("name", UNROLLED)
+def test_layers_that_attend_twice_or_run_again_generate_as_one_process(comm, name):
+    """A cache layer per attention call: model.generate's greedy tokens, for
+    a first turn and a second one against the cache (9 new tokens: a chunk
+    over the ranks); compile_decode, which keeps K and V by layer_idx, is
+    refused on every rank, for the first turn and the second."""
+    model = family_model(UNROLLED[name]())
+    first = tokens(1, 13, seed=2)
+    out = cht.generate(model, first, comm, max_new_tokens=5, return_dict_in_generate=True)
+    second = torch.cat([out.sequences, tokens(1, 9, seed=9)], dim=1)
+    again = cht.generate(model, second, comm, max_new_tokens=3, past_key_values=cache_of(out))
+    assert all_ranks(torch.equal(out.sequences, model.generate(first, max_new_tokens=5,
+                                                               do_sample=False))
+                     and torch.equal(again, model.generate(second, max_new_tokens=3,
+                                                           do_sample=False)))
+    unrolled = "compile_decode is not implemented for a model whose attention calls are not one"
+    raises_everywhere(ValueError, lambda: cht.generate(model, first, comm, max_new_tokens=2,
+                                                       compile_decode=True), match=unrolled)
+    raises_everywhere(ValueError, lambda: cht.generate(
+        model, torch.cat([again, tokens(1, 4, seed=4)], dim=1), comm, max_new_tokens=2,
+        past_key_values=cache_of(out), compile_decode=True), match=unrolled)
+
+
+def test_llama4_generates_as_one_process_where_its_chunks_cover_the_call(comm):
+    """Llama 4 attends within chunks of config.attention_chunk_size tokens,
+    which commlib does not implement: the 19 tokens of a call within chunks
+    of 24 are model.generate's; chunks of 16 are refused up front, with the
+    call's numbers."""
+    def llama4(chunk):
+        return family_model(Llama4TextConfig(**COMMON, attention_chunk_size=chunk,
+                                             no_rope_layers=[1, 0], intermediate_size_mlp=128,
+                                             num_local_experts=2))
+    model, prompt = llama4(24), tokens(1, 13, seed=3)
+    got = cht.generate(model, prompt, comm, max_new_tokens=6)
+    assert all_ranks(torch.equal(got, model.generate(prompt, max_new_tokens=6,
+                                                     do_sample=False)))
+    raises_everywhere(commlib.CollectiveMismatchError, lambda: cht.generate(
+        llama4(16), prompt, comm, max_new_tokens=6),
+        match="Llama4ForCausalLM attends within chunks of 16 tokens (config.attention_chunk_size")
+    raises_everywhere(commlib.CollectiveMismatchError, lambda: cht.generate(
+        llama4(16), prompt, comm, max_new_tokens=6), match="generate at most 3 new tokens")
+
+
+def test_doge_dynamic_mask_is_refused_by_name(comm):
+    model = family_model(DogeConfig(**COMMON))
+    raises_everywhere(ValueError, lambda: cht.generate(model, tokens(1, 13, seed=5), comm,
+                                                       max_new_tokens=2),
+                      match="DogeAttention (layer 0) passes its attention call an attention mask "
+                            "of its own (a dynamic or learned mask")
 
 
 def test_the_model_keeps_its_attention_and_refuses_it_outside_generate(comm):

@@ -315,14 +315,85 @@ def test_hybrid_refuses_a_degree_that_does_not_divide_the_world(comm):
                       match="must divide the world size")
 
 
-def test_chunked_attention_is_refused(comm, reference):
-    """Llama 4's chunked mask passes ``local_size`` as a sliding window's
-    does: the mask function tells them apart and refuses the chunks."""
-    config = transformers.Llama4TextConfig(attention_chunk_size=4)
+def llama4(chunk):
+    """A tiny Llama 4 whose layer 0 attends within chunks of ``chunk``
+    tokens (config.attention_chunk_size) and layer 1 (no RoPE) causally over
+    the whole sequence; unsharded (sdpa)."""
+    return new_model(tiny_config(transformers.Llama4TextConfig, attention_chunk_size=chunk,
+                                 no_rope_layers=[1, 0], intermediate_size_mlp=128,
+                                 num_local_experts=2), seed=3)
+
+
+def llama4_reference(chunk, batch):
+    """The unsharded Llama 4's loss and gradients on ``batch`` (one
+    sequence), or on each of its packed documents alone (summed over the
+    packed count, as packed_reference)."""
+    model = llama4(chunk)
+    initial = copy.deepcopy(model)
+    offsets = batch["cu_seq_lens_q"].tolist() if "cu_seq_lens_q" in batch else [0, None]
+    count = int((batch["labels"][:, 1:] != -100).sum())
+    loss = sum(model(input_ids=batch["input_ids"][:, start:stop],
+                     labels=batch["labels"][:, start:stop], num_items_in_batch=count).loss
+               for start, stop in zip(offsets, offsets[1:]))
+    loss.backward()
+    return {"model": initial, "loss": loss.item(), "grads": gradients(model)}
+
+
+def one_sequence(length):
+    input_ids = torch.randint(0, 128, (1, length), generator=torch.Generator().manual_seed(6))
+    return {"input_ids": input_ids, "labels": input_ids.clone()}
+
+
+# (chunk, batch): chunks that cover the user's sequence (or every packed document), though
+# not the probe's tokens times the ranks, nor the zigzag shards' padded length (17 tokens
+# padded to 20 at 2 ranks, 24 at 4)
+CHUNKS_THAT_COVER = {"16 tokens, chunks of 20": (20, lambda: one_sequence(16)),
+                     "17 tokens, chunks of 17": (17, lambda: one_sequence(17)),
+                     "documents of up to 11 tokens, chunks of 11": (11, packed_batch)}
+
+
+@pytest.mark.parametrize("case", CHUNKS_THAT_COVER)
+@pytest.mark.parametrize("implementation", [
+    "commlib_ring", pytest.param("commlib_ulysses", marks=pytest.mark.full)])
+def test_llama4_whose_chunks_cover_the_sequence_matches_the_unsharded_model(comm, case,
+                                                                             implementation):
+    chunk, batch = CHUNKS_THAT_COVER[case]
+    assert first_step_matches(comm, llama4_reference(chunk, batch()), implementation, batch())
+
+
+@pytest.mark.parametrize("chunk, batch, named", [
+    (8, lambda: one_sequence(16), "longest sequence of 16 tokens"),
+    (10, packed_batch, "longest document of 11 tokens")], ids=["one sequence", "packed"])
+def test_llama4_chunks_shorter_than_the_sequence_are_refused_by_name(comm, chunk, batch, named):
+    """Chunked attention, which commlib does not implement, refused by the
+    chunked layer on every rank, with the user's numbers."""
+    model = model_with(llama4(chunk), "commlib_ring")
+    shard = hf.shard_batch(batch(), comm, attn_implementation=model)
+    raises_everywhere(ValueError, lambda: model(**shard),
+                      match=f"Llama4TextAttention (layer 0) attends within chunks of {chunk} "
+                            f"tokens, shorter than this batch's {named}")
+
+
+def test_chunks_the_config_does_not_place_are_refused(comm, reference):
+    """A chunked mask asked of a config with no chunked layer: the mask
+    function cannot tell which layers it is for, so it refuses."""
+    config = tiny_config(transformers.Llama4TextConfig, attention_chunk_size=4,
+                         no_rope_layers=[0, 0])  # no layer attends in chunks
     config._attn_implementation = "commlib_ring"
     embeddings = torch.zeros(1, 6, 8)  # this rank's 6 tokens
     raises_everywhere(ValueError, lambda: transformers.masking_utils.create_chunked_causal_mask(
-        config, embeddings, None, None), match="does not implement chunked attention")
+        config, embeddings, None, None), match="does not say which layers attend so")
+
+
+def test_doge_dynamic_mask_is_refused_by_name(comm):
+    """Doge hands its attention a mask of its own (its dynamic mask: a bias
+    per key from the values), which is not padding: refused as such."""
+    model = new_model(tiny_config(transformers.DogeConfig), seed=4,
+                      attn_implementation="commlib_ring")
+    shard = hf.shard_batch(global_batch(), comm, attn_implementation=model)
+    raises_everywhere(ValueError, lambda: model(**shard),
+                      match="DogeAttention (layer 0) passes its attention call an attention mask "
+                            "of its own (a dynamic or learned mask")
 
 
 @pytest.mark.parametrize("positions, named", [
