@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Sequence, Union
 import torch
 from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
-from ._shards import gather
+from ._shards import as_shares, gather
 from ._streams import IMAGE, Streams
 
 Handle = torch.utils.hooks.RemovableHandle
@@ -68,7 +68,8 @@ def check_fits(model: torch.nn.Module, plan: Dict[str, Any]) -> None:
 
 def install(model: torch.nn.Module, plan: Dict[str, Any], streams: Streams, comm) -> List[Handle]:
     """Hooks that carry out ``plan`` on ``model`` (first: the one that starts
-    each forward's record)."""
+    each forward's record; last: the output's gradient counted as shares,
+    ``_shards.as_shares``)."""
     handles = [model.register_forward_pre_hook(_beginning(streams, model), with_kwargs=True,
                                                prepend=True)]
     for where, entry in plan.items():
@@ -82,6 +83,8 @@ def install(model: torch.nn.Module, plan: Dict[str, Any], streams: Streams, comm
             else:
                 handles.append(module.register_forward_hook(
                     _gatherer(where, _outputs(where, entry), streams, comm)))
+    handles.append(model.register_forward_hook(lambda module, args, output:
+                                               as_shares(output, comm.size)))
     return handles
 
 

@@ -5,12 +5,22 @@ first ``length % size`` ranks one more), then zeros up to ``padded`` =
 ceil(length / size), so that every rank's shard has the same length, as
 commlib's attention needs. The attention keeps the padding invisible
 (``_visibility.py``) and the gather cuts it.
+
+Gradients: each rank's gradient of a tensor is its share, and the ranks'
+shares sum to the gradient of the unsharded model. A shard's gradient is
+placed in its rows of the whole (the split); a gathered whole's shares are
+summed over the ranks and each rank takes its rows (the gather); the
+model's output, from which every rank computes the same loss, counts a
+1/P share on each rank (``as_shares``). So whatever a model computes on
+every rank alike between a gather and the next split (Helios: norms,
+residuals, its output projection), its weights get shares too, and summing
+every weight's gradient over the ranks gives the unsharded model's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import Any, List, Tuple
 
 import numpy as np
 import torch
@@ -58,23 +68,47 @@ class Split:
 
 
 class _Gather(torch.autograd.Function):
-    """Every rank's shard along ``dim``, padding cut; the gradient of a
-    rank's shard is its rows of the gathered gradient (every rank holds the
-    same gathered output and computes the same loss from it)."""
+    """Every rank's shard along ``dim``, padding cut; backward: the shares
+    of the whole's gradient summed, this rank's rows."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int, split: Split, comm) -> torch.Tensor:
-        ctx.dim, ctx.split, ctx.rank = dim, split, comm.rank
+        ctx.dim, ctx.split, ctx.comm = dim, split, comm
         whole = comm.allgather(x.contiguous(), axis=dim)
         return whole.index_select(dim, split.kept(x.device))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        split, dim = ctx.split, ctx.dim
-        mine = split.shard(grad, dim, ctx.rank)
-        return mine, None, None, None
+        summed = ctx.comm.allreduce(grad.contiguous())
+        return ctx.split.shard(summed, ctx.dim, ctx.comm.rank), None, None, None
 
 
 def gather(x: torch.Tensor, dim: int, split: Split, comm) -> torch.Tensor:
     """The whole sequence from every rank's padded shard of it (differentiable)."""
     return _Gather.apply(x, dim, split, comm)
+
+
+class _Share(torch.autograd.Function):
+    """The identity; backward: a 1/``size`` share of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, size: int) -> torch.Tensor:
+        ctx.size = size
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad / ctx.size, None
+
+
+def as_shares(output: Any, size: int) -> Any:
+    """The model's output (a tensor, a tuple, diffusers' output dataclass),
+    its tensors that need a gradient counting a 1/``size`` share of it."""
+    if isinstance(output, torch.Tensor):
+        return _Share.apply(output, size) if output.requires_grad else output
+    if type(output) is tuple:
+        return tuple(as_shares(x, size) for x in output)
+    if isinstance(output, dict):  # diffusers' BaseOutput is an OrderedDict
+        for key in list(output):
+            output[key] = as_shares(output[key], size)
+    return output
