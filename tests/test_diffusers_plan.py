@@ -1,7 +1,7 @@
 """The diffusers binding's pieces in one process: shards of any length and
 their padding, the visibility mask (padding and a whole text's extra
 copies hidden), plan keys resolved to submodules, the models that declare
-a plan, processors routed per instance."""
+a plan, processors routed per instance, the digests ranks agree on."""
 
 import numpy as np
 import pytest
@@ -12,6 +12,7 @@ torch = requires.module("torch")
 diffusers = requires.module("diffusers")
 cd = requires.module("commlib.bindings.diffusers")
 from commlib.bindings.diffusers import _routing  # noqa: E402
+from commlib.bindings.diffusers._fingerprints import tensor_digests  # noqa: E402
 from commlib.bindings.diffusers._plan import modules_named  # noqa: E402
 from commlib.bindings.diffusers._shards import Split  # noqa: E402
 from commlib.bindings.diffusers._visibility import Segment, runs, visibility  # noqa: E402
@@ -63,10 +64,30 @@ def test_plan_keys_name_submodules():
 
 
 def test_the_models_with_a_plan():
-    planned = cd.planned_models()
+    """planned_models() lists what context_parallel takes; refused_models()
+    those that declare a plan but are refused, with the reason."""
+    planned, refused = cd.planned_models(), cd.refused_models()
     assert {"FluxTransformer2DModel", "QwenImageTransformer2DModel",
             "WanTransformer3DModel"} <= set(planned)
     assert "SD3Transformer2DModel" not in planned
+    assert set(refused) == {"LTX2VideoTransformer3DModel", "MiniMaxH3Transformer3DModel"}
+    assert not set(refused) & set(planned)
+    assert all(getattr(diffusers, name)._cp_plan for name in refused)
+
+
+def test_digests_see_bytes_not_layout():
+    """Equal contents digest alike whatever their strides, offset or
+    broadcast; one changed element, or two swapped, digest otherwise."""
+    x = torch.randn(6, 5, dtype=torch.float64)
+    same = [x, x.t().contiguous().t(), torch.cat([x.new_zeros(1, 5), x])[1:]]
+    digests = tensor_digests(same + [torch.tensor(2.0).expand(1), torch.tensor([2.0])])
+    assert len(set(digests[:3])) == 1 and digests[3] == digests[4]
+    changed, swapped = x.clone(), x.clone()
+    changed[3, 2] = changed[3, 2].nextafter(torch.tensor(1.0, dtype=torch.float64))
+    swapped[0, 0], swapped[5, 4] = x[5, 4], x[0, 0]
+    assert len({digests[0], *tensor_digests([changed, swapped])}) == 3
+    half = torch.randn(7, dtype=torch.bfloat16)  # 14 bytes: digested byte by byte
+    assert tensor_digests([half[1:]]) == tensor_digests([half[1:].clone()])
 
 
 def test_a_routed_processor_leaves_its_class_alone():
