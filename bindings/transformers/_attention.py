@@ -187,7 +187,7 @@ def _attention_function(name: str, attend: Attend, comm) -> Callable:
         cu_seqlens = _documents(name, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         checked(kwargs.get("position_ids"), cu_seqlens, query.shape[2])
-        _check_chunk(name, module, cu_seqlens, query.shape[2] * world_size)
+        _check_lengths(name, module, cu_seqlens, query.shape[2] * world_size)
         # the shards' (padded) length: a window as long covers every document too
         out = attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                      causal=causal, softmax_scale=scaling, cu_seqlens=cu_seqlens,
@@ -410,31 +410,56 @@ def attention_chunk(config: Any, layer: Optional[int] = None) -> Optional[int]:
     return chunk if types[layer] == "chunked_attention" else None
 
 
-def _check_chunk(name: str, module: torch.nn.Module, cu_seqlens: Documents,
-                 padded_length: int) -> None:
-    """Refuse a chunked layer whose chunk is shorter than the batch's
-    longest document: commlib does not implement chunked attention. The
-    documents' offsets are global, the same on every rank; under
-    torch.compile they are not read (a graph break per layer), and the
-    shards' padded length stands in for them."""
+def temperature_floor(module: torch.nn.Module) -> Optional[int]:
+    """Llama 4's attention temperature tuning (its layers without RoPE)
+    scales the query of the token at index i among those the layer is given
+    by log1p(floor((i + 1) / config.floor_scale)) * attn_scale + 1: i counts
+    the shard's tokens, or the one decoded, not the sequence's. The scale is
+    1, alike everywhere, while every index + 1 < floor_scale: that bound,
+    or None for a layer that does not tune."""
+    if getattr(module, "attn_temperature_tuning", False) and \
+            not getattr(module, "use_rope", True):
+        return int(module.floor_scale)
+    return None
+
+
+def _check_lengths(name: str, module: torch.nn.Module, cu_seqlens: Documents,
+                   padded_length: int) -> None:
+    """Refuse what holds only up to a length, past it: Llama 4's chunks
+    shorter than the batch's longest document (commlib does not implement
+    chunked attention), its temperature tuning past its floor_scale tokens
+    in the row. The documents' offsets are global, the same on every rank;
+    under torch.compile they are not read (a graph break per layer), and
+    the shards' padded length stands in for them."""
     layer = getattr(module, "layer_idx", None)
     chunk = attention_chunk(getattr(module, "config", None), layer)
-    if chunk is None or chunk >= padded_length:
+    floor = temperature_floor(module)
+    if (chunk is None or chunk >= padded_length) and (floor is None or floor > padded_length):
         return
-    longest, what, note = padded_length, "sequence as sharded", \
+    longest = row = padded_length
+    what, note = "sequence as sharded", \
         " (its padding included: under torch.compile the documents are not read)"
     if not torch.compiler.is_compiling():
         offsets = torch.as_tensor([0, padded_length] if cu_seqlens is None else cu_seqlens)
-        longest = int((offsets[1:] - offsets[:-1]).max())
+        longest, row = int((offsets[1:] - offsets[:-1]).max()), int(offsets[-1])
         what, note = "document" if offsets.numel() > 2 else "sequence", ""
-    if longest > chunk:
+    named = f"{name}: {type(module).__name__}{'' if layer is None else f' (layer {layer})'}"
+    if chunk is not None and longest > chunk:
         raise ValueError(
-            f"{name}: {type(module).__name__}{'' if layer is None else f' (layer {layer})'} "
-            f"attends within chunks of {chunk} tokens, shorter than this batch's longest {what} "
-            f"of {longest} tokens{note} (config.attention_chunk_size: Llama 4's chunked "
-            f"attention); commlib does not implement chunked attention. Within {chunk} tokens "
-            f"a chunk is the causal attention commlib computes: keep every sequence (packed "
-            f"document) within {chunk} tokens, or make config.attention_chunk_size cover them")
+            f"{named} attends within chunks of {chunk} tokens, shorter than this batch's "
+            f"longest {what} of {longest} tokens{note} (config.attention_chunk_size: Llama "
+            f"4's chunked attention); commlib does not implement chunked attention. Within "
+            f"{chunk} tokens a chunk is the causal attention commlib computes: keep every "
+            f"sequence (packed document) within {chunk} tokens, or make "
+            f"config.attention_chunk_size cover them")
+    if floor is not None and row >= floor:
+        raise ValueError(
+            f"{named} tunes its attention temperature by each token's index among those it "
+            f"is given (Llama 4's layers without RoPE: config.attn_temperature_tuning, "
+            f"floor_scale={floor}), which on a shard counts the shard's tokens, not the "
+            f"sequence's: past {floor - 1} tokens a row (this batch's has {row}{note}) the "
+            f"ranks would scale differently from the unsharded model. Keep rows within "
+            f"{floor - 1} tokens, or set config.attn_temperature_tuning = False")
 
 
 def mask_function(name: str, comm) -> Callable:

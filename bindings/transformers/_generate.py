@@ -71,6 +71,7 @@ from ._attention import (
     check_call,
     implementations,
     mask_function,
+    temperature_floor,
     window_of,
 )
 from ._batch import sharded_batch
@@ -361,6 +362,18 @@ def _input_problem(model, input_ids: torch.Tensor, cache: Optional[ShardedKVCach
                           f"{total - prompt} new); commlib's generate does not implement "
                           f"chunked attention, which within {chunk} tokens is the causal "
                           f"attention it computes: {fix}")
+    tuned = [(module, temperature_floor(module)) for module in model.modules()
+             if temperature_floor(module) is not None]
+    if tuned and total >= min(floor for _, floor in tuned):
+        module, floor = min(tuned, key=lambda pair: pair[1])
+        return ValueError(f"{_describe(_caller(module))} tunes its attention temperature by "
+                          f"each token's index among those it is given (Llama 4's layers "
+                          f"without RoPE: config.attn_temperature_tuning, "
+                          f"floor_scale={floor}), which in commlib's generate counts a "
+                          f"shard's tokens or the one decoded, not the sequence's: this call "
+                          f"reaches {total} tokens, past {floor - 1}, where it would scale "
+                          f"differently from model.generate. Keep the prompt and new tokens "
+                          f"within {floor - 1}, or set config.attn_temperature_tuning = False")
     if cache is None:
         return None
     if not isinstance(cache, ShardedKVCache):

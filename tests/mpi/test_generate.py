@@ -213,7 +213,8 @@ def test_llama4_generates_as_one_process_where_its_chunks_cover_the_call(comm):
     """Llama 4 attends within chunks of config.attention_chunk_size tokens,
     which commlib does not implement: the 19 tokens of a call within chunks
     of 24 are model.generate's; chunks of 16 are refused up front, with the
-    call's numbers."""
+    call's numbers, as is its layer without RoPE tuning its temperature from
+    index 15 on (floor_scale 16)."""
     def llama4(chunk):
         return family_model(Llama4TextConfig(**COMMON, attention_chunk_size=chunk,
                                              no_rope_layers=[1, 0], intermediate_size_mlp=128,
@@ -227,6 +228,11 @@ def test_llama4_generates_as_one_process_where_its_chunks_cover_the_call(comm):
         match="Llama4ForCausalLM attends within chunks of 16 tokens (config.attention_chunk_size")
     raises_everywhere(commlib.CollectiveMismatchError, lambda: cht.generate(
         llama4(16), prompt, comm, max_new_tokens=6), match="generate at most 3 new tokens")
+    tuned = llama4(24)
+    tuned.config.floor_scale = tuned.model.layers[1].self_attn.floor_scale = 16
+    raises_everywhere(commlib.CollectiveMismatchError, lambda: cht.generate(
+        tuned, prompt, comm, max_new_tokens=6),
+        match="Llama4TextAttention (layer 1) tunes its attention temperature")
 
 
 def test_doge_dynamic_mask_is_refused_by_name(comm):

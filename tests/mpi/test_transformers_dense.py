@@ -315,13 +315,21 @@ def test_hybrid_refuses_a_degree_that_does_not_divide_the_world(comm):
                       match="must divide the world size")
 
 
-def llama4(chunk):
+@pytest.fixture
+def with_commlib(comm):
+    """commlib's attention registered over ``comm`` (a test run alone)."""
+    hf.register(comm)
+    return comm
+
+
+def llama4(chunk, **options):
     """A tiny Llama 4 whose layer 0 attends within chunks of ``chunk``
-    tokens (config.attention_chunk_size) and layer 1 (no RoPE) causally over
-    the whole sequence; unsharded (sdpa)."""
+    tokens (config.attention_chunk_size) and layer 1 (no RoPE, its
+    temperature tuned from index floor_scale - 1 on) causally over the
+    whole sequence; unsharded (sdpa)."""
     return new_model(tiny_config(transformers.Llama4TextConfig, attention_chunk_size=chunk,
                                  no_rope_layers=[1, 0], intermediate_size_mlp=128,
-                                 num_local_experts=2), seed=3)
+                                 num_local_experts=2, **options), seed=3)
 
 
 def llama4_reference(chunk, batch):
@@ -355,26 +363,34 @@ CHUNKS_THAT_COVER = {"16 tokens, chunks of 20": (20, lambda: one_sequence(16)),
 @pytest.mark.parametrize("case", CHUNKS_THAT_COVER)
 @pytest.mark.parametrize("implementation", [
     "commlib_ring", pytest.param("commlib_ulysses", marks=pytest.mark.full)])
-def test_llama4_whose_chunks_cover_the_sequence_matches_the_unsharded_model(comm, case,
+def test_llama4_whose_chunks_cover_the_sequence_matches_the_unsharded_model(with_commlib, case,
                                                                              implementation):
     chunk, batch = CHUNKS_THAT_COVER[case]
-    assert first_step_matches(comm, llama4_reference(chunk, batch()), implementation, batch())
+    assert first_step_matches(with_commlib, llama4_reference(chunk, batch()), implementation,
+                              batch())
 
 
-@pytest.mark.parametrize("chunk, batch, named", [
-    (8, lambda: one_sequence(16), "longest sequence of 16 tokens"),
-    (10, packed_batch, "longest document of 11 tokens")], ids=["one sequence", "packed"])
-def test_llama4_chunks_shorter_than_the_sequence_are_refused_by_name(comm, chunk, batch, named):
-    """Chunked attention, which commlib does not implement, refused by the
-    chunked layer on every rank, with the user's numbers."""
-    model = model_with(llama4(chunk), "commlib_ring")
-    shard = hf.shard_batch(batch(), comm, attn_implementation=model)
-    raises_everywhere(ValueError, lambda: model(**shard),
-                      match=f"Llama4TextAttention (layer 0) attends within chunks of {chunk} "
-                            f"tokens, shorter than this batch's {named}")
+@pytest.mark.parametrize("options, batch, named", [
+    (dict(chunk=8), lambda: one_sequence(16),
+     "(layer 0) attends within chunks of 8 tokens, shorter than this batch's longest "
+     "sequence of 16 tokens"),
+    (dict(chunk=10), packed_batch,
+     "(layer 0) attends within chunks of 10 tokens, shorter than this batch's longest "
+     "document of 11 tokens"),
+    (dict(chunk=20, floor_scale=8), lambda: one_sequence(16),
+     "(layer 1) tunes its attention temperature")],
+    ids=["chunks, one sequence", "chunks, packed", "temperature"])
+def test_llama4_past_its_lengths_is_refused_by_name(with_commlib, options, batch, named):
+    """Chunked attention, which commlib does not implement, and the
+    temperature tuning of the layer without RoPE, which counts a shard's
+    tokens, past the lengths where they change nothing: refused by the
+    layer on every rank, with the user's numbers."""
+    model = model_with(llama4(**options), "commlib_ring")
+    shard = hf.shard_batch(batch(), with_commlib, attn_implementation=model)
+    raises_everywhere(ValueError, lambda: model(**shard), match=f"Llama4TextAttention {named}")
 
 
-def test_chunks_the_config_does_not_place_are_refused(comm, reference):
+def test_chunks_the_config_does_not_place_are_refused(with_commlib):
     """A chunked mask asked of a config with no chunked layer: the mask
     function cannot tell which layers it is for, so it refuses."""
     config = tiny_config(transformers.Llama4TextConfig, attention_chunk_size=4,
@@ -385,12 +401,12 @@ def test_chunks_the_config_does_not_place_are_refused(comm, reference):
         config, embeddings, None, None), match="does not say which layers attend so")
 
 
-def test_doge_dynamic_mask_is_refused_by_name(comm):
+def test_doge_dynamic_mask_is_refused_by_name(with_commlib):
     """Doge hands its attention a mask of its own (its dynamic mask: a bias
     per key from the values), which is not padding: refused as such."""
     model = new_model(tiny_config(transformers.DogeConfig), seed=4,
                       attn_implementation="commlib_ring")
-    shard = hf.shard_batch(global_batch(), comm, attn_implementation=model)
+    shard = hf.shard_batch(global_batch(), with_commlib, attn_implementation=model)
     raises_everywhere(ValueError, lambda: model(**shard),
                       match="DogeAttention (layer 0) passes its attention call an attention mask "
                             "of its own (a dynamic or learned mask")
