@@ -38,7 +38,7 @@ from commlib.recurrent.mixer_pieces import Run, runs
 from ._recurrent_state import incoming_state
 
 __all__ = ["gated_delta_rule", "mamba2_scan", "PieceScan", "delta_rule_piece", "mamba2_piece",
-           "discretized_dt"]
+           "discretized_dt", "SummedOverRanks"]
 
 
 @dataclass
@@ -239,7 +239,7 @@ def _applied(transition: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     return transition[..., None, None] * state
 
 
-class _SummedOverRanks(torch.autograd.Function):
+class SummedOverRanks(torch.autograd.Function):
     """Every rank's tensor summed, on every rank; the gradient likewise
     (collective: every rank must run the backward)."""
 
@@ -279,7 +279,7 @@ def _composed(made: List[PieceScan], found: List[Run], read: Callable,
     ends = torch.tensor([run.ends for run in found], dtype=offsets.dtype,
                         device=offsets.device).reshape(begins.shape)
     final = (ends * (_applied(transitions, incoming) + offsets)).sum(0)
-    return out, _SummedOverRanks.apply(final, comm)
+    return out, SummedOverRanks.apply(final, comm)
 
 
 def gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

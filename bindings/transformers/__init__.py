@@ -16,6 +16,7 @@ after ``backward()``; ``generate`` for inference. A file per concept, all
 private (this ``__all__`` is the API): ``_attention.py`` (the attention
 implementations and their mask functions), ``_batch.py`` (sharding a batch,
 packed or not: global positions, labels and document offsets),
+``_encoders.py`` (encoders' heads on shards: masked-LM loss, pooling),
 ``_token_mixers.py`` and ``_model_check.py`` (which layers mix tokens,
 found by running the model; whether it may take a sharded batch),
 ``_experts.py`` (experts over the torch ``Dispatcher``), ``_recurrent.py``

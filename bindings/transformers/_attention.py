@@ -49,9 +49,12 @@ LAYOUTS = {"commlib_ring": "zigzag", "commlib_ring_docs": "zigzag_docs",
 # Keyword arguments transformers passes down to every attention call that do
 # not change the attention's math: the batch's own bookkeeping (the loss
 # inputs travel through the model's **kwargs; the longest document is
-# flash-attention's, commlib reads the offsets), and output switches.
+# flash-attention's, commlib reads the offsets), output switches, and
+# ModernBERT's ``deterministic`` (whether flash-attention's backward may sum
+# in a varying order: rounding, not math).
 BOOKKEEPING = frozenset({"position_ids", "use_cache", "num_items_in_batch", "shift_labels",
-                         "output_hidden_states", "max_length_q", "max_length_k"})
+                         "output_hidden_states", "max_length_q", "max_length_k",
+                         "deterministic"})
 
 # read by the attention function itself (the packed documents)
 DOCUMENTS = ("cu_seq_lens_q", "cu_seq_lens_k")
@@ -68,6 +71,8 @@ UNSUPPORTED = {
                "shard_batch makes them from position_ids)",
     "output_router_logits": "the routers' load-balancing loss (each rank would count its "
                             "own tokens' and add it to its share of the loss)",
+    # BERT's self-attention is handed its layer's encoder_hidden_states, None in an encoder
+    "encoder_hidden_states": "cross-attention to an encoder's states (encoder_hidden_states)",
 }
 
 # attend(q, k, v, causal=, softmax_scale=, cu_seqlens=, window=, sinks=) on [b, s_local, h, d]
@@ -192,7 +197,8 @@ def _attention_function(name: str, attend: Attend, comm) -> Callable:
         out = attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                      causal=causal, softmax_scale=scaling, cu_seqlens=cu_seqlens,
                      window=window_of(name, sliding_window, query.shape[2] * world_size,
-                                      causal), sinks=kwargs.get(SINKS))
+                                      causal, getattr(module, "config", None)),
+                     sinks=kwargs.get(SINKS))
         return out, None
 
     attention.__name__ = attention.__qualname__ = name
@@ -377,21 +383,33 @@ def _documents(name: str, cu_seq_lens_q: Any, cu_seq_lens_k: Any) -> Documents:
 
 
 def window_of(name: str, sliding_window: Optional[int], global_length: int,
-              causal: bool) -> Optional[Tuple[int, int]]:
+              causal: bool, config: Any = None) -> Optional[Tuple[int, int]]:
     """transformers' ``sliding_window=W`` lets query i see keys i-W+1 .. i
     (masking_utils' ``sliding_window_overlay``: kv > q - W; its flash-attention
     integration's ``window_size=(W-1, W-1)`` under the causal mask):
-    commlib's ``window=(W - 1, 0)``. None when the window covers the
-    sequence."""
+    commlib's ``window=(W - 1, 0)``. Without the causal mask, keys
+    i-W+1 .. i+W-1: ``(W - 1, W - 1)``, flash-attention's window, which
+    transformers' sdpa mask (``|q - k| <= config.sliding_window``) draws too
+    only where ``config.sliding_window`` is W - 1 (ModernBERT's local
+    layers pass their config's half window + 1); elsewhere the two disagree
+    and it is refused. None when the window covers the sequence."""
     if sliding_window is None or sliding_window >= global_length:
         return None
     if sliding_window < 1:
         raise ValueError(f"{name}: sliding_window={sliding_window} leaves a query no key; "
                          f"a sliding window holds at least the query's own token")
-    if not causal:  # transformers' sdpa mask (|q - k| <= W) and flash (< W) disagree here
-        raise ValueError(f"{name} does not implement a bidirectional sliding window "
-                         f"(sliding_window={sliding_window} without the causal mask)")
-    return (sliding_window - 1, 0)
+    if causal:
+        return (sliding_window - 1, 0)
+    configured = getattr(config, "sliding_window", None)
+    if configured != sliding_window - 1:
+        raise ValueError(f"{name} does not implement this bidirectional sliding window "
+                         f"(sliding_window={sliding_window} without the causal mask, "
+                         f"config.sliding_window={configured}): transformers' sdpa mask "
+                         f"(|q - k| <= {configured}) and flash-attention path "
+                         f"(|q - k| <= {sliding_window - 1}) disagree on its width; commlib "
+                         f"implements the window where they agree (config.sliding_window = "
+                         f"{sliding_window - 1}, as ModernBERT's local layers)")
+    return (sliding_window - 1, sliding_window - 1)
 
 
 def attention_chunk(config: Any, layer: Optional[int] = None) -> Optional[int]:

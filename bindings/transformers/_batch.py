@@ -23,7 +23,7 @@ call.
 from __future__ import annotations
 
 import reprlib
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -31,6 +31,7 @@ from commlib.ring import shard_sequence
 from commlib.sequence.documents import as_offsets, cu_seqlens_from_position_ids
 
 from ._attention import layout_of
+from ._encoders import EncoderHead, encoder_head
 from ._model_check import check_model
 from ._sharded_forward import guard, remember
 from ._token_mixers import structure
@@ -79,6 +80,12 @@ def shard_batch(batch: Dict[str, Any], comm, *,
       which tell the attention the documents and the padding;
       ``max_length_q``/``max_length_k``: the longest document.
 
+    That is a causal LM's shard (``model.loss_type`` ForCausalLM, or none).
+    An encoder's masked-LM, token- or sequence-classification head gets
+    ``token_type_ids`` sharded and its own ``labels`` instead, and hooks
+    that make its loss and pooling exact (``_encoders``); other heads are
+    refused.
+
     The all-ones ``attention_mask`` is dropped: it carries nothing, and a
     sharded one would mark the layout's padding. The shard's forward is
     checked (``_sharded_forward``): the model must be as checked, and
@@ -92,11 +99,12 @@ def shard_batch(batch: Dict[str, Any], comm, *,
                          f"tokens along the sequence runs on shards; a name says nothing of "
                          f"the model's other layers (docs/transformers.md)")
     guarded = guard(model, comm) if comm.size > 1 else None
-    offsets = _checked_documents(batch)
+    encoder = encoder_head(model, comm)  # None: a causal LM's batch
+    offsets = _checked_documents(batch, () if encoder is None else EncoderHead.SHARDED)
     check_model(model, comm, before="shard_batch", training=True, longest=_longest(offsets))
     if guarded is not None:
         guarded.checked = structure(getattr(model, "_orig_mod", model))
-    return remember(_shard(batch, offsets, comm, layout_of(model)))
+    return remember(_shard(batch, offsets, comm, layout_of(model), encoder))
 
 
 def sharded_batch(batch: Dict[str, Any], comm, *, layout: str) -> Dict[str, Any]:
@@ -105,14 +113,15 @@ def sharded_batch(batch: Dict[str, Any], comm, *, layout: str) -> Dict[str, Any]
     return _shard(batch, _checked_documents(batch), comm, layout)
 
 
-def _checked_documents(batch: Dict[str, Any]) -> List[int]:
+def _checked_documents(batch: Dict[str, Any], also: Tuple[str, ...] = ()) -> List[int]:
     """The batch's documents' global offsets, after refusing what
-    ``shard_batch`` does not shard (the same batch on every rank: every rank
-    raises alike)."""
-    unknown = sorted(set(batch) - set(_SHARDED) - set(_DOCUMENTS))
+    ``shard_batch`` does not shard (``also``: an encoder's keys besides; the
+    same batch on every rank: every rank raises alike)."""
+    sharded = (*_SHARDED, *also)
+    unknown = sorted(set(batch) - set(sharded) - set(_DOCUMENTS))
     if unknown:
         raise ValueError(f"shard_batch does not know how to shard {', '.join(unknown)}; it "
-                         f"shards {', '.join(_SHARDED)} (and checks {', '.join(_DOCUMENTS)})")
+                         f"shards {', '.join(sharded)} (and checks {', '.join(_DOCUMENTS)})")
     mask = batch.get("attention_mask")
     if mask is not None and not bool(mask.all()):
         raise ValueError("shard_batch: the attention_mask pads some tokens; padding masks are "
@@ -125,24 +134,28 @@ def _longest(offsets: List[int]) -> int:
     return max(stop - start for start, stop in zip(offsets, offsets[1:]))
 
 
-def _shard(batch: Dict[str, Any], offsets: List[int], comm, layout: str) -> Dict[str, Any]:
+def _shard(batch: Dict[str, Any], offsets: List[int], comm, layout: str,
+           encoder: Optional[EncoderHead] = None) -> Dict[str, Any]:
     input_ids = batch["input_ids"]
     positions = _positions(batch, offsets, input_ids)
 
     def shard(x: torch.Tensor) -> torch.Tensor:
         return shard_sequence(x, comm, layout=layout, cu_seqlens=offsets)
 
+    cu_seq_lens = torch.tensor(offsets, dtype=torch.int32)
+    longest = _longest(offsets)
+    tokens = shard(input_ids)
+    common = {"input_ids": tokens, "position_ids": shard(positions),
+              "cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens,
+              "max_length_q": longest, "max_length_k": longest}
+    if encoder is not None:  # its labels are not shifted, or not per token
+        return {**common, **encoder.entries(batch, offsets, shard, tokens)}
     labels = batch.get("labels", input_ids)
     shift_labels = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     real = shard(torch.ones_like(shift_labels)).bool()  # shard_sequence pads with zeros
-    cu_seq_lens = torch.tensor(offsets, dtype=torch.int32)
-    longest = _longest(offsets)
     shard_labels = torch.where(real, shard(shift_labels), IGNORE_INDEX)
-    return {"input_ids": shard(input_ids), "position_ids": shard(positions),
-            "shift_labels": shard_labels, "labels": shard_labels,
-            "num_items_in_batch": (shift_labels != IGNORE_INDEX).sum(),
-            "cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens,
-            "max_length_q": longest, "max_length_k": longest}
+    return {**common, "shift_labels": shard_labels, "labels": shard_labels,
+            "num_items_in_batch": (shift_labels != IGNORE_INDEX).sum()}
 
 
 def _offsets(batch: Dict[str, Any], length: int) -> List[int]:

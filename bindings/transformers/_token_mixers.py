@@ -180,26 +180,44 @@ def _changed(value: torch.Tensor, position: int) -> torch.Tensor:
     return changed
 
 
-def _sequences(output: Any) -> List[torch.Tensor]:
-    """The floating-point [1, PROBE_LENGTH, ...] tensors of an output."""
+def _tensors(output: Any) -> List[torch.Tensor]:
+    """The floating-point tensors of an output."""
     if isinstance(output, torch.Tensor):
-        ok = output.is_floating_point() and output.ndim >= 2 and \
-            tuple(output.shape[:2]) == (1, PROBE_LENGTH)
-        return [output] if ok else []
+        return [output] if output.is_floating_point() else []
     if isinstance(output, dict):
         output = list(output.values())
     if isinstance(output, (tuple, list)):
-        return [t for item in output for t in _sequences(item)]
+        return [t for item in output for t in _tensors(item)]
     return []
 
 
+def _sequences(output: Any) -> List[torch.Tensor]:
+    """The floating-point [1, PROBE_LENGTH, ...] tensors of an output."""
+    return [t for t in _tensors(output)
+            if t.ndim >= 2 and tuple(t.shape[:2]) == (1, PROBE_LENGTH)]
+
+
+def _pooled(output: Any) -> List[torch.Tensor]:
+    """The floating-point [1, ...] tensors of an output with no axis as long
+    as the sequence: pooled from it, one per row (a pooler's first token, a
+    classifier's mean), which on a shard would pool the shard alone. A
+    scalar (an MoE's auxiliary loss) is no row's: ``_model_check`` refuses
+    the router loss where it would be added."""
+    return [t for t in _tensors(output)
+            if t.ndim >= 2 and t.shape[0] == 1 and PROBE_LENGTH not in t.shape[1:]]
+
+
 def _mixes(before: Any, after: Any, position: int) -> bool:
-    """Whether some output changed at a position other than ``position``,
-    beyond the square root of its dtype's rounding (a token-local module
-    changes nothing there, up to reassociated sums)."""
+    """Whether some output changed at a position other than ``position``
+    (an output pooled from the sequence: anywhere), beyond the square root
+    of its dtype's rounding (a token-local module changes nothing there, up
+    to reassociated sums)."""
     others = [i for i in range(PROBE_LENGTH) if i != position]
-    for a, b in zip(_sequences(before), _sequences(after)):
-        difference = torch.nan_to_num((a - b)[:, others].abs().float(), nan=0.0)
+    moved = [(a, a[:, others] - b[:, others])
+             for a, b in zip(_sequences(before), _sequences(after))]
+    moved += [(a, a - b) for a, b in zip(_pooled(before), _pooled(after)) if a.numel()]
+    for a, difference in moved:
+        difference = torch.nan_to_num(difference.abs().float(), nan=0.0)
         scale = float(torch.nan_to_num(a.abs().float(), nan=0.0).max())
         if float(difference.max()) > math.sqrt(torch.finfo(a.dtype).eps) * scale:
             return True
