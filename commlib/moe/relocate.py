@@ -54,8 +54,10 @@ def move_expert_weights(comm, weights: Any, current: Placement, new: Placement, 
     concatenation of slices of this rank's rows and of the rows received.
     ``in_place=True``: the slots that change are overwritten in
     ``weights`` itself (NumPy, CuPy or torch; both placements with as many
-    slots per rank), which is returned: no second copy of the rank's
-    weights, and only the changed slots' rows written.
+    slots per rank), and ``weights`` is returned as given, the very objects
+    (a torch ``nn.Parameter`` stays that Parameter, gradient flag and all,
+    so rebinding the result onto a module keeps it): no second copy of the
+    rank's weights, and only the changed slots' rows written.
     Every rank must pass the same placements, array names, dtypes and
     trailing shapes: else, or where a rank's input is wrong (placements for
     another world size or other experts, a leading size other than
@@ -97,7 +99,7 @@ def start_expert_move(comm, weights: Any, current: Placement, new: Placement, *,
               for e in new.slots[rank].tolist()]
     changed = [j for j, (was, now) in enumerate(zip(holds, new.slots[rank].tolist()))
                if was != now] if in_place else None
-    return PendingMove(arrays, rebuild, source, pending, changed)
+    return PendingMove(arrays, rebuild, source, pending, changed, weights if in_place else None)
 
 
 class PendingMove:
@@ -107,10 +109,12 @@ class PendingMove:
     unfinished, its exchange is abandoned as any ``Pending``'s is."""
 
     def __init__(self, arrays: List[Any], rebuild, source: List[int], pending: Any,
-                 changed: Optional[List[int]] = None):
+                 changed: Optional[List[int]] = None, given: Any = None):
         self._arrays, self._rebuild, self._source = arrays, rebuild, source
         self._pending, self._finished = pending, False
-        self._changed = changed  # in place: the slots to overwrite
+        # in place: the slots to overwrite (in ``arrays``, views of the arrays given that
+        # autograd does not watch), and what was given, returned as it is
+        self._changed, self._given = changed, given
 
     def finish(self) -> Any:
         if self._finished:
@@ -126,7 +130,7 @@ class PendingMove:
             for a, r in zip(self._arrays, received):
                 slots = from_host_ints(self._changed, like=a)
                 xpx.at(a)[slots].set(_assemble(a, r, sources), copy=False)
-        return self._rebuild(self._arrays)
+        return self._given
 
 
 def sum_replica_gradients(comm, grads: Any, placement: Placement) -> Any:

@@ -142,8 +142,8 @@ def test_weights_arrive_bitwise_and_only_what_moves_travels(world, framework, in
         counting = _CountingComm(world)
         given = _mine(world, framework, table, current)
         moved = moe.move_expert_weights(counting, given, current, new, in_place=in_place)
-        assert all_ranks(not in_place or all(
-            np.shares_memory(_from(moved[key]), _from(given[key])) for key in given)), name
+        assert all_ranks(not in_place or moved is given and all(
+            moved[key] is given[key] for key in given)), name
         slots = new.slots[world.rank]
         expected = {key: np.where((slots >= 0).reshape((-1,) + (1,) * (rows.ndim - 1)),
                                   rows[np.maximum(slots, 0)], 0).astype(rows.dtype)
@@ -160,6 +160,43 @@ def test_weights_arrive_bitwise_and_only_what_moves_travels(world, framework, in
         assert gained, name
         sent = MPI.COMM_WORLD.allreduce(counting.sent)
         assert sent == gained * row_bytes and counting.exchanges == 1, (name, sent, gained)
+
+
+@pytest.mark.parametrize("started", [False, True], ids=["move", "started"])
+def test_an_in_place_move_returns_the_parameters_it_was_given(world, started):
+    """``in_place=True`` hands back the very objects given: a dict of torch
+    ``nn.Parameter``s is that dict of those Parameters, one Parameter that
+    Parameter, still requiring their gradients and holding the new layout,
+    so rebinding the result onto the module keeps its Parameters (and their
+    gradients). Before, the result was a detached tensor sharing the
+    Parameter's storage: ``is`` False, ``requires_grad`` False."""
+    torch = requires.module("torch")
+    _, current, new = _placements(world)[1]  # as many slots per rank in both
+    table = _experts(current.num_logical)["w_in"]
+    layer = torch.nn.Module()
+    layer.w_in = torch.nn.Parameter(torch.from_numpy(_by_slot(table, current.slots[world.rank])))
+    layer.bias = torch.nn.Parameter(torch.zeros(current.slots_per_rank, 2))
+
+    def move(weights, before, after):
+        if started:
+            return moe.start_expert_move(world, weights, before, after, in_place=True).finish()
+        return moe.move_expert_weights(world, weights, before, after, in_place=True)
+    given = {"w_in": layer.w_in, "bias": layer.bias}
+    moved = move(given, current, new)
+    layer.w_in, layer.bias = moved["w_in"], moved["bias"]
+    held = new.slots[world.rank] >= 0
+    ok = (moved is given and moved["w_in"] is given["w_in"] and moved["bias"] is given["bias"]
+          and all(p.requires_grad and isinstance(p, torch.nn.Parameter) for p in moved.values())
+          and np.array_equal(layer.w_in.detach().numpy()[held],
+                             table[new.slots[world.rank][held]])
+          and set(dict(layer.named_parameters())) == {"w_in", "bias"})
+    back = move(layer.w_in, new, current)
+    (layer.w_in.sum() + layer.bias.sum()).backward()
+    was = current.slots[world.rank]
+    ok = ok and back is layer.w_in and np.array_equal(back.detach().numpy()[was >= 0],
+                                                      table[was[was >= 0]]) \
+        and layer.w_in.grad is not None and layer.bias.grad is not None
+    assert all_ranks(ok)
 
 
 def test_a_single_array_and_nothing_sent_when_nothing_moves(world):
