@@ -45,7 +45,8 @@ class BiasBalancer:
                 counts, problem = self._host_load(load), None
             except ValueError as error:
                 counts, problem = None, error
-            comm.agree("moe.BiasBalancer.update", self.num_experts, problem=problem)
+            comm.agree("moe.BiasBalancer.update", f"num_experts={self.num_experts}",
+                       problem=problem)
             counts = np.asarray(comm.allreduce(counts, op="sum"))
         step = np.sign(counts.mean() - counts).astype(np.float32)
         self.bias += np.float32(self.rate) * step

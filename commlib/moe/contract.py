@@ -148,9 +148,12 @@ def agree_options(comm, num_experts: Any, capacity_factor: Any, drop_policy: Any
     wrong."""
     problem = options_problem(comm, num_experts, capacity_factor, drop_policy, hierarchical,
                               max_tokens_per_rank, pipeline_chunks, two_hop, placement)
-    facts = () if problem else (placement_fingerprint(placement),)
-    comm.agree("moe.Dispatcher", num_experts, capacity_factor, drop_policy, hierarchical,
-               max_tokens_per_rank, pipeline_chunks, *facts, problem=problem)
+    named = dict(num_experts=num_experts, capacity_factor=capacity_factor,
+                 drop_policy=drop_policy, hierarchical=hierarchical,
+                 max_tokens_per_rank=max_tokens_per_rank, pipeline_chunks=pipeline_chunks)
+    facts = () if problem else tuple(f"{name}={value!r}" for name, value in named.items()) \
+        + (placement_fingerprint(placement),)
+    comm.agree("moe.Dispatcher", *facts, problem=problem)
 
 
 def capacity(tokens: int, k: int, num_experts: int, capacity_factor: Optional[float],
@@ -195,8 +198,9 @@ def input_problem(x: Any, experts: Any, weights: Any,
         for name, a in named:
             framework_of(name, a)
         require_one_place(named)
-        if x.ndim < 1:
-            raise ValueError("x must have one row per token, got a scalar")
+        if x.ndim < 2:
+            raise ValueError(f"x must be [tokens, hidden] (a row per token; more trailing axes "
+                             f"are one row's shape), got shape {tuple(x.shape)}")
         tokens = x.shape[0]
         if experts.ndim != 2 or experts.shape[0] != tokens:
             raise ValueError(f"experts must be [tokens, k] with {tokens} rows like x, got "

@@ -11,6 +11,7 @@ import pytest
 from mpi4py import MPI
 
 import commlib
+import commlib.moe
 from commlib.moe.dispatch import Dispatcher
 
 import arrayimpl
@@ -318,6 +319,36 @@ def test_bad_routing_on_one_rank_raises_everywhere(comm, case, message):
     error = raises_everywhere(commlib.CollectiveMismatchError,
                               lambda: d.dispatch(x, experts, weights), match=message)
     assert f"rank {comm.size - 1}" in str(error)
+
+
+@pytest.mark.parametrize("kind", ["core", "torch", "jax"])
+def test_differing_options_are_named_and_a_flat_x_refused_on_every_rank(comm, kind):
+    """Constructor options that differ between ranks are listed by name in
+    every rank's error (they were listed by position: ``moe.Dispatcher, 8,
+    None, probs, ...``); an x of one axis on the last rank is refused as
+    not [tokens, hidden], naming its shape (it was reported as a
+    difference in "row shape ()"). The three Dispatchers alike."""
+    module = {"core": lambda: commlib.moe, "torch": lambda: requires.module(
+        "commlib.bindings.torch"), "jax": lambda: requires.module("commlib.bindings.jax")}[kind]()
+    convert = {"core": np.asarray, "torch": lambda a: requires.module("torch").from_numpy(a),
+               "jax": lambda a: requires.module("jax").numpy.asarray(a)}[kind]
+    num_experts, last = 2 * comm.size, comm.size - 1
+    error = raises_everywhere(commlib.CollectiveMismatchError, lambda: module.Dispatcher(
+        comm, num_experts, capacity_factor=2.0 if comm.rank == last else None),
+        match="ranks called moe.Dispatcher with different arguments")
+    named = [f"rank {r}: moe.Dispatcher, num_experts={num_experts}, capacity_factor="
+             f"{2.0 if r == last else None}, drop_policy='probs', hierarchical=False, "
+             f"max_tokens_per_rank=None, pipeline_chunks=None, placement=None"
+             for r in range(comm.size)]
+    assert all_ranks(all(line in str(error) for line in named)), str(error)
+    d = module.Dispatcher(comm, num_experts, max_tokens_per_rank=4)
+    x, experts, weights = make_routing(comm, "plain", num_experts, seed=53)
+    x, experts, weights = x[:4], experts[:4, :2] % num_experts, weights[:4, :2]
+    given = x[:, 0] if comm.rank == last else x
+    raises_everywhere(commlib.CollectiveMismatchError,
+                      lambda: d.dispatch(*(convert(a) for a in (given, experts, weights))),
+                      match=f"rank {last}: x must be [tokens, hidden] (a row per token; more "
+                            f"trailing axes are one row's shape), got shape (4,)")
 
 
 def test_combine_checks_expert_outputs_on_every_rank(comm):

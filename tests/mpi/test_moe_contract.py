@@ -111,10 +111,13 @@ def _bad_inputs(experts, x, chosen, weights):
         (x, chosen, weights, dict(quantize="int4"), "unknown quantize='int4'; use None"),
         (x[:, None], chosen, weights, dict(quantize="fp8"),
          "quantize='fp8' takes x of shape [tokens, hidden], got"),
+        (x[:, 0], chosen, weights, {},  # was a difference in "row shape ()"
+         f"x must be [tokens, hidden] (a row per token; more trailing axes are one row's "
+         f"shape), got shape ({x.shape[0]},)"),
     ]
 
 
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", range(7))
 @pytest.mark.parametrize("kind", KINDS)
 def test_same_refusals_of_input(comm, kind, case):
     """The last rank passes the bad input; every rank raises its message."""
