@@ -237,7 +237,8 @@ def test_the_attention_refuses_a_model_other_than_the_one_checked(comm):
     raises_everywhere(ValueError, lambda: compiled(**shard), match="was not checked")
     checked(**shard)
     with_made_up_mixer(checked, comm)
-    raises_everywhere(ValueError, lambda: checked(**shard), match="or changed since")
+    # refused at the model's forward (its shard meets a changed model) before its attention
+    raises_everywhere(ValueError, lambda: checked(**shard), match="changed since")
 
 
 def test_a_probe_that_fails_on_one_rank_is_refused_on_every_rank(comm):

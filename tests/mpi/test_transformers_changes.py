@@ -80,6 +80,7 @@ LABELS = {"the shard's labels": lambda shard: shard["labels"],
           "the shard's input_ids": lambda shard: shard["input_ids"]}
 
 
+@pytest.mark.quick_sample(1)
 @pytest.mark.parametrize("labels", LABELS)
 def test_labels_without_shift_labels_are_completed(comm, reference, labels):
     """``model(input_ids=..., labels=...)`` on a shard, no ``shift_labels``
@@ -132,6 +133,7 @@ CHANGES = {"a forward hook": (_forward_hook, "a forward hook was added"),
            "a class swap": (_class_swap, "its class is now MixingMLP")}
 
 
+@pytest.mark.quick_sample(1)
 @pytest.mark.parametrize("change", CHANGES)
 def test_a_change_after_shard_batch_is_refused(comm, reference, change):
     """A module changed after the check so that it mixes tokens: the next
