@@ -13,9 +13,10 @@ digests of a differing item that has parts (the weights: which tensors).
 
 A tensor's digest is integer arithmetic on its bytes, on its own device
 (no host copy): its 32-bit words, weighted by column within rows of
-``COLUMNS`` words and by row, summed modulo a prime. Integers add exactly
-in any order, so equal bytes give equal digests whatever the reduction's
-split across threads; one host transfer per device brings the digests back.
+``COLUMNS`` words and by row, summed modulo a prime. Every sum is of
+integers, exact in any order, so equal bytes give equal digests whatever
+the reduction's split across threads; one host transfer per device brings
+the digests back.
 """
 
 from __future__ import annotations
@@ -31,9 +32,12 @@ import torch
 from commlib import CollectiveMismatchError
 
 COLUMNS = 1024
-# sums reduced modulo a prime below 2^31 stay exact in int64: a word is below 2^31 in size,
-# a column's weight below 2^16, a row COLUMNS = 2^10 of them (2^57), a row's weight below 2^31
+# a row's sum is exact in float64: a word below 2^31 in size, a column's weight below 2^12,
+# COLUMNS = 2^10 of them (below 2^53); modulo a prime below 2^31, times a row's weight (below
+# 2^31), the rows' terms stay exact in int64
 PRIME = 2**31 - 1
+# the rows of a chunk: 2 MiB of float64 on the CPU (in cache), 512 MiB on a GPU
+CPU_CHUNK_ROWS, DEVICE_CHUNK_ROWS = 256, 65536
 NAMED = 8  # differing items named in an error, the rest counted
 _PLAIN = (str, int, float, bool, complex, type(None), torch.dtype, torch.device)
 
@@ -126,26 +130,49 @@ def tensor_digests(tensors: Sequence[torch.Tensor]) -> List[int]:
 
 
 def _digest(tensor: torch.Tensor) -> torch.Tensor:
-    """A 0-d int64 digest of the tensor's bytes, on its device."""
+    """A 0-d int64 digest of the tensor's bytes, on its device: each row of
+    ``COLUMNS`` words weighted by column (a float64 matrix-vector product,
+    exact: every partial sum is an integer below 2^53), a chunk of rows at
+    a time through one buffer (cache-sized on the CPU); the rows' sums
+    weighted by row, modulo ``PRIME``."""
+    words = _words(tensor)
+    device, count = words.device, words.numel()
+    if count == 0:
+        return torch.zeros((), dtype=torch.int64, device=device)
+    weights = _columns(device)
+    full = count // COLUMNS
+    sums = []
+    if full:
+        body = words[:full * COLUMNS].view(full, COLUMNS)
+        chunk = CPU_CHUNK_ROWS if device.type == "cpu" else DEVICE_CHUNK_ROWS
+        buffer = torch.empty(min(full, chunk), COLUMNS, dtype=torch.float64, device=device)
+        for start in range(0, full, chunk):
+            rows = buffer[:min(chunk, full - start)]
+            rows.copy_(body[start:start + chunk])
+            sums.append(rows @ weights)
+    if count % COLUMNS:
+        tail = words[full * COLUMNS:].to(torch.float64)
+        sums.append((tail @ weights[:tail.numel()]).reshape(1))
+    per_row = torch.cat(sums).to(torch.int64) % PRIME
+    row_weights = torch.arange(1, per_row.numel() + 1, dtype=torch.int64, device=device) * 48271
+    return (per_row * (row_weights % PRIME) % PRIME).sum()
+
+
+def _words(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as 32-bit words (bytes where their count is not a
+    multiple of 4), one dimension, contents alone deciding them."""
     flat = tensor.detach().reshape(-1)
     if flat.stride(0) != 1 or flat.storage_offset() * flat.element_size() % 4:
         # a broadcast element (stride 0), a view at an offset its words cannot start at
         flat = flat.clone(memory_format=torch.contiguous_format)
     raw = flat.view(torch.uint8)
-    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
-    rows = -(-words.numel() // COLUMNS)
-    padded = torch.zeros(rows * COLUMNS, dtype=torch.int64, device=words.device)
-    padded[:words.numel()] = words
-    per_row = (padded.view(rows, COLUMNS) * _columns(words.device)).sum(1) % PRIME
-    row_weights = (torch.arange(1, rows + 1, dtype=torch.int64, device=words.device)
-                   * 48271) % PRIME
-    return (per_row * row_weights % PRIME).sum()
+    return raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
 
 
 def _columns(device: torch.device) -> torch.Tensor:
-    """The column weights, the same on every rank (in [1, 2^16))."""
+    """The column weights, the same on every rank (in [1, 2^12))."""
     if device not in _column_weights:
-        _column_weights[device] = (torch.arange(COLUMNS, dtype=torch.int64) * 40503 % 65521
+        _column_weights[device] = (torch.arange(COLUMNS, dtype=torch.float64) * 40503 % 4093
                                    + 1).to(device)
     return _column_weights[device]
 

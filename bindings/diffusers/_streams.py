@@ -3,7 +3,7 @@
 At its start (``begin``) every rank agrees, in one exchange, on the
 model's inputs (tensors by their contents, other values by their printed
 form: the latents, the timestep, pooled projections, guidance, a text kept
-whole) and on its weights (``_weights.py``), each thing once
+whole), on the grad mode and on its weights (``_weights.py``), each thing once
 (``_fingerprints.agree``): a rank's shards depend on all of them, and a rank
 that drew another latent, another timestep or another seed would otherwise
 give a silently wrong image. Every tensor the model's ``_cp_plan`` splits
@@ -37,7 +37,8 @@ SAME_INPUTS = ("Call the model with the same global inputs on every rank (the sa
 
 
 class Streams:
-    """The splits of the current forward, by stream name."""
+    """The splits of the current forward, by stream name, and the tensors
+    every rank agreed on in it."""
 
     def __init__(self, comm, text: str, weights: Weights, model_name: str):
         self.comm, self.text_whole = comm, text == "whole"
