@@ -147,16 +147,18 @@ class Dispatcher:
 
     Capacity and drops as in ``commlib.moe``: each expert takes at most
     ``ceil(T * k / E * capacity_factor)`` assignments from each source rank
-    (None: up to T, no drops but an expert named twice by more than T
-    choices); ``drop_policy="probs"`` keeps the heaviest, ``"position"`` the
-    earliest, ties to the earlier (token, choice). ``max_tokens_per_rank``
-    C: the layout comes from C instead of T (T replaced by C above), so T may
-    differ between ranks (at most C each); otherwise T, k, x's row shape and
-    dtype must be the same on every rank (the padded exchange needs one
-    capacity). ``quantize="fp8"``: the rows travel as e4m3 with a float32
-    scale per 128 channels; ``expert_x`` is (values, scales), not
-    differentiable in x, or x's dtype with ``dequantize=True``, the gradient
-    passed straight through.
+    (None: up to T, the layout's room, which only a token naming an expert
+    more than once can exceed: the latest are dropped, counted);
+    ``drop_policy="probs"`` keeps the heaviest, ``"position"`` the
+    earliest, ties to the earlier (token, choice). A token naming an
+    expert twice is two assignments, as in every Dispatcher.
+    ``max_tokens_per_rank`` C: the layout comes from C instead of T (T
+    replaced by C above), so T may differ between ranks (at most C each);
+    otherwise T, k, x's row shape and dtype must be the same on every rank
+    (the padded exchange needs one capacity). ``quantize="fp8"``: the rows
+    travel as e4m3 with a float32 scale per 128 channels; ``expert_x`` is
+    (values, scales), not differentiable in x, or x's dtype with
+    ``dequantize=True``, the gradient passed straight through.
 
     ``stats``: the running ``DispatchStats`` of every dispatch that ran
     (global, the same on every rank): ``tokens_per_expert`` and ``dropped``
@@ -256,14 +258,18 @@ class Dispatcher:
         per expert, smallest and largest id; E the experts laid out, a
         placement's slots). Each expert keeps the core's capacity (from T,
         at most C, per logical expert) of the ``capacity`` slots the layout
-        has. Fixed sizes, no host reads."""
+        has: by ``drop_policy`` under a capacity factor; without one only a
+        token naming an expert more than once can fill the slots, and the
+        latest are dropped, as in the core's fixed capacity. Fixed sizes, no
+        host reads."""
         count = self.num_slots
         flat = experts.reshape(-1).astype(jnp.int32)
         n = flat.shape[0]
         iota = jnp.arange(n, dtype=jnp.int32)
         valid = (flat >= 0) & (flat < self.num_experts)
         group = jnp.where(valid, flat, self.num_experts)  # absent and bad ids sort last
-        if self.drop_policy == "probs":  # within an expert heaviest first, ties by position
+        weighed = self.drop_policy == "probs" and self.capacity_factor is not None
+        if weighed:  # within an expert heaviest first, ties by position
             by_weight = jax.lax.sort((-weights.reshape(-1).astype(jnp.float32), iota),
                                      num_keys=1, is_stable=True)[1]
             order = by_weight[_order_by(group[by_weight], self.num_experts)]
@@ -281,7 +287,7 @@ class Dispatcher:
                                 jnp.int32)
             column = (iota // max(experts.shape[1], 1)) % columns  # the token's row
             flat = jnp.where(valid, table[jnp.where(valid, flat, 0) * columns + column], -1)
-        if self.drop_policy == "probs" or self.placement is not None:
+        if weighed or self.placement is not None:
             group = jnp.where(kept, flat, count)  # slots in token order among the kept
             order = _order_by(group, count)
             place = _place_in_group(group[order], iota)

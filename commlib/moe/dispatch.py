@@ -27,9 +27,12 @@ counts travel inside the payload and a dispatch or combine is one exchange
 per hop with known sizes, no count exchange and no read of the device.
 ``expert_x`` is [local experts, P * per-source cap, H], each expert's rows
 first, padding after (``tokens_per_expert`` on the device says how many).
-What does not fit (more than C tokens, or an expert named twice in a token)
-is dropped and counted; the counts stay on the device until
-``collect_stats()``.
+What does not fit (more than C tokens, or more than C assignments of an
+expert from one rank, which only a token naming an expert more than once
+makes) is dropped and counted; the counts stay on the device until
+``collect_stats()``. A token naming an expert twice is two assignments in
+every mode and layout: two rows of ``expert_x``, counted twice, each
+weighed by its own weight in combine.
 
 FP8 (``quantize="fp8"``): the sender quantizes each row to e4m3 with a
 float32 scale per 128 channels (``commlib.moe.quantize``); the owner gets
@@ -399,15 +402,21 @@ class Dispatcher(FixedCapacity, LowLatency):
 
     def _capacity_losses(self, ids: Any, gate: Any) -> Optional[Any]:
         """[T, k]: the assignments beyond their expert's capacity from this
-        rank (None without a capacity). Fixed-size masks throughout."""
-        cap = self._capacity(*ids.shape)
+        rank (None without a capacity). A fixed capacity without a capacity
+        factor has room for C = ``max_tokens_per_rank`` assignments of each
+        expert from each rank (the low-latency layout's slots): only a token
+        naming an expert more than once can need more, and the latest are
+        dropped, in every layout alike. Fixed-size masks throughout."""
+        cap, policy = self._capacity(*ids.shape), self.drop_policy
+        if cap is None and self.max_tokens_per_rank is not None:
+            cap, policy = self.max_tokens_per_rank, "position"
         if cap is None:
             return None
         xp = namespace(ids)
         flat = xp.reshape(ids, (-1,))
         # group by expert; within an expert the heaviest (probs) or the
         # earliest (position) first, ties to the earlier: two stable sorts
-        if self.drop_policy == "probs":
+        if policy == "probs":
             by_weight = xp.argsort(-xp.reshape(gate, (-1,)), stable=True)
             order = xp.take(by_weight, xp.argsort(xp.take(flat, by_weight), stable=True))
         else:

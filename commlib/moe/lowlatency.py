@@ -2,7 +2,7 @@
 low-latency layout (issue 46): the decode path, taken while a rank's block
 to each peer is at most ``LOW_LATENCY_MOST_BYTES``. Every (expert, source rank)
 has C = ``max_tokens_per_rank`` slots, and a token's row for expert e goes
-to slot [e, its row], so each direction is one fixed-size ``alltoall`` whose
+to one of e's slots, so each direction is one fixed-size ``alltoall`` whose
 send buffer is one gather of rows. The owner compacts each expert's filled
 slots to the front (one stable sort) to keep the fixed mode's contract
 (expert e's first ``tokens_per_expert[e]`` rows are real); combine sends
@@ -18,10 +18,15 @@ that depends only on the shapes (index tables, the rows with their flags)
 is made once per shape and reused: a call runs a few native operations
 beside its two exchanges, and reads nothing back from a device.
 
-Rows past C (more than ``max_tokens_per_rank`` tokens) are dropped and
-counted. A token naming an expert twice fills its slot once: combine weighs
-that row by both weights (the same y as one row per choice), and
-``tokens_per_expert`` counts it once."""
+A choice's slot among its expert's C is its place among this rank's
+choices of that expert, in token order (one stable sort of the ids): a
+token naming an expert twice is two assignments, as in every layout, and
+takes two slots, so expert_x, ``tokens_per_expert`` and the statistics
+count it twice and combine weighs each row by its own weight. What does
+not fit is dropped and counted, as the per-destination layout drops it
+(``Dispatcher._capacity_losses``): an expert's choices past its C slots
+(only a token naming an expert more than once makes T <= C tokens need
+them), the latest first, and every choice of the tokens past C."""
 
 from __future__ import annotations
 
@@ -62,15 +67,15 @@ class _Shape:
     beside the arrays: ``rows`` [T + 1, W] uint8, this call's payloads
     written into the first T (their flag set once), the last blank;
     ``payloads`` the view written; ``choice_rows`` [T * k] the token of each
-    choice; ``fits`` [T, k] bool (None: T <= C, all fit); ``arrived`` [L *
-    P * C] the received slot of expert l's (source, place) slot, each
-    expert's from ``starts`` [L, 1]. Made per rank: ``tokens`` may differ
-    between ranks."""
+    choice; ``experts`` [E] 0, 1, ...; ``fits`` [T * k] bool (None: T <=
+    C, all fit); ``arrived`` [L * P * C] the received slot of expert l's
+    (source, place) slot, each expert's from ``starts`` [L, 1]. Made per
+    rank: ``tokens`` may differ between ranks."""
 
     rows: Any
     payloads: Any
     choice_rows: Any
-    token_rows: Any
+    experts: Any
     fits: Any
     arrived: Any
     starts: Any
@@ -84,7 +89,7 @@ class LowLatencyHandle:
     tokens_per_expert: Any                 # [L] rows per local expert, on the device
     stats: None = field(default=None, repr=False)  # collected by ``collect_stats()``
     gate: Any = field(default=None, repr=False)    # [T, k] float32 weights
-    target: Any = field(default=None, repr=False)  # [T, k] slot of each choice, S * C: none
+    target: Any = field(default=None, repr=False)  # [T * k] slot of each choice, S * C: none
     gather: Any = field(default=None, repr=False)  # [L * P * C] arrived slot of each expert row
     expert_shape: Tuple[int, ...] = field(default=(), repr=False)  # (L, P * C)
 
@@ -100,6 +105,7 @@ class LowLatency:
     communicator, experts, options and ``_slots_of``)."""
 
     _shapes: Dict[tuple, _Shape]
+    _slot_experts: Optional[np.ndarray]
     _exchanges: Dict[tuple, List[Tuple[Any, Any, Any]]]
     _noted: Dict[tuple, Any]
 
@@ -163,13 +169,12 @@ class LowLatency:
 
             def put(host):
                 return xp.asarray(host, dtype=index_dtype(like), device=where)
-            token_rows = np.arange(tokens).reshape(tokens, 1)
+            choice_rows = np.repeat(np.arange(tokens), k)
             on_device = xp.asarray(rows, device=where)
             held = self._shapes[key] = _Shape(
-                on_device, on_device[:tokens, :row_bytes],
-                put(np.repeat(np.arange(tokens), k)), put(token_rows),
-                None if tokens <= cap else xp.asarray(np.broadcast_to(
-                    token_rows < cap, (tokens, k)).copy(), device=where),
+                on_device, on_device[:tokens, :row_bytes], put(choice_rows),
+                put(np.arange(self.num_experts)),
+                None if tokens <= cap else xp.asarray(choice_rows < cap, device=where),
                 put(arrived.reshape(-1)), put(np.arange(local).reshape(local, 1) * size * cap))
         return held
 
@@ -182,23 +187,29 @@ class LowLatency:
         tokens, k = experts.shape
         row_bytes = int(wire.payload.shape[1])
         shape = self._shape(x, row_bytes, tokens, k)
-        kind = shape.token_rows.dtype
-        ids = experts if experts.dtype == kind else xp.astype(experts, kind)
+        kind = shape.choice_rows.dtype
+        ids = xp.reshape(experts if experts.dtype == kind else xp.astype(experts, kind), (-1,))
         named = (ids >= 0) & (ids < self.num_experts)
-        invalid = (named ^ (ids != -1)).sum()
+        invalid = xp.sum(named ^ (ids != -1), keepdims=True)
+        place, wanted = _places(ids, shape)  # of logical ids: capacities are per logical expert
+        kept = named & (place < cap)
+        if shape.fits is None:
+            dropped = xp.clip(wanted - cap, min=0)
+        else:  # more than C tokens: those past C have no slot either
+            kept = kept & shape.fits
+            dropped = bincount(xp.where(named & ~kept, ids, -1), self.num_experts)
         if self.placement is not None:
-            ids = self._slots_of(xp.where(named, ids, -1))
-        kept = named if shape.fits is None else named & shape.fits
-        target = xp.where(kept, ids * cap + shape.token_rows, spare)
+            ids = xp.reshape(self._slots_of(xp.reshape(xp.where(kept, ids, -1), (tokens, k))),
+                             (-1,))
+        target = xp.where(kept, ids * cap + place, spare)
         shape.payloads[...] = wire.payload
         source = xp.full(spare + 1, tokens, dtype=kind, device=device(ids))
-        source[target.reshape(-1)] = shape.choice_rows
+        source[target] = shape.choice_rows
         send, arrived, exchange = buffers = self._buffers(x, shape.rows.dtype,
                                                           (shape.rows.shape[1],))
         take_rows(shape.rows, source[:spare], send)
         wait = exchange.start()
-        self._note_sent(x, invalid, None if shape.fits is None
-                        else _once(xp.where(named & ~kept, ids, -1)))
+        self._note_sent(x, invalid, dropped)
         flag = shape.rows.shape[1] - FLAG
         size = self.comm.size
 
@@ -219,12 +230,12 @@ class LowLatency:
             return expert_x, handle
         return PendingMoE(finish)
 
-    def _note_sent(self, like: Any, invalid: Any, lost: Any) -> None:
-        """The sender's counts, on the device: invalid ids, and (more than C
-        tokens) the choices dropped, per slot."""
-        key = (framework(like), str(device(like)), "invalid" if lost is None else "dropped")
-        counts = invalid if lost is None else namespace(like).concat(
-            [bincount(lost, self.num_slots), namespace(like).reshape(invalid, (1,))])
+    def _note_sent(self, like: Any, invalid: Any, dropped: Any) -> None:
+        """The sender's counts, on the device: the choices dropped per
+        logical expert, and the invalid ids."""
+        xp = namespace(like)
+        key = (framework(like), str(device(like)), "sent")
+        counts = xp.concat([dropped, invalid])
         held = self._noted.get(key)
         self._noted[key] = counts if held is None else held + counts
 
@@ -237,11 +248,14 @@ class LowLatency:
     def _low_latency_counts(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """The counts noted since the last collection, on the host (one copy
         each), cleared: (kept per slot, dropped per slot, traffic [P, P] in
-        payload bytes, invalid ids)."""
+        payload bytes, invalid ids). A logical expert's drops are put on
+        its first slot (the statistics sum them per logical expert)."""
         size, local, count = self.comm.size, self.local_experts, self.num_slots
         kept, dropped = np.zeros(count, np.int64), np.zeros(count, np.int64)
         traffic, invalid = np.zeros((size, size), np.int64), 0
         first = self.comm.rank * local
+        first_slots = np.arange(count) if self._slot_experts is None else np.unique(
+            self._slot_experts, return_index=True)[1][-self.num_experts:]  # after -1's
         for key, counts in self._noted.items():
             host = np.asarray(to_host(counts), np.int64).reshape(-1)
             if key[2] == "received":
@@ -250,7 +264,7 @@ class LowLatency:
                 traffic[:, self.comm.rank] += host.sum(axis=1) * key[3]
             else:
                 invalid += int(host[-1])
-                dropped += host[:-1] if key[2] == "dropped" else 0
+                dropped[first_slots] += host[:-1]
         self._noted.clear()
         return kept, dropped, traffic, invalid
 
@@ -267,12 +281,12 @@ class LowLatency:
         (started now), each token's rows summed in float32 with ``gate``
         [T, k] at the wait; in the rows' dtype."""
         returning = self._unsorted(expert_rows, handle)
-        tokens, k = handle.target.shape
+        tokens, k = handle.gate.shape
         row_shape = tuple(expert_rows.shape[2:])
         width = math.prod(row_shape)
 
         def finish():
-            picked = returning(lambda back: take_rows(back, handle.target.reshape(-1)))
+            picked = returning(lambda back: take_rows(back, handle.target))
             # a batched product (@: the array API's matmul promotes first, three more
             # ops): torch's CPU sum over the middle axis of a broadcast product is
             # 13x slower at decode sizes
@@ -300,37 +314,39 @@ class LowLatency:
         return wait
 
     def _dispatch_backward_low_latency(self, d_expert_x: Any, handle: LowLatencyHandle) -> Any:
-        """d x: each slot's gradient once per token (a repeated choice
-        filled one slot; a choice without a slot reads zeros anyway)."""
-        xp = namespace(d_expert_x)
-        once = xp.astype(_once(handle.target) >= 0, xp.float32)
-        return self._slots_back(d_expert_x, handle, once).wait()
+        """d x: the gradients of each token's slots summed (a choice without
+        a slot reads the zero row)."""
+        ones = namespace(d_expert_x).ones_like(handle.gate)
+        return self._slots_back(d_expert_x, handle, ones).wait()
 
     def _combine_backward_low_latency(self, expert_y: Any, d_y: Any,
                                       handle: LowLatencyHandle) -> Tuple[Any, Any]:
-        """(d expert_y, d weights): w * d y travels to the slots (summed
-        over a repeated choice); expert_y travels back for <d y, y_e>."""
+        """(d expert_y, d weights): w * d y travels to the slots (one
+        choice's each); expert_y travels back for <d y, y_e>."""
         xp = namespace(expert_y)
-        tokens, k = handle.target.shape
+        tokens, k = handle.gate.shape
         slots = handle.gather.shape[0]
         width = math.prod(expert_y.shape[2:])
         dy = float32(d_y).reshape(tokens, 1, width)
         terms = (dy * handle.gate[:, :, None]).reshape(tokens * k, width)
-        there = xp.astype(sum_rows(terms, handle.target.reshape(-1), slots + 1)[:slots],
-                          expert_y.dtype)
+        there = xp.astype(sum_rows(terms, handle.target, slots + 1)[:slots], expert_y.dtype)
         arrived = self.comm.alltoall(there)
         d_expert_y = take_rows(arrived, handle.gather).reshape(expert_y.shape)
-        picked = self._unsorted(expert_y, handle)(
-            lambda back: take_rows(back, handle.target.reshape(-1)))
+        picked = self._unsorted(expert_y, handle)(lambda back: take_rows(back, handle.target))
         # a choice without a slot read the zero row: its dot is 0
         dots = float32(picked.reshape(tokens, k, width)) @ xp.matrix_transpose(dy)
         return d_expert_y, dots.reshape(tokens, k)
 
 
-def _once(ids: Any) -> Any:
-    """[T, k] ``ids`` with each repeat of an earlier one in its row set to
-    -1: a token's choices of one expert share one slot, and count once."""
+def _places(ids: Any, shape: _Shape) -> Tuple[Any, Any]:
+    """(each of the [T * k] ``ids``' place among the earlier equal ids, so a
+    token naming an expert twice takes two places; how many of each expert
+    [E] there are), on the device: an id's place is its rank in the stable
+    sort less the rank of the first equal id."""
     xp = namespace(ids)
-    column = xp.arange(ids.shape[1], device=device(ids))
-    earlier = (ids[:, :, None] == ids[:, None, :]) & (column[:, None] > column[None, :])
-    return xp.where(xp.any(earlier, axis=2), -1, ids)
+    order = xp.argsort(ids, stable=True)
+    grouped = take_rows(ids, order)
+    place = xp.argsort(order) - xp.searchsorted(grouped, ids)
+    wanted = xp.searchsorted(grouped, shape.experts, side="right") \
+        - xp.searchsorted(grouped, shape.experts)
+    return place, wanted

@@ -2,18 +2,22 @@
 (``tests/covering.py``) of framework (the NumPy core, the torch binding, the
 JAX binding under ``jit``) x mode (counted with a capacity factor, fixed
 capacity, FP8 rows) x path (flat, two-hop, two-hop pipelined with
-``pipeline_chunks`` given to the Dispatcher) x sync/async x token spread x
-expert placement (none; ``moe.rebalance`` of a skewed load with one
-redundant expert per rank; the same with the last rank drained). Every case
-either equals a per-token loop in NumPy (y, the drops per expert, and where
-the framework has autograd the gradients of x and the weights) or is
-refused on every rank with the error it names. Nothing is skipped.
+``pipeline_chunks`` given to the Dispatcher) x sync/async x token spread
+(among them tokens naming an expert twice or three times) x expert
+placement (none; ``moe.rebalance`` of a skewed load with one redundant
+expert per rank; the same with the last rank drained). Every case either
+equals a per-token loop in NumPy (y, the kept and dropped assignments per
+expert, the handle's rows per expert, and where the framework has autograd
+the gradients of x and the weights) or is refused on every rank with the
+error it names. Nothing is skipped.
 
 Emulated nodes for the two-hop paths: 2 ranks run as 2 nodes x 1, 3 as
 3 x 1, 4 as 2 x 2 (COMMLIB_RANKS_PER_NODE through ``ranks_per_node``).
 
-Below the matrix: ``pipeline_chunks`` as one option of the three
-Dispatchers (issue 36: the torch one ignored it)."""
+Below the matrix: one routing whose tokens name experts more than once
+through every path, with the same statistics on each (issue 53: the
+low-latency layout counted a repeated expert once); ``pipeline_chunks`` as
+one option of the three Dispatchers (issue 36: the torch one ignored it)."""
 
 import math
 
@@ -22,6 +26,7 @@ import pytest
 
 import commlib
 import commlib.moe as moe
+from commlib.moe import lowlatency
 from commlib.moe.quantize import dequantize_fp8, quantize_fp8
 from commlib.tools.simulate import zipf_popularity
 
@@ -46,7 +51,7 @@ MODES = {"counted": (1.0, False, None), "fixed": (None, True, None),
 PATHS = {"flat": (False, None), "two-hop": (True, 1), "pipelined": (True, CHUNKS)}
 FACTORS = {"framework": ["numpy", "torch", "jax"], "mode": list(MODES),
            "path": list(PATHS), "calls": ["sync", "async"],
-           "spread": ["random", "no_tokens", "one_expert", "k1", "minus_one"],
+           "spread": ["random", "no_tokens", "one_expert", "k1", "minus_one", "duplicates"],
            "placement": ["none", "replicated", "drained"]}
 # numpy and torch: every pair, and every framework x mode x path. JAX:
 # every mode x spread of the flat path (its only one), and each mode with
@@ -88,7 +93,8 @@ def world(comm):
 
 def _routing(comm, spread, num_experts):
     """This rank's x [T, H] float32, experts [T, k] int64 (distinct per
-    token), weights [T, k] float32 and loss probe [T, H]."""
+    token but for "duplicates"), weights [T, k] float32 and loss probe
+    [T, H]."""
     rng = np.random.default_rng([36, comm.rank])
     tokens = 0 if spread == "no_tokens" and comm.rank == 0 else TOKENS
     k = 1 if spread == "k1" else 3
@@ -101,6 +107,11 @@ def _routing(comm, spread, num_experts):
     if spread == "minus_one":
         experts[rng.random(experts.shape) < 0.3] = -1
         experts[:1] = -1  # a token with no expert at all
+    if spread == "duplicates":  # an expert named twice, three times, and twice beside a -1
+        experts[::3, 1] = experts[::3, 0]
+        experts[::5, :] = experts[::5, :1]
+        experts[1::7, 1] = experts[1::7, 0]
+        experts[1::7, 2] = -1
     weights = (rng.random((tokens, k)) + 0.1).astype(np.float32)
     probe = rng.standard_normal((tokens, HIDDEN)).astype(np.float32)
     return x, experts, weights, probe
@@ -137,15 +148,15 @@ def _maps(num_experts):
                      / math.sqrt(HIDDEN) for e in range(num_experts)]).astype(np.float32)
 
 
-def _reference(x, experts, weights, probe, maps, capacity_factor, quantize):
+def _reference(x, experts, weights, probe, maps, capacity_factor, quantize, room=None):
     """The per-token loop in float64: y, dx, d weights of sum(y * probe),
-    and the kept and dropped assignments per expert on this rank. Each
-    expert keeps the ceil(T k / E cf) heaviest of this rank's assignments
-    (ties to the earlier); FP8 rows are the e4m3 rounding of x."""
+    and the kept and dropped assignments per expert on this rank (each of
+    a token's choices one, a repeated expert too), as ``kept_choices``
+    keeps them; FP8 rows are the e4m3 rounding of x."""
     tokens, k = experts.shape
     num_experts = maps.shape[0]
     rows = x if quantize is None else dequantize_fp8(*quantize_fp8(x), np.float32)
-    kept = kept_choices(experts, weights, capacity_factor, num_experts)
+    kept = kept_choices(experts, weights, capacity_factor, num_experts, room)
     y = np.zeros((tokens, HIDDEN))
     dx = np.zeros((tokens, HIDDEN))
     dw = np.zeros((tokens, k))
@@ -167,19 +178,21 @@ def _reference(x, experts, weights, probe, maps, capacity_factor, quantize):
     return y, dx, dw, per_expert, dropped
 
 
-def kept_choices(experts, weights, capacity_factor, num_experts):
+def kept_choices(experts, weights, capacity_factor, num_experts, room=None):
     """[T, k]: the choices each expert keeps, the ceil(T k / E cf) heaviest
-    of this rank's (ties to the earlier); all of them without a capacity
-    factor."""
+    of this rank's (ties to the earlier); without a capacity factor the
+    earliest ``room`` (a layout of fixed size: C, or T for the JAX
+    Dispatcher; None: all of them)."""
     tokens, k = experts.shape
     kept = experts >= 0
-    if capacity_factor is not None:
-        cap = math.ceil(tokens * k / num_experts * capacity_factor)
-        for e in range(num_experts):
-            pairs = [(t, j) for t in range(tokens) for j in range(k) if experts[t, j] == e]
+    cap = room if capacity_factor is None else math.ceil(tokens * k / num_experts
+                                                         * capacity_factor)
+    for e in range(num_experts if cap is not None else 0):
+        pairs = [(t, j) for t in range(tokens) for j in range(k) if experts[t, j] == e]
+        if capacity_factor is not None:
             pairs.sort(key=lambda p: -weights[p])  # stable: ties stay in (t, j) order
-            for p in pairs[cap:]:
-                kept[p] = False
+        for p in pairs[cap:]:
+            kept[p] = False
     return kept
 
 
@@ -202,7 +215,7 @@ def _experts_on_rows(comm, expert_x, per_expert, mine, xp):
 
 
 def _run_core(comm, d, batch, mine, quantize, calls):
-    """The NumPy core: (y, None, None, the handle)."""
+    """The NumPy core: (y, None, None, the handle, its rows per local expert)."""
     x, experts, weights, _ = batch
     options = dict(quantize=quantize, dequantize=quantize is not None)
     if calls == "async":
@@ -212,11 +225,12 @@ def _run_core(comm, d, batch, mine, quantize, calls):
     expert_y = _experts_on_rows(comm, expert_x, handle.tokens_per_expert, mine, np)
     y = d.combine_async(expert_y, handle).wait() if calls == "async" \
         else d.combine(expert_y, handle)
-    return y, None, None, handle
+    return y, None, None, handle, np.asarray(handle.tokens_per_expert)
 
 
 def _run_torch(comm, d, batch, mine, quantize, calls):
-    """The torch binding, with autograd: (y, dx, d weights, the core's handle)."""
+    """The torch binding, with autograd: (y, dx, d weights, the core's
+    handle, the rows per local expert)."""
     x, experts, weights, probe = (torch.from_numpy(a) for a in batch)
     x.requires_grad_()
     weights.requires_grad_()
@@ -230,23 +244,24 @@ def _run_torch(comm, d, batch, mine, quantize, calls):
     y = d.combine_async(expert_y, handle).wait() if calls == "async" \
         else d.combine(expert_y, handle)
     (y * probe).sum().backward()
-    return y.detach().numpy(), x.grad.numpy(), weights.grad.numpy(), handle.core
+    return (y.detach().numpy(), x.grad.numpy(), weights.grad.numpy(), handle.core,
+            torch.as_tensor(handle.tokens_per_expert).numpy())
 
 
 def _run_jax(comm, d, batch, mine, quantize, calls):
     """The JAX binding, dispatch, experts, combine and gradient in one
-    jitted program: (y, dx, d weights, None)."""
+    jitted program: (y, dx, d weights, None, the rows per local expert)."""
     x, experts, weights, probe = batch
     options = dict(quantize=quantize, dequantize=quantize is not None)
 
     def loss(x, weights, experts):
         expert_x, handle = d.dispatch(x, experts, weights, **options)
         y = d.combine(jnp.einsum("lsh,lhg->lsg", expert_x, jnp.asarray(mine)), handle)
-        return (y * jnp.asarray(probe)).sum(), y
+        return (y * jnp.asarray(probe)).sum(), (y, handle.tokens_per_expert)
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
-    (_, y), (dx, dw) = step(jnp.asarray(x), jnp.asarray(weights),
-                            jnp.asarray(experts.astype(np.int32)))
-    return np.asarray(y), np.asarray(dx), np.asarray(dw), None
+    (_, (y, per_expert)), (dx, dw) = step(jnp.asarray(x), jnp.asarray(weights),
+                                          jnp.asarray(experts.astype(np.int32)))
+    return np.asarray(y), np.asarray(dx), np.asarray(dw), None, np.asarray(per_expert)
 
 
 RUN = {"numpy": _run_core, "torch": _run_torch, "jax": _run_jax}
@@ -261,8 +276,10 @@ def _case_id(case):
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_moe_matrix(world, case):
     """One case: the per-token loop's y, drops per expert (every assignment
-    is received or counted as dropped) and gradients, or the refusal the
-    case must meet on every rank; pipelined cases run the chunks asked."""
+    is received or counted as dropped; a repeated expert's each), the
+    handles' rows per expert (the stats' per slot) and gradients, or the
+    refusal the case must meet on every rank; pipelined cases run the
+    chunks asked."""
     num_experts = 2 * world.size
     capacity_factor, fixed, quantize = MODES[case["mode"]]
     hierarchical, chunks = PATHS[case["path"]]
@@ -292,15 +309,19 @@ def test_moe_matrix(world, case):
     if refusal is not None:  # no async calls: refused, and the sync calls hold
         raises_everywhere(refusal[0], lambda: d.dispatch_async, match=refusal[1])
         calls = "sync"
-    y, dx, dw, handle = run(world, d, batch, mine, quantize, calls)
+    y, dx, dw, handle, per_expert = run(world, d, batch, mine, quantize, calls)
+    # fixed-size layouts have room for C (the JAX one without C: T) per expert and rank
+    room = TOKENS if fixed or case["framework"] == "jax" else None
     want_y, want_dx, want_dw, kept, dropped = _reference(x, experts, weights, probe, maps,
-                                                         capacity_factor, quantize)
+                                                         capacity_factor, quantize, room)
     stats = d.collect_stats() if handle is None or handle.stats is None else handle.stats
     kept, dropped = (world.allreduce(a) for a in (kept, dropped))
     assigned = world.allreduce(np.array([(experts >= 0).sum()]))[0]
     ok = (_close(y, want_y) and np.array_equal(stats.tokens_per_expert, kept)
           and np.array_equal(stats.dropped, dropped)
-          and stats.tokens_per_expert.sum() + stats.dropped.sum() == assigned)
+          and stats.tokens_per_expert.sum() + stats.dropped.sum() == assigned
+          and np.array_equal(world.allgather(per_expert.astype(np.int64)),
+                             stats.tokens_per_slot))
     if dx is not None:
         ok = ok and _close(dx, want_dx) and _close(dw, want_dw)
     if handle is not None and hierarchical:
@@ -320,6 +341,95 @@ def test_the_matrix_covers_every_pair():
     assert [pair for pair in covering.pairs_missed(runs, FACTORS)
             if not {("framework", "jax"), ("path", "two-hop")} <= set(pair)
             and not {("framework", "jax"), ("path", "pipelined")} <= set(pair)] == []
+
+
+# -- a token naming an expert twice, through every path (issue 53) ----------------
+REPEATS = 6  # tokens per rank
+
+
+def _repeated_routing(comm, tight):
+    """This rank's batch whose tokens name experts twice and three times:
+    at most ``REPEATS`` choices of any expert, or (``tight``) 8 of one."""
+    num_experts = 2 * comm.size
+    c, a, b = ((2 * comm.rank + shift) % num_experts for shift in range(3))  # a, b elsewhere
+    experts = np.array([[a, a, b], [b, b, b], [a, -1, a], [a, a, a] if tight else [c, a, -1],
+                        [a, b, c], [b, c, c]], np.int64)
+    rng = np.random.default_rng([53, comm.rank])
+    x, probe = (rng.standard_normal((REPEATS, HIDDEN)).astype(np.float32) for _ in range(2))
+    weights = (rng.random(experts.shape) + 0.1).astype(np.float32)
+    return x, experts, weights, probe
+
+
+# (Dispatcher options, framework, the room each expert has per rank: None or C)
+REPEAT_PATHS = {
+    "counted flat": (dict(), "numpy", None),
+    "counted two-hop": (dict(hierarchical=True), "numpy", None),
+    "counted torch": (dict(), "torch", None),
+    "fixed low-latency": (dict(max_tokens_per_rank="C"), "numpy", "C"),
+    "fixed per-destination": (dict(max_tokens_per_rank="C"), "numpy", "C"),
+    "fixed two-hop": (dict(max_tokens_per_rank="C", hierarchical=True), "numpy", "C"),
+    "fixed low-latency torch": (dict(max_tokens_per_rank="C"), "torch", "C"),
+    "fixed jax": (dict(max_tokens_per_rank="C"), "jax", "C"),
+}
+
+
+@pytest.mark.quick_sample(2)
+@pytest.mark.parametrize("placement", ["none", "replicated"])
+@pytest.mark.parametrize("tight", [False, True], ids=["room", "tight"])
+def test_repeated_experts_get_the_same_statistics_on_every_path(world, monkeypatch, tight,
+                                                                placement):
+    """One routing whose tokens name an expert twice or three times: every
+    path equals the per-token loop that counts each choice an assignment
+    (y, and in torch and JAX dx and d weights) and has the same statistics:
+    kept and dropped per expert, nothing invalid, the handles' rows per
+    expert. With room (C = 2T) nothing is dropped anywhere; ``tight`` (C =
+    T, and 8 choices of one expert on each rank) the fixed-size layouts
+    drop its latest 2 on each rank, the counted mode none; under a
+    placement too (room per logical expert). JAX compiles for seconds, so
+    it runs where it meets that rule (the matrix's "duplicates" spread
+    has it with room, and its Dispatcher without C, whose room is T).
+    Before issue 53 the low-latency layout counted a repeated expert once
+    (12 sent, 8 kept, 0 dropped), and the per-destination layout dropped
+    by arrival."""
+    x, experts, weights, probe = batch = _repeated_routing(world, tight)
+    num_experts = 2 * world.size
+    capacity = REPEATS if tight else 2 * REPEATS
+    maps = _maps(num_experts)
+    placement = placement_for(world, placement, num_experts)
+    mine = slot_maps(maps, placement, world.rank, world.size)
+    seen = {}
+    for name, (options, framework, room) in REPEAT_PATHS.items():
+        if framework == "jax" and not tight:
+            continue
+        options = {key: capacity if value == "C" else value for key, value in options.items()}
+        room = capacity if room == "C" else room
+        with monkeypatch.context() as patch:
+            if name == "fixed per-destination":  # as if the rows were too large for the other
+                patch.setattr(lowlatency, "LOW_LATENCY_MOST_BYTES", 0)
+            d = DISPATCHER[framework]()(world, num_experts, placement=placement, **options)
+            y, dx, dw, handle, per_expert = RUN[framework](world, d, batch, mine, None, "sync")
+        want_y, want_dx, want_dw, kept, dropped = _reference(x, experts, weights, probe, maps,
+                                                             None, None, room)
+        stats = d.collect_stats() if handle is None or handle.stats is None else handle.stats
+        kept, dropped = (world.allreduce(a) for a in (kept, dropped))
+        rows = world.allgather(per_expert.astype(np.int64))
+        ok = (_close(y, want_y) and (dx is None or _close(dx, want_dx) and _close(dw, want_dw))
+              and np.array_equal(stats.tokens_per_expert, kept)
+              and np.array_equal(stats.dropped, dropped) and stats.invalid == 0
+              and np.array_equal(rows, stats.tokens_per_slot))
+        assert all_ranks(ok), name
+        seen[name] = (stats.tokens_per_expert.tolist(), stats.dropped.tolist(), rows.tolist())
+    sent = world.allreduce(np.array([(experts >= 0).sum()]))[0]
+    counted = seen["counted flat"]
+    fixed_size = [v for name, v in seen.items() if REPEAT_PATHS[name][2] is not None]
+    ok = (sum(counted[0]) == sent and not any(counted[1])
+          and all(v == counted for name, v in seen.items() if REPEAT_PATHS[name][2] is None))
+    if tight:  # the fixed-size paths alike, each rank's latest 2 dropped
+        ok = ok and all(v == fixed_size[0] for v in fixed_size) \
+            and sum(fixed_size[0][1]) == 2 * world.size
+    else:
+        ok = ok and all(v == counted for v in fixed_size)
+    assert all_ranks(ok), seen
 
 
 # -- pipeline_chunks, one option of the three Dispatchers (issue 36) -------------

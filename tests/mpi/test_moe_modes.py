@@ -39,12 +39,31 @@ def most_tokens(comm, tokens):
 
 def pair_traffic(world, experts, num_experts, row_bytes):
     """[P, P] bytes under the low-latency layout: a token's row travels
-    once per distinct expert it names (DeepEP's low-latency mode), not once
-    per destination rank."""
+    once per assignment (DeepEP's low-latency mode; an expert named twice,
+    twice), not once per destination rank."""
     per_rank = num_experts // world.size
-    pairs = {(t, int(e)) for t, row in enumerate(experts) for e in row if e >= 0}
-    mine = np.bincount([e // per_rank for _, e in pairs], minlength=world.size)
+    mine = np.bincount(experts[experts >= 0] // per_rank, minlength=world.size)
     return np.asarray(world.allgather(mine[None] * row_bytes))
+
+
+def within_room(experts, limit):
+    """``experts`` with what a fixed capacity of ``limit`` drops set to -1
+    (an independent rule): the tokens past the limit, then each expert's
+    choices past its ``limit`` slots from this rank, the latest first (a
+    token naming an expert twice takes two)."""
+    kept = np.where(np.arange(len(experts))[:, None] < limit, experts, -1)
+    for e in np.unique(kept[kept >= 0]):
+        rows, cols = np.nonzero(kept == e)  # in (token, choice) order
+        kept[rows[limit:], cols[limit:]] = -1
+    return kept
+
+
+def close_sums(y, want):
+    """Equal up to the order of float32 sums, relative to the largest |y|:
+    the low-latency layout sums a token's k terms in one product on the
+    sender, the counted dispatch per rank first ("kall" at 4 ranks, 16
+    terms a token: 3.8e-6 at |y| 21, two float32 steps there)."""
+    return float(np.abs(y - want).max(initial=0)) <= 1e-6 * (1 + np.abs(want).max(initial=0))
 
 
 # (capacity factor, two-hop, the flat layout without a capacity factor: the
@@ -55,9 +74,8 @@ LAYOUTS = [(None, False, "low-latency"), (None, False, "per-destination"),
 
 @pytest.mark.parametrize("capacity, hierarchical, layout", LAYOUTS,
                          ids=[f"{c}-{layout}" for c, _, layout in LAYOUTS])
-# "hot" repeats an expert within a token: more rows than a token can give
-# an expert, which the fixed capacity counts as dropped
-@pytest.mark.parametrize("case", [c for c in CASES if c != "hot"])
+# "hot" repeats an expert within some tokens: two assignments, two rows
+@pytest.mark.parametrize("case", CASES)
 def test_fixed_capacity_equals_the_counted_dispatch(comm, monkeypatch, case, capacity,
                                                      hierarchical, layout):
     """With room for every token: the same expert rows in the same order,
@@ -88,7 +106,7 @@ def test_fixed_capacity_equals_the_counted_dispatch(comm, monkeypatch, case, cap
             pair_traffic(world, experts, num_experts, x.itemsize * HIDDEN)
         assert all_ranks(
             slots.stats is None and per_expert.tolist() == handle.tokens_per_expert.tolist()
-            and same_rows and np.allclose(y, y_fixed, rtol=1e-6, atol=1e-6)
+            and same_rows and close_sums(y, y_fixed)
             and stats.tokens_per_expert.tolist() == handle.stats.tokens_per_expert.tolist()
             and stats.dropped.tolist() == handle.stats.dropped.tolist()
             and np.array_equal(stats.traffic, traffic) and stats.invalid == 0
@@ -128,8 +146,8 @@ def test_fixed_capacity_never_reads_the_device(comm, monkeypatch, hierarchical):
 
 def test_overflow_beyond_the_capacity_is_dropped_and_counted(comm):
     """Rank 0 dispatches more tokens than max_tokens_per_rank: in the
-    low-latency layout a token's slot is its row, so the tokens past the
-    limit are dropped whatever their destinations (an independent rule:
+    low-latency layout the tokens past the limit have no slot, so they are
+    dropped whatever their destinations (an independent rule:
     their assignments become -1); y is the per-token loop without them, and
     every assignment is either received or counted as dropped."""
     world = world_for(comm)
@@ -161,9 +179,10 @@ def test_successive_decode_steps_reuse_the_buffers(comm, impl):
     steps of 3, 0, 4 (more than C: dropped and counted) and 2 tokens, each
     rank starting at another step (a rank meets a token count first while
     another has seen it: the buffers must not follow it, their making is
-    collective), with -1 and repeated experts, each against the per-token
-    loop, one step's pair in flight beside the next's dispatch, and the
-    stats of all of them collected at the end."""
+    collective), with -1 and repeated experts (two assignments, each taking
+    a slot while the expert has one), each against the per-token loop, one
+    step's pair in flight beside the next's dispatch, and the stats of all
+    of them collected at the end."""
     num_experts, limit = 4 * comm.size, 3
     maps = expert_maps(num_experts)
     d = Dispatcher(comm, num_experts, max_tokens_per_rank=limit)
@@ -186,13 +205,11 @@ def test_successive_decode_steps_reuse_the_buffers(comm, impl):
             assert all_ranks(ok)
         expert_x, handle = pending.wait()
         y = d.combine_async(run_fixed_experts(comm, expert_x, handle, maps, impl), handle)
-        kept = np.where(np.arange(tokens)[:, None] < limit, experts, -1)
+        kept = within_room(experts, limit)
         previous = per_token_reference(x, kept, weights, maps), y
-        named = {(t, e) for t, row in enumerate(experts) for e in row if e >= 0}
-        slots = {(t, e) for t, e in named if t < limit}
-        sent += len(named)
+        sent += int((experts >= 0).sum())
         received += int(np.asarray(impl.to_numpy(handle.tokens_per_expert)).sum())
-        lost += len(named) - len(slots)
+        lost += int((experts >= 0).sum() - (kept >= 0).sum())
     want, got = previous
     ok = np.allclose(impl.to_numpy(got.wait()), want, atol=1e-4)
     stats = d.collect_stats()

@@ -98,9 +98,9 @@ def test_dispatch_with_a_placement(world, case):
     d = DISPATCHER[framework]()(world, num_experts, capacity_factor=capacity_factor,
                                 max_tokens_per_rank=limit, hierarchical=hierarchical,
                                 placement=placement)
-    y, dx, dw, handle = RUN[framework](world, d, batch,
-                                       slot_maps(maps, placement, world.rank, world.size),
-                                       None, "sync")
+    y, dx, dw, handle, _ = RUN[framework](world, d, batch,
+                                          slot_maps(maps, placement, world.rank, world.size),
+                                          None, "sync")
     want_y, want_dx, want_dw, kept, dropped = _reference(x, experts, weights, probe, maps,
                                                          capacity_factor, None)
     stats = d.collect_stats() if handle is None or handle.stats is None else handle.stats
