@@ -51,7 +51,7 @@ from .timing import (
 
 @dataclass(frozen=True)
 class Shape:
-    """The Flux measured: its blocks and widths, and the tokens of a forward."""
+    """The Flux measured: its blocks and widths."""
 
     double: int
     single: int
