@@ -36,9 +36,11 @@ from ._experts import expert_parallel, register_experts
 from ._generate import GENERATION, generate
 from ._gradients import allreduce_gradients
 from ._recurrent import recurrent_parallel
+from ._trainer import prepare_trainer
 
 __all__ = ["register", "shard_batch", "expert_parallel", "recurrent_parallel",
-           "allreduce_gradients", "generate", "mark_checked", "GENERATION", "LAYOUTS"]
+           "allreduce_gradients", "generate", "prepare_trainer", "mark_checked", "GENERATION",
+           "LAYOUTS"]
 
 
 def register(comm, ulysses_size: Optional[int] = None) -> None:

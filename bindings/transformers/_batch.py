@@ -40,8 +40,9 @@ __all__ = ["shard_batch", "sharded_batch"]
 
 IGNORE_INDEX = -100  # transformers' label for "no loss here"
 _SHARDED = ("input_ids", "labels", "attention_mask", "position_ids")
-# what DataCollatorWithFlattening(return_flash_attn_kwargs=True) adds: checked, then remade
-_DOCUMENTS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+# what DataCollatorWithFlattening(return_flash_attn_kwargs=True) adds, and TRL's padding-free
+# collator's seq_idx (each token's document): checked, then remade
+_DOCUMENTS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
 def shard_batch(batch: Dict[str, Any], comm, *,
@@ -59,8 +60,9 @@ def shard_batch(batch: Dict[str, Any], comm, *,
     attending over the wrong tokens.
 
     ``batch``: ``input_ids`` [b, s] (any s), optionally ``labels`` (default:
-    the input ids, as transformers does), ``attention_mask`` (all ones:
-    padding masks are refused) and ``position_ids``: 0 .. s-1, or, for
+    the input ids, as transformers does), ``attention_mask`` (all ones, or
+    a causal LM's right padding with labels -100 there; other padding is
+    refused) and ``position_ids``: 0 .. s-1, or, for
     documents packed into the sequence, restarting at 0 at every document
     and counting 0, 1, 2, ... within it (every row packed alike), as
     ``DataCollatorWithFlattening`` makes them (its ``cu_seq_lens_*`` and
@@ -86,7 +88,8 @@ def shard_batch(batch: Dict[str, Any], comm, *,
     that make its loss and pooling exact (``_encoders``); other heads are
     refused.
 
-    The all-ones ``attention_mask`` is dropped: it carries nothing, and a
+    The ``attention_mask`` is dropped: all ones it carries nothing, a right
+    padding nothing a causal attention reads (its labels become -100), and a
     sharded one would mark the layout's padding. The shard's forward is
     checked (``_sharded_forward``): the model must be as checked, and
     ``labels`` given without ``shift_labels`` are completed when they are
@@ -123,11 +126,42 @@ def _checked_documents(batch: Dict[str, Any], also: Tuple[str, ...] = ()) -> Lis
         raise ValueError(f"shard_batch does not know how to shard {', '.join(unknown)}; it "
                          f"shards {', '.join(sharded)} (and checks {', '.join(_DOCUMENTS)})")
     mask = batch.get("attention_mask")
-    if mask is not None and not bool(mask.all()):
-        raise ValueError("shard_batch: the attention_mask pads some tokens; padding masks are "
-                         "not implemented: pack the sequences instead (position_ids restarting "
-                         "at 0 per document, as DataCollatorWithFlattening makes them)")
-    return _offsets(batch, batch["input_ids"].shape[1])
+    if mask is not None and not bool(mask.all()) and (also or not _right_padding(batch)):
+        raise ValueError("shard_batch: the attention_mask pads some tokens in a way it does not "
+                         "implement (it takes a causal LM's right padding, labels -100 there, "
+                         "as DataCollatorForLanguageModeling makes them): pad on the right, or "
+                         "pack the sequences instead (position_ids restarting at 0 per "
+                         "document, as DataCollatorWithFlattening makes them)")
+    offsets = _offsets(batch, batch["input_ids"].shape[1])
+    _check_sequence_index(batch.get("seq_idx"), offsets)
+    return offsets
+
+
+def _right_padding(batch: Dict[str, Any]) -> bool:
+    """A causal LM's right padding, unpacked: every row's mask ones then
+    zeros, labels (if given) -100 where it is zero. Causal attention never
+    lets a real token read a later pad, so the batch is exact unpadded, its
+    padding's labels -100."""
+    mask = batch["attention_mask"].bool()
+    labels = batch.get("labels")
+    return (batch.get("position_ids") is None and batch.get("cu_seq_lens_q") is None
+            and bool((mask[:, 1:] <= mask[:, :-1]).all())
+            and (labels is None or bool((labels[~mask] == IGNORE_INDEX).all())))
+
+
+def _check_sequence_index(seq_idx: Any, offsets: List[int]) -> None:
+    """TRL's ``seq_idx`` (each token's document) must name the documents
+    the offsets say (the attention reads the offsets; it would refuse
+    seq_idx itself)."""
+    if seq_idx is None:
+        return
+    lengths = torch.tensor(offsets).diff()
+    want = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    given = torch.as_tensor(seq_idx).cpu()
+    if not torch.equal(given.reshape(-1, want.numel()) - given.reshape(-1)[:1],
+                       want.expand(given.reshape(-1, want.numel()).shape)):
+        raise ValueError(f"shard_batch: seq_idx does not number the documents of the "
+                         f"position_ids (offsets {reprlib.repr(offsets)})")
 
 
 def _longest(offsets: List[int]) -> int:
@@ -151,6 +185,8 @@ def _shard(batch: Dict[str, Any], offsets: List[int], comm, layout: str,
     if encoder is not None:  # its labels are not shifted, or not per token
         return {**common, **encoder.entries(batch, offsets, shard, tokens)}
     labels = batch.get("labels", input_ids)
+    if batch.get("attention_mask") is not None:  # right padding: no loss there
+        labels = torch.where(batch["attention_mask"].bool(), labels, IGNORE_INDEX)
     shift_labels = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     real = shard(torch.ones_like(shift_labels)).bool()  # shard_sequence pads with zeros
     shard_labels = torch.where(real, shard(shift_labels), IGNORE_INDEX)

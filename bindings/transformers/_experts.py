@@ -33,7 +33,7 @@ from commlib.moe.replicated import replicated_moe, share_size
 from ..torch import Dispatcher
 
 __all__ = ["IMPLEMENTATION", "EXPERT_PARALLEL", "register_experts", "expert_parallel",
-           "replicated_tokens"]
+           "replicated_tokens", "slot_experts"]
 
 IMPLEMENTATION = "commlib_ep"
 EXPERT_PARALLEL = "_commlib_expert_parallel"  # on Parameters that hold this rank's experts only
@@ -198,11 +198,7 @@ def _keep_local_experts(experts: nn.Module, comm, max_tokens_per_rank: Optional[
     Dispatcher. Slot j holds logical expert ``placement.slots[rank][j]``
     (without a placement, expert ``rank * E/P + j``); an empty slot is
     zeros. ``num_experts`` stays global: the router's ids are logical."""
-    if placement is None:
-        local = experts.num_experts // comm.size
-        held = list(range(comm.rank * local, (comm.rank + 1) * local))
-    else:
-        held = placement.slots[comm.rank].tolist()
+    held = slot_experts(experts.num_experts, comm.size, placement)[comm.rank]
     rows = torch.tensor([max(e, 0) for e in held])
     with torch.no_grad():
         for name in _expert_parameter_names(experts):
@@ -213,6 +209,16 @@ def _keep_local_experts(experts: nn.Module, comm, max_tokens_per_rank: Optional[
             setattr(shard, EXPERT_PARALLEL, True)
             setattr(experts, name, shard)
     _attach_dispatcher(experts, comm, max_tokens_per_rank, placement)
+
+
+def slot_experts(num_experts: int, size: int, placement: Optional[Placement]
+                 ) -> List[List[int]]:
+    """The logical expert of each rank's each slot (``EMPTY``: none): by
+    ``placement``, else expert ``rank * E/P + j`` in slot j."""
+    if placement is not None:
+        return placement.slots.tolist()
+    local = num_experts // size
+    return [list(range(rank * local, (rank + 1) * local)) for rank in range(size)]
 
 
 def _attach_dispatcher(experts: nn.Module, comm, max_tokens_per_rank: Optional[int],
