@@ -20,8 +20,14 @@ from __future__ import annotations
 
 import click
 import torch
-from transformers import (AutoModelForCausalLM, DataCollatorWithFlattening, LlamaConfig,
-                          Qwen3MoeConfig, Trainer, TrainingArguments)
+from transformers import (
+    AutoModelForCausalLM,
+    DataCollatorWithFlattening,
+    LlamaConfig,
+    Qwen3MoeConfig,
+    Trainer,
+    TrainingArguments,
+)
 
 import commlib
 from commlib.bindings import transformers as cht

@@ -28,8 +28,14 @@ from typing import Callable, List
 import click
 import numpy as np
 import torch
-from transformers import (AutoModelForCausalLM, LlamaConfig, Trainer, TrainerCallback,
-                          TrainingArguments, default_data_collator)
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+    default_data_collator,
+)
 
 from commlib.tools.bench.timing import first_rank_alone, json_option, write_json
 
