@@ -48,6 +48,7 @@ from transformers.utils import ModelOutput
 
 from ..torch._recurrent import SummedOverRanks
 from ._attention import LAYOUTS
+from ._shard_records import ShardRecords
 from ._token_mixers import probing
 
 __all__ = ["EncoderHead", "encoder_head", "POOLINGS"]
@@ -79,7 +80,6 @@ class _Shard:
     """What the forward of one encoder shard needs beyond its keyword
     arguments, kept by its ``input_ids``."""
 
-    input_ids: "weakref.ref[torch.Tensor]"
     labels: Optional[torch.Tensor]  # per-token heads: the shard's labels
     num_items: Optional[torch.Tensor]  # and their global count
     real: torch.Tensor  # [s_local] bool: the shard's tokens that are not the layout's padding
@@ -88,20 +88,7 @@ class _Shard:
     positions: Dict[int, torch.Tensor] = field(default_factory=dict)  # by embeddings module id
 
 
-# by the id of the shard's input_ids (a tensor hashes by identity but compares by value,
-# so not a WeakKeyDictionary), dropped with it
-_shards: Dict[int, _Shard] = {}
-
-
-def _remember(input_ids: torch.Tensor, shard: _Shard) -> None:
-    key = id(input_ids)
-    _shards[key] = shard
-    weakref.finalize(input_ids, _shards.pop, key, None)
-
-
-def _recognised(input_ids: Any) -> Optional[_Shard]:
-    shard = _shards.get(id(input_ids)) if isinstance(input_ids, torch.Tensor) else None
-    return shard if shard is not None and shard.input_ids() is input_ids else None
+_shards: ShardRecords[_Shard] = ShardRecords()
 
 
 @dataclass(frozen=True)
@@ -169,9 +156,8 @@ class EncoderHead:
         positions = {} if batch.get("position_ids") is not None else {
             id(module): shard(module.create_position_ids_from_input_ids(tokens, module.padding_idx))
             for module in self.plan.embeddings}
-        _remember(input_ids, _Shard(weakref.ref(input_ids), entries.get("labels"), count,
-                                    real[0], offsets[-1],
-                                    int(first[0, 0]) if len(first) else None, positions))
+        _shards.keep(input_ids, _Shard(entries.get("labels"), count, real[0], offsets[-1],
+                                       int(first[0, 0]) if len(first) else None, positions))
         return entries
 
     # ---- the hooks ---------------------------------------------------------------------------
@@ -203,7 +189,7 @@ class EncoderHead:
         verdict."""
         if probing() or model.config._attn_implementation not in LAYOUTS:
             return None  # the probe's run, or the whole sequence: no commlib in it
-        shard = _recognised(kwargs.get("input_ids", args[0] if args else None))
+        shard = _shards.of(kwargs.get("input_ids", args[0] if args else None))
         problem = None
         try:
             kwargs = self._taken(model, shard, kwargs)

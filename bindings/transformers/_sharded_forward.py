@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ._attention import LAYOUTS
+from ._shard_records import ShardRecords
 from ._token_mixers import Structure, structure, what_changed
 
 __all__ = ["guard", "remember"]
@@ -39,25 +40,19 @@ __all__ = ["guard", "remember"]
 class _Shard:
     """What ``shard_batch`` made alongside a shard's ``input_ids``."""
 
-    input_ids: "weakref.ref[torch.Tensor]"
     labels: Optional[torch.Tensor]
     shift_labels: Optional[torch.Tensor]
     num_items_in_batch: Optional[torch.Tensor]
 
 
-# by the id of the shard's input_ids (a tensor hashes by identity but compares by value,
-# so not a WeakKeyDictionary), dropped with it
-_shards: Dict[int, _Shard] = {}
+_shards: ShardRecords[_Shard] = ShardRecords()
 
 
 def remember(shard: Dict[str, Any]) -> Dict[str, Any]:
     """Remember what ``shard`` holds, so that its forward can be checked;
     returns ``shard``."""
-    input_ids = shard["input_ids"]
-    key = id(input_ids)
-    _shards[key] = _Shard(weakref.ref(input_ids, lambda _: _shards.pop(key, None)),
-                          shard.get("labels"), shard.get("shift_labels"),
-                          shard.get("num_items_in_batch"))
+    _shards.keep(shard["input_ids"], _Shard(shard.get("labels"), shard.get("shift_labels"),
+                                            shard.get("num_items_in_batch")))
     return shard
 
 
@@ -74,8 +69,8 @@ class _Guard:
         if torch.compiler.is_compiling():
             return None
         input_ids = kwargs.get("input_ids", args[0] if args else None)
-        shard = _shards.get(id(input_ids)) if isinstance(input_ids, torch.Tensor) else None
-        if shard is None or shard.input_ids() is not input_ids:
+        shard = _shards.of(input_ids)
+        if shard is None:
             return None  # not a shard: a forward of the whole sequence, generate's
         problem = None
         try:
