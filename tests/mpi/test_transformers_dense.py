@@ -21,8 +21,9 @@ hf = requires.module("commlib.bindings.transformers")
 from commlib.bindings.transformers._attention import LAYOUTS, mark_checked  # noqa: E402
 from commlib.bindings.transformers._experts import EXPERT_PARALLEL  # noqa: E402
 
-# a model sharded 2 ways, and the 2 x 2 hybrid
-WORLD_SIZES = (2, 4)
+# a model sharded 2 ways, 3 (uneven Ulysses heads, the refusals and Llama 4 chunks at an
+# odd size, which issue 53 asked for) and the 2 x 2 hybrid
+WORLD_SIZES = (2, 3, 4)
 
 KINDS = tuple(LAYOUTS)
 # commlib_ring_docs lays one unpacked sequence out as commlib_ring does
