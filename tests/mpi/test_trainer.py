@@ -195,7 +195,7 @@ def test_data_parallel_groups_of_context_parallel_ranks(comm, family):
     """cp_size = 2 at 4 ranks: two groups, each its half of every global
     batch; the one-process Trainer on batches twice as large."""
     if comm.size != 4:
-        pytest.skip("two groups of two ranks need 4 ranks")
+        pytest.skip("DP 2 x CP 2 needs 4 ranks")
     hf.register(comm)
     config = CONFIGS[family]()
     got = trained(comm, config, "even", cp_size=2)
