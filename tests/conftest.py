@@ -1,12 +1,15 @@
 """Multi-rank tests live in tests/mpi/ and run under mpiexec, launched by
 tests/test_multirank.py; a plain ``pytest`` collects them only there. What
 each launch ran is printed at the end (tests/rank_outcomes.py). The quick
-tier leaves out the tests marked ``full`` (tests/tiers.py)."""
+tier leaves out the tests marked ``full`` and compiles JAX's programs
+quickly (tests/tiers.py)."""
 
 import os
 
 import tiers
 from rank_outcomes import SUMMARY_KEY
+
+tiers.compile_quickly()
 
 if os.environ.get("COMMLIB_TEST_UNDER_MPIEXEC") != "1":
     collect_ignore = ["mpi"]

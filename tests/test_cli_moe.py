@@ -281,6 +281,7 @@ def launch_diag(tmp_path, nprocs, ranks_per_node, *args):
     return json.loads(path.read_text()), proc.stdout
 
 
+@pytest.mark.quick_sample(2)  # flat at 2 ranks, two hops on 2 nodes x 2
 @pytest.mark.parametrize("nprocs, ranks_per_node, args, scheme", [
     (2, 1, [], "flat"),
     (2, 1, ["--hierarchical"], "flat_two_hop"),

@@ -209,6 +209,7 @@ def _jitted(jax):
     return lambda logits, k, **options: compiled(logits, k=k, **options)
 
 
+@pytest.mark.quick_sample(2)  # softmax without groups, and DeepSeek-V3's
 @pytest.mark.parametrize("case", JIT_CASES, ids=lambda c: f"{c[1]}-k{c[0]}-groups{c[2][0]}-"
                                                           f"bias{c[3]}-E{c[5]}")
 def test_route_traces_under_jit(case):

@@ -61,7 +61,7 @@ ALGORITHMS = {"ring-zigzag": (_ring, "zigzag"), "ring-contiguous": (_ring, "cont
               "ulysses-zigzag": (_ulysses, "zigzag"), "hybrid-zigzag": (_hybrid, "zigzag")}
 
 
-@pytest.mark.quick_sample(10)
+@pytest.mark.quick_sample(7)
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 @pytest.mark.parametrize("impl, dtype", CASES)
 def test_outputs_and_gradients_match_sdpa(comm, impl, dtype, algorithm):

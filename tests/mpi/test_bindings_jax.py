@@ -49,7 +49,7 @@ CASES = [(kind, layout, 1 if causal else HEADS, causal, "float32")
      ("hybrid", "zigzag", 1, False, "bfloat16")]
 
 
-@pytest.mark.quick_sample(4)
+@pytest.mark.quick_sample(2)  # Ulysses in jit: the matrix's JAX cases, test_ulysses_uneven
 @pytest.mark.parametrize("kind, layout, kv_heads, causal, dtype", CASES)
 @pytest.mark.parametrize("impl", arrayimpl.params(("jax", "jax-cuda")))
 def test_jit_and_grad_match_unsharded_attention(comm, impl, kind, layout, kv_heads, causal,
@@ -218,6 +218,7 @@ def _gate(logits, k):
     return chosen, weights / weights.sum(-1, keepdims=True)
 
 
+@pytest.mark.full  # the quick tier's: test_bindings_jax_moe's jit and grad against a loop
 def test_moe_dispatch_combine_under_jit_and_grad(comm):
     experts, k, x, logits, maps, probe = _moe_problem(comm)
     dispatcher = cj.Dispatcher(comm, experts, capacity_factor=float(experts))  # no drops

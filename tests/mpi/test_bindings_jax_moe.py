@@ -118,7 +118,7 @@ CASES = [  # (capacity_factor, drop_policy, hot, absent): no drops, then drops
 ]
 
 
-@pytest.mark.quick_sample(4)
+@pytest.mark.quick_sample(3)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("capacity_factor,policy,hot,absent", CASES)
 @pytest.mark.parametrize("impl", arrayimpl.params(("jax", "jax-cuda")))

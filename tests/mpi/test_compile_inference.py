@@ -151,6 +151,7 @@ def make_model(name):
     return AutoModelForCausalLM.from_config(config).eval()
 
 
+@pytest.mark.quick_sample(1)  # a window's compiled decode: the decode attention test above
 @pytest.mark.parametrize("name, batch", [("llama", 2), ("mistral-window", 1)])
 def test_generate_with_a_compiled_decode_step_is_model_generate(comm, name, batch):
     """The decode step traced once, no break (fullgraph), the tokens of

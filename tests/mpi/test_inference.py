@@ -102,7 +102,7 @@ CHUNK = {  # cached tokens, chunk tokens, kv heads, window
 }
 
 
-@pytest.mark.quick_sample(12)
+@pytest.mark.quick_sample(8)
 @pytest.mark.parametrize("method", ["pass_q", "pass_kv", "auto"])
 @pytest.mark.parametrize("case", CHUNK)
 @pytest.mark.parametrize("impl, dtype", CASES)

@@ -160,6 +160,7 @@ def test_jit_and_grad_equal_one_process_in_float64(comm, problem, layout, cu_seq
     assert all_ranks(kept and max(errors) < TOLERANCE["float64"]), errors
 
 
+@pytest.mark.quick_sample(1)  # Mamba2 in the quick tier: float64, in zigzag_docs
 @pytest.mark.parametrize("problem", sorted(PROBLEMS))
 @pytest.mark.parametrize("layout,cu_seqlens", FLOAT32_CASES)
 def test_jit_and_grad_equal_one_process_in_float32(comm, problem, layout, cu_seqlens):

@@ -170,14 +170,16 @@ def by_expert(rows, per_expert):
 def impl_cases():
     """The whole mode matrix on NumPy and torch; JAX, whose eager mode
     compiles each operation for each new shape, on one counted and one
-    fixed mode; the GPU frameworks (marked, skipped without a device) on
-    the modes CuPy has types for."""
+    fixed mode, in the full tier only (10-30 s a case: every chunk count
+    is new shapes); the GPU frameworks (marked, skipped without a device)
+    on the modes CuPy has types for."""
     for impl in arrayimpl.params(("numpy", "torch")):
         for mode in MODES:
             yield pytest.param(impl.values[0], mode, id=f"{impl.id}-{mode}", marks=impl.marks)
     for impl in arrayimpl.params(("jax",) + arrayimpl.GPU):
+        marks = [*impl.marks, *([pytest.mark.full] if impl.id == "jax" else [])]
         for mode in ("counted-capacity", "fixed"):
-            yield pytest.param(impl.values[0], mode, id=f"{impl.id}-{mode}", marks=impl.marks)
+            yield pytest.param(impl.values[0], mode, id=f"{impl.id}-{mode}", marks=marks)
 
 
 @pytest.mark.quick_sample(4)

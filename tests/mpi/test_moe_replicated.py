@@ -42,7 +42,7 @@ def linear(maps, comm, impl):
     return run
 
 
-@pytest.mark.quick_sample(6)
+@pytest.mark.quick_sample(4)
 @pytest.mark.parametrize("tokens", [1, 7])
 @pytest.mark.parametrize("fixed", [False, True], ids=["counted", "fixed"])
 @pytest.mark.parametrize("hierarchical", [False, True], ids=["flat", "two-hop"])

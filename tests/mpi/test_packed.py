@@ -161,7 +161,7 @@ BINDINGS = ["ring-zigzag_docs-ring", "ring-zigzag-allgather", "ulysses-zigzag",
             "hybrid-zigzag_docs"]
 
 
-@pytest.mark.quick_sample(6)
+@pytest.mark.quick_sample(4)
 @pytest.mark.parametrize("name", BINDINGS)
 @pytest.mark.parametrize("masking", ["documents", "window-documents"])
 @pytest.mark.parametrize("impl", [p for p in arrayimpl.params() if p.id in

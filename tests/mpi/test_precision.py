@@ -118,7 +118,7 @@ def _checked(impl, dtype, results, wants, comm, layout):
     return ok, errors
 
 
-@pytest.mark.quick_sample(12)
+@pytest.mark.quick_sample(9)
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("impl, dtype", CASES)
 def test_sharded_attention_against_float64_sdpa(comm, impl, dtype, algorithm):
@@ -178,6 +178,7 @@ def test_torch_binding_gradients_in_float64(comm, name):
     assert all_ranks(ok and max(errors) <= 1e-10), errors
 
 
+@pytest.mark.quick_sample(1)  # the others: the matrix's float64 JAX cases
 @pytest.mark.parametrize("name", BINDINGS)
 def test_jax_binding_gradients_in_float64(comm, name):
     """``jax.grad`` of ``bindings.jax`` under ``jax.jit`` with x64: float64

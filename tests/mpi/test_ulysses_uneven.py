@@ -158,6 +158,7 @@ def test_hybrid_attention_at_every_degree(comm, impl, heads, kv_heads, causal, l
     assert all_ranks(ok)
 
 
+@pytest.mark.quick_sample(1)
 @pytest.mark.parametrize("kv_heads, causal, layout", [(6, False, "contiguous"),
                                                       (2, True, "zigzag")])
 def test_jax_binding_under_jit_and_grad_matches_eager(comm, kv_heads, causal, layout):
