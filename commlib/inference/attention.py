@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..kernels import Kernel, kernel_for
-from ..kernels.blockwise import attend, finish
+from ..sequence.blockwise import attend, finish
 from ..kernels.merge import merge_all
 from ..kernels.sinks import apply_sinks, check_sinks, sinks_fact
 from ..namespace import accumulated, accumulator_dtype, detached, device, framework, namespace

@@ -30,7 +30,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..kernels import Kernel
-from ..kernels.blockwise import attend, attend_backward, finish
+from ..sequence.blockwise import attend, attend_backward, finish
 from ..kernels.sinks import with_sink_gradient
 from ..namespace import contiguous, detached, device, namespace
 from ..sequence.attention_call import AttentionCall, backward_extras, prepare

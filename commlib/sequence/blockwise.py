@@ -17,10 +17,10 @@ from typing import Any, Optional, Sequence, Tuple
 import array_api_extra as xpx
 
 from ..namespace import accumulator_dtype, device, namespace
-from ..sequence.visibility import Block
-from . import Kernel
-from .merge import merge
-from .sinks import apply_sinks
+from ..kernels import Kernel
+from ..kernels.merge import merge
+from ..kernels.sinks import apply_sinks
+from .visibility import Block
 
 State = Optional[Tuple[Any, Any]]
 

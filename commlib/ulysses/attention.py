@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ..kernels import Kernel
-from ..kernels.blockwise import attend, attend_backward, finish
+from ..sequence.blockwise import attend, attend_backward, finish
 from ..kernels.sinks import with_sink_gradient
 from ..namespace import detached, device
 from ..sequence.attention_call import AttentionCall, backward_extras, prepare

@@ -35,7 +35,7 @@ from commlib import hybrid
 from commlib import ring as ring_lib
 from commlib import ulysses as ulysses_lib
 from commlib.kernels import TILED
-from commlib.kernels.blockwise import attend
+from commlib.sequence.blockwise import attend
 from commlib.sequence.documents import packing_for
 from commlib.sequence.visibility import blocks, bounds
 from commlib.tools.world import world
