@@ -67,7 +67,8 @@ def test_a_missing_or_positional_layout_raises_type_error(function):
 def _missing_causal_calls():
     """Every public function that takes ``causal``, called without it (and
     with everything else it requires): binding fails before the body."""
-    from commlib import common_masks, inference, masks
+    from commlib import inference
+    from commlib.sequence import common_masks, masks
     from commlib.hybrid import planner
 
     x = object()

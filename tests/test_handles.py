@@ -5,7 +5,8 @@ import gc
 
 import pytest
 
-from commlib import graph_names, masks
+from commlib import graph_names
+from commlib.sequence import masks
 from commlib.kernels import TILED, Kernel
 
 

@@ -38,23 +38,6 @@ PUBLIC = ("commlib", "commlib.sequence", "commlib.sequence.masks", "commlib.sequ
           "commlib.bindings.diffusers")
 COMMAND = "commlib.tools.cli"  # the `commlib` command
 ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
-# where earlier releases documented modules that moved: the same module objects
-MOVED = {"commlib.masks": "commlib.sequence.masks",
-         "commlib.common_masks": "commlib.sequence.common_masks",
-         "commlib.balanced": "commlib.sequence.balanced",
-         "commlib.documents": "commlib.sequence.documents",
-         "commlib.visibility": "commlib.sequence.visibility",
-         "commlib.attention_inputs": "commlib.sequence.attention_call",
-         "commlib.handles": "commlib.graph_names", "commlib.arrays": "commlib.dlpack",
-         "commlib.ring.layout": "commlib.sequence.layout",
-         "commlib.ring.merge": "commlib.kernels.merge"}
-# names the docs of the last release showed under a path that is now an alias
-OLD_NAMES = {("commlib.masks", "Mask"), ("commlib.masks", "from_cu_seqlens"),
-             ("commlib.common_masks", "block_diagonal"), ("commlib.balanced", "solve"),
-             ("commlib.documents", "cu_seqlens_from_position_ids"),
-             ("commlib.ring", "shard_sequence"), ("commlib.ring", "unshard_sequence"),
-             ("commlib.ring", "merge"), ("commlib.ring", "attention_forward"),
-             ("commlib.handles", "lookup")}
 
 
 def test_the_public_modules_are_all_found():
@@ -87,16 +70,13 @@ def test_the_bindings_docstring_names_every_binding_package():
                for name in ("torch", "jax", "transformers", "diffusers"))
 
 
-def test_the_paths_the_last_release_documented_give_the_same_objects():
-    for old, new in MOVED.items():
-        assert importlib.import_module(old) is importlib.import_module(new), old
-    for module, name in OLD_NAMES:
-        moved = MOVED.get(module, module)
-        old_object = getattr(importlib.import_module(module), name)
-        assert old_object is getattr(importlib.import_module(moved), name), (module, name)
-    from commlib.masks import Mask
-    from commlib.sequence.masks import Mask as Now
-    assert Mask is Now
+def test_import_commlib_loads_neither_the_geometry_nor_the_kernels():
+    """``import commlib`` is the collectives: the attention packages load when asked for."""
+    code = ("import sys, commlib; print(sorted(m for m in sys.modules if m.startswith("
+            "('commlib.sequence', 'commlib.kernels', 'commlib.ring'))))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, check=True)
+    assert result.stdout.strip() == "[]", result.stdout
 
 
 def _first_import(module):

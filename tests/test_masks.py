@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commlib import balanced
+from commlib.sequence import balanced
 from commlib.ring.sparse import routes
 from commlib.sequence.common_masks import block_diagonal, multimodal, prefix_lm, shared_prefix
 from commlib.sequence.documents import PADDING

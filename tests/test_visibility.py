@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commlib import documents, visibility
+from commlib.sequence import documents, visibility
 from commlib.sequence.documents import PADDING, as_offsets, needed_length, packing_for
 from commlib.sequence.visibility import blocks, bounds
 

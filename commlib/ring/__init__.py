@@ -2,18 +2,11 @@
 ring, partial results merged with the online softmax. Tensors are
 [batch, seq, heads, head_dim]."""
 
-import sys as _sys
-
-from .. import _moved
 from ..kernels.merge import merge
 from ..kernels.tiled import attention_backward, attention_forward
 from ..sequence.layout import LAYOUTS, MASK_LAYOUTS, shard_sequence, unshard_sequence
 from .attention import METHODS, ring_attention, ring_attention_backward
 from .exchange import RingExchange
-
-# where earlier releases had them (the same module objects); ``merge`` stays the function
-_moved.alias(_sys.modules[__name__], {"layout": "commlib.sequence.layout"})
-_sys.modules[f"{__name__}.merge"] = _sys.modules["commlib.kernels.merge"]
 
 __all__ = ["ring_attention", "ring_attention_backward", "RingExchange", "merge",
            "shard_sequence", "unshard_sequence", "attention_forward", "attention_backward",

@@ -33,7 +33,8 @@ import torch
 from mpi4py import MPI
 
 import commlib
-from commlib import balanced, hybrid, ring
+from commlib import hybrid, ring
+from commlib.sequence import balanced
 from commlib.bindings import torch as ct
 from commlib.ring.sparse import SPARSE_SHARE, routes
 from commlib.sequence.common_masks import block_diagonal, multimodal, prefix_lm, shared_prefix
