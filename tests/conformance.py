@@ -25,8 +25,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from commlib import ring
-from commlib.sequence import common_masks, masks
 from commlib.hybrid import hybrid_attention, hybrid_attention_backward
+from commlib.sequence import common_masks, masks
 from commlib.ulysses import ulysses_attention, ulysses_attention_backward
 
 import arrayimpl

@@ -68,8 +68,8 @@ def _missing_causal_calls():
     """Every public function that takes ``causal``, called without it (and
     with everything else it requires): binding fails before the body."""
     from commlib import inference
-    from commlib.sequence import common_masks, masks
     from commlib.hybrid import planner
+    from commlib.sequence import common_masks, masks
 
     x = object()
     calls = {}

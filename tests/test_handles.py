@@ -6,8 +6,8 @@ import gc
 import pytest
 
 from commlib import graph_names
-from commlib.sequence import masks
 from commlib.kernels import TILED, Kernel
+from commlib.sequence import masks
 
 
 def _band(lo, hi):

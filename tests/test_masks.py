@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from commlib.sequence import balanced
 from commlib.ring.sparse import routes
+from commlib.sequence import balanced
 from commlib.sequence.common_masks import block_diagonal, multimodal, prefix_lm, shared_prefix
 from commlib.sequence.documents import PADDING
 from commlib.sequence.masks import KINDS, Mask, Slice, covered, from_cu_seqlens, from_mask_mod

@@ -29,7 +29,9 @@ from ._direct import runs_directly
 from ._inference import DecodeCache, chunk_attention, decode_attention
 from ._moe import Dispatcher, TorchHandle
 from ._overlapped import ulysses_attention_overlapped
+from ._recurrent import SummedOverRanks as SummedOverRanks  # shared with the transformers binding
 from ._recurrent import gated_delta_rule, mamba2_scan
+from ._recurrent_state import halo as halo  # shared with the transformers binding
 
 __all__ = ["ring_attention", "ulysses_attention", "hybrid_attention", "seq_to_head",
            "head_to_seq", "Dispatcher", "TorchHandle", "decode_attention", "chunk_attention",
@@ -48,7 +50,7 @@ def _attention(q, k, v, comm, algorithm: str, *, layout: str, causal: bool,
     if wire is not None:
         _wire_ops.refuse_gradients(comm, algorithm, wire, q, k, v,
                                    *([sinks] if isinstance(sinks, torch.Tensor) else []))
-    reach = _window(window)
+    reach = _ops.op_window(window)
     if reach is False or not (sinks is None or isinstance(sinks, torch.Tensor)):
         extra = {"ulysses_size": ulysses_size} if algorithm == "hybrid" else {}
         if algorithm != "ulysses":
@@ -68,21 +70,6 @@ def _attention(q, k, v, comm, algorithm: str, *, layout: str, causal: bool,
         return _wire_ops.attention_wire(*op_args, wire)
     out, _ = _ops.attention(*op_args)
     return out
-
-
-def _window(window: Any) -> Any:
-    """(left, right) as the op's [left, right] (-1: unbounded), None, or
-    False where it is not a pair of ints (or None) the core would accept."""
-    if window is None:
-        return None
-    try:
-        left, right = window
-    except (TypeError, ValueError):
-        return False
-    if not all(r is None or (isinstance(r, int) and not isinstance(r, bool))
-               for r in (left, right)):
-        return False
-    return [-1 if r is None else r for r in (left, right)]
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *, layout: str,

@@ -13,7 +13,7 @@ eagerly too: one path, compiled or not.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -32,7 +32,7 @@ _BACKWARD = {"ring": _ring.ring_attention_backward,
              "hybrid": _hybrid.hybrid_attention_backward}
 
 
-def _settings(algorithm: str, comm: str, layout: str, causal: bool,
+def attention_settings(algorithm: str, comm: str, layout: str, causal: bool,
               softmax_scale: Optional[float], cu_seqlens: Optional[torch.Tensor],
               cu_seqlens_values: Optional[List[int]], window: Optional[List[int]],
               mask: Optional[str], method: str, kernel: Optional[str],
@@ -60,7 +60,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional
               ulysses_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of ring, Ulysses or hybrid attention (``algorithm``), with
     ``sinks`` in its softmax (lse then includes them)."""
-    settings = _settings(algorithm, comm, layout, causal, softmax_scale, cu_seqlens,
+    settings = attention_settings(algorithm, comm, layout, causal, softmax_scale, cu_seqlens,
                          cu_seqlens_values, window, mask, method, kernel, ulysses_size)
     out, lse = FORWARD[algorithm](q, k, v, return_lse=True, sinks=sinks, **settings)
     # the fake's layouts: a compiled graph checks strides (lse may be a transposed view)
@@ -85,7 +85,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     """(dq, dk, dv) of ``attention``, from its out and lse (with the sinks:
     dq, dk and dv need nothing else; the sinks' gradient is
     ``_attention_gradients``')."""
-    settings = _settings(algorithm, comm, layout, causal, softmax_scale, cu_seqlens,
+    settings = attention_settings(algorithm, comm, layout, causal, softmax_scale, cu_seqlens,
                          cu_seqlens_values, window, mask, method, kernel, ulysses_size)
     grads = _BACKWARD[algorithm](dout.contiguous(), q, k, v, out, lse, **settings)
     return tuple(g.contiguous() for g in grads)
@@ -163,3 +163,18 @@ def _head_to_seq_gradient(ctx, grad):
 
 seq_to_head.register_autograd(_seq_to_head_gradient, setup_context=_save_seq_to_head)
 head_to_seq.register_autograd(_head_to_seq_gradient, setup_context=_save_head_to_seq)
+
+
+def op_window(window: Any) -> Any:
+    """(left, right) as the op's [left, right] (-1: unbounded), None, or
+    False where it is not a pair of ints (or None) the core would accept."""
+    if window is None:
+        return None
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        return False
+    if not all(r is None or (isinstance(r, int) and not isinstance(r, bool))
+               for r in (left, right)):
+        return False
+    return [-1 if r is None else r for r in (left, right)]

@@ -29,6 +29,7 @@ from commlib import inference as _inference
 from commlib.kernels import Kernel
 from commlib.namespace import accumulator_dtype
 
+from ._attention_ops import op_window
 from ._direct import runs_directly
 
 __all__ = ["decode_attention", "chunk_attention", "DecodeCache"]
@@ -98,16 +99,11 @@ def _positions(positions: Positions, like: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(np.asarray(positions, np.int64), device=like.device)
 
 
-def _window(window: Any) -> Any:
-    from . import _window as window_of  # the attention ops' spelling of a window
-    return window_of(window)
-
-
 def _fits_an_op(window: Any, sinks: Any) -> bool:
     """Whether the op can carry these arguments: a (left, right) window (or
     None) and sinks that are a tensor (or None); the core refuses the rest
     on every rank."""
-    return _window(window) is not False and (sinks is None or isinstance(sinks, torch.Tensor))
+    return op_window(window) is not False and (sinks is None or isinstance(sinks, torch.Tensor))
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *,
@@ -134,7 +130,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *,
                                            kernel=kernel, return_lse=return_lse, sinks=sinks)
     out, lse = decode_attention_op(q, k, v, sinks, _positions(q_positions, q),
                                    _positions(k_positions, q), comm.handle, causal,
-                                   _window(window), softmax_scale,
+                                   op_window(window), softmax_scale,
                                    None if kernel is None else kernel.handle)
     return (out, lse) if return_lse else out
 
@@ -156,7 +152,7 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *,
                                           sinks=sinks)
     out, lse = chunk_attention_op(q, k, v, sinks, _positions(q_positions, q),
                                   _positions(k_positions, q), comm.handle, causal,
-                                  _window(window),
+                                  op_window(window),
                                   softmax_scale, None if kernel is None else kernel.handle,
                                   method)
     return (out, lse) if return_lse else out

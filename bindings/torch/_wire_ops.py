@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import torch
 
-from ._attention_ops import FORWARD, _settings
+from ._attention_ops import FORWARD, attention_settings
 
 
 def refuse_gradients(comm, algorithm: str, wire: Optional[str], *tensors: torch.Tensor) -> None:
@@ -34,7 +34,7 @@ def attention_wire(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    ulysses_size: int, wire: str) -> torch.Tensor:
     """out of Ulysses or hybrid attention (``algorithm``) with q, k, v and
     out travelling as ``wire``, ``sinks`` in its softmax."""
-    settings = _settings(algorithm, comm, layout, causal, softmax_scale, cu_seqlens,
+    settings = attention_settings(algorithm, comm, layout, causal, softmax_scale, cu_seqlens,
                          cu_seqlens_values, window, mask, method, kernel, ulysses_size)
     return FORWARD[algorithm](q, k, v, wire=wire, sinks=sinks, **settings).contiguous()
 

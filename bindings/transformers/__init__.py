@@ -32,6 +32,9 @@ from typing import Optional
 
 from ._attention import LAYOUTS, mark_checked, register_attention
 from ._batch import shard_batch
+from ._batch import (
+    sharded_batch as sharded_batch,  # the batch without the model check (benchmarks of a layer)
+)
 from ._experts import expert_parallel, register_experts
 from ._generate import GENERATION, generate
 from ._gradients import allreduce_gradients

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from transformers.utils import ModelOutput
 
-from ..torch._recurrent import SummedOverRanks
+from ..torch import SummedOverRanks
 from ._attention import LAYOUTS
 from ._shard_records import ShardRecords
 from ._token_mixers import probing

@@ -63,7 +63,7 @@ from transformers.generation import GenerateDecoderOnlyOutput, GenerationConfig,
 from commlib.inference import ShardedKVCache, chunk_attention, decode_attention, striped
 from commlib.sequence.documents import local_index, packing_for
 
-from ..torch._inference import DecodeCache
+from ..torch import DecodeCache
 from ._attention import (
     LAYOUTS,
     SINKS,

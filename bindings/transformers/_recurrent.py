@@ -49,8 +49,7 @@ from transformers.activations import ACT2FN
 from commlib.recurrent.pieces import sharding
 from commlib.sequence.documents import as_offsets
 
-from ..torch import gated_delta_rule, mamba2_scan
-from ..torch._recurrent_state import halo
+from ..torch import gated_delta_rule, halo, mamba2_scan
 from ._attention import LAYOUTS, PositionCheck, layout_of
 from ._recurrent_generation import keep_states, prefill, replicated_states
 from ._token_mixers import Mixer, probed, probing

@@ -20,7 +20,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from ..sequence.documents import chunks_of
 from ..topology import Topology
-from .planner import Fabric, Plan, _exchange, _Spread, plan, probe
+from .planner import Fabric, Plan, Spread, exchange_seconds, plan, probe
 
 __all__ = ["RecurrentLayers", "RecurrentCost", "ModelPlan", "price_recurrent", "plan_model"]
 
@@ -85,17 +85,17 @@ def price_recurrent(size: int, seq_len: int, layers: RecurrentLayers, fabric: Fa
         return RecurrentCost(0.0, 0.0, seq_len * layers.flops_per_token()
                              * (3 if backward else 1) / fabric.flops)
     pieces = len(chunks_of(0, size, layout))
-    remote = _Spread.of(topology or Topology(0, (0,) * size), size).ulysses_remote
+    remote = Spread.of(topology or Topology(0, (0,) * size), size).ulysses_remote
     halo = pieces * _HALO * layers.channels * itemsize
     per_peer = pieces * layers.piece_bytes() + halo
     # the states' and the halo's exchanges, each after its agreement
     calls = 4 if layers.channels else 2
     received = per_peer * (size - 1)
-    seconds = _exchange(fabric, size, remote, per_peer, calls)
+    seconds = exchange_seconds(fabric, size, remote, per_peer, calls)
     if backward:
         back = pieces * layers.piece_bytes(gradient=True) + halo
         received += back * (size - 1)
-        seconds += _exchange(fabric, size, remote, back, calls)
+        seconds += exchange_seconds(fabric, size, remote, back, calls)
     scan = 2 * size * pieces * layers.heads * layers.rows * \
         (layers.rows if layers.matrix else 1) * layers.cols
     work = (seq_len / size) * layers.flops_per_token() + scan

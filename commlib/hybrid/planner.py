@@ -354,7 +354,7 @@ def probe(comm) -> Fabric:
 
 # -- the cost model --------------------------------------------------------------------
 @dataclass(frozen=True)
-class _Spread:
+class Spread:
     """Where a degree's groups sit: the most group (ring) peers a rank has
     on other hosts, and the most ranks of one host whose ring successor is
     on another host (0: the ring stays inside hosts)."""
@@ -364,7 +364,7 @@ class _Spread:
     ring_crossing: int
 
     @classmethod
-    def of(cls, topology: Topology, degree: int) -> "_Spread":
+    def of(cls, topology: Topology, degree: int) -> "Spread":
         node = topology.node_of_rank
         ulysses: dict = {}
         rings: dict = {}
@@ -384,7 +384,8 @@ class _Spread:
         return cls(remote(ulysses), remote(rings), max(crossing))
 
 
-def _exchange(fabric: Fabric, members: int, remote: int, per_peer: float, calls: int) -> float:
+def exchange_seconds(fabric: Fabric, members: int, remote: int, per_peer: float,
+                     calls: int) -> float:
     """``calls`` all-to-alls that send ``per_peer`` bytes between them to
     each of a group's other ``members - 1`` ranks, ``remote`` of them on
     other hosts: the bytes across hosts and those inside go at once."""
@@ -442,7 +443,7 @@ def price(size: int, degree: int, seq_len: int, num_heads: int, num_kv_heads: in
     # the ring's ranks hold their Ulysses groups' shards, as hybrid_attention's ring does
     placement = None if mask is None or ring == 1 else \
         Grouped(placement_for(layout, size, None, mask=mask), degree)
-    spread = _Spread.of(topology or Topology(0, (0,) * size), degree)
+    spread = Spread.of(topology or Topology(0, (0,) * size), degree)
     token = head_dim * itemsize
     # heads of the busiest rank, to which every all-to-all chunk is padded
     local = padded_heads(num_heads, degree, num_heads)
@@ -451,7 +452,7 @@ def price(size: int, degree: int, seq_len: int, num_heads: int, num_kv_heads: in
     # (the backward: q, k, v, dout, out in and dq, dk, dv back, twice the bytes)
     relaid = (2 * local + 2 * local_kv) * degree * (seq_len / size) * token
     ulysses_bytes = relaid * (degree - 1) / degree
-    ulysses_s = (_exchange(fabric, degree, spread.ulysses_remote, relaid / degree, 2)
+    ulysses_s = (exchange_seconds(fabric, degree, spread.ulysses_remote, relaid / degree, 2)
                  + 2 * relaid / fabric.memory_bandwidth) if degree > 1 else 0.0
     # ring: K and V of each of the other ring ranks' spans, kv heads of this group
     hop_bytes = 2 * (seq_len / ring) * local_kv * token
@@ -482,10 +483,10 @@ def price(size: int, degree: int, seq_len: int, num_heads: int, num_kv_heads: in
         ring_s = 0.0
     elif method in ("allgather", "sparse"):
         # one exposed collective (an all-to-all's rate); a merge at most
-        ring_s = _exchange(fabric, ring, spread.ring_remote, per_peer, 1) + merge
+        ring_s = exchange_seconds(fabric, ring, spread.ring_remote, per_peer, 1) + merge
         if backward:  # K and V again, dK and dV back to their owners (an all-to-all)
             gradient = per_peer * _GRADIENT_BYTES / itemsize
-            ring_s += _exchange(fabric, ring, spread.ring_remote, per_peer + gradient, 2)
+            ring_s += exchange_seconds(fabric, ring, spread.ring_remote, per_peer + gradient, 2)
     else:
         def exposed(seconds: float, step_work: float) -> float:
             return max(0.0, seconds - step_work) if fabric.overlap else seconds

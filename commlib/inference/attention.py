@@ -40,12 +40,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..kernels import Kernel, kernel_for
-from ..sequence.blockwise import attend, finish
 from ..kernels.merge import merge_all
 from ..kernels.sinks import apply_sinks, check_sinks, sinks_fact
 from ..namespace import accumulated, accumulator_dtype, detached, device, framework, namespace
 from ..ring.exchange import RingExchange
 from ..sequence.attention_call import agree_on_inputs, check_qkv, scale_of
+from ..sequence.blockwise import attend, finish
 from ..sequence.visibility import band_blocks, bounds
 
 __all__ = ["decode_attention", "chunk_attention", "prefill_bytes", "PREFILL_METHODS"]

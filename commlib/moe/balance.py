@@ -16,7 +16,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..dlpack import unwrap
-from .placement import _integer
+from .placement import checked_integer
 
 
 class BiasBalancer:
@@ -28,7 +28,7 @@ class BiasBalancer:
     """
 
     def __init__(self, num_experts: int, rate: float = 1e-3, recenter: bool = True) -> None:
-        self.num_experts = _integer("num_experts", num_experts)
+        self.num_experts = checked_integer("num_experts", num_experts)
         self.rate = _check_rate(rate)
         self.recenter = bool(recenter)
         self.bias = np.zeros(self.num_experts, dtype=np.float32)

@@ -49,7 +49,7 @@ class Placement:
 
     def __post_init__(self) -> None:
         for name in ("num_logical", "ranks", "nodes"):
-            object.__setattr__(self, name, _integer(name, getattr(self, name)))
+            object.__setattr__(self, name, checked_integer(name, getattr(self, name)))
         if self.ranks % self.nodes:
             raise ValueError(f"ranks ({self.ranks}) must be a multiple of nodes ({self.nodes})")
         given = np.asarray(self.physical_to_logical)
@@ -71,7 +71,7 @@ class Placement:
     @classmethod
     def identity(cls, num_experts: int, ranks: int, nodes: int = 1) -> "Placement":
         """Today's layout without replicas: expert e on rank e // (E // ranks)."""
-        if _integer("num_experts", num_experts) % _integer("ranks", ranks):
+        if checked_integer("num_experts", num_experts) % checked_integer("ranks", ranks):
             raise ValueError(f"num_experts ({num_experts}) must be a multiple of ranks ({ranks})")
         return cls(num_experts, ranks, nodes, np.arange(num_experts))
 
@@ -222,8 +222,8 @@ def rebalance(load: Any, *, ranks: int, nodes: int = 1, redundant: int = 0,
         raise ValueError(f"load must be 1-D (one value per logical expert) or 2-D (a row per "
                          f"layer), got shape {load.shape}")
     load = _load(load, load.size)
-    plan = _Plan(load, _integer("ranks", ranks), _integer("nodes", nodes), redundant, groups,
-                 drain)
+    plan = _Plan(load, checked_integer("ranks", ranks), checked_integer("nodes", nodes),
+                 redundant, groups, drain)
     candidates = plan.candidates()
     best = min(candidates, key=plan.imbalance)
     if current is None:
@@ -247,7 +247,7 @@ class _Plan:
                  groups: Optional[int], drain: Sequence[int]) -> None:
         if ranks % nodes:
             raise ValueError(f"ranks ({ranks}) must be a multiple of nodes ({nodes})")
-        redundant = _integer("redundant", redundant, least=0)
+        redundant = checked_integer("redundant", redundant, least=0)
         self.drained = sorted({operator.index(r) for r in drain})
         if any(not 0 <= r < ranks for r in self.drained) or len(self.drained) == ranks:
             raise ValueError(f"drain must name some, not all, of the ranks 0..{ranks - 1}: "
@@ -255,7 +255,7 @@ class _Plan:
         self.load, self.ranks, self.nodes = load, ranks, nodes
         self.active = np.setdiff1d(np.arange(ranks), self.drained)
         self.slots = -(-(load.size + redundant) // self.active.size)
-        if groups is not None and (_integer("groups", groups) > load.size
+        if groups is not None and (checked_integer("groups", groups) > load.size
                                    or load.size % groups):
             raise ValueError(f"groups ({groups}) must divide the {load.size} experts")
         hierarchical = groups is not None and nodes > 1 and groups % nodes == 0 and not self.drained
@@ -549,7 +549,7 @@ def _load(load: Any, num_logical: int) -> np.ndarray:
     return load
 
 
-def _integer(name: str, value: Any, least: int = 1) -> int:
+def checked_integer(name: str, value: Any, least: int = 1) -> int:
     try:
         value = operator.index(value)
     except TypeError:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Tuple
 import numpy as np
 
 from ..sequence.documents import PADDING, chunk_count
-from ..sequence.layout import _placement
+from ..sequence.layout import shard_placement
 
 __all__ = ["Piece", "Sharding", "sharding", "pieces", "agreed_sharding"]
 
@@ -112,7 +112,7 @@ def sharding(comm, local_length: Optional[int], *, layout: str, cu_seqlens: Any 
     ``mask`` any length cuts the same way, so a nominal one is used)."""
     if local_length is None and cu_seqlens is None and mask is None:
         local_length = chunk_count(comm.size, layout) // comm.size
-    placement = _placement(comm, layout, None, cu_seqlens, mask, local_length)
+    placement = shard_placement(comm, layout, None, cu_seqlens, mask, local_length)
     return Sharding(tuple(_maximal_pieces(placement.spans(rank)) for rank in range(comm.size)))
 
 

@@ -30,10 +30,10 @@ from typing import Any, Optional
 import numpy as np
 
 from ..kernels import Kernel
-from ..sequence.blockwise import attend, attend_backward, finish
 from ..kernels.sinks import with_sink_gradient
 from ..namespace import contiguous, detached, device, namespace
 from ..sequence.attention_call import AttentionCall, backward_extras, prepare
+from ..sequence.blockwise import attend, attend_backward, finish
 from .exchange import RingExchange
 from .sparse import SPARSE_SHARE, routes, sparse_backward, sparse_forward
 

@@ -29,9 +29,9 @@ from typing import Any, List, Tuple
 
 import numpy as np
 
-from ..sequence.blockwise import attend, attend_backward
 from ..namespace import accumulator_dtype, contiguous, device, namespace, sum_rows
 from ..sequence.balanced import held_ranges
+from ..sequence.blockwise import attend, attend_backward
 from ..sequence.documents import Span, local_index
 from ..sequence.visibility import mask_blocks
 

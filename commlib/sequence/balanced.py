@@ -37,11 +37,11 @@ import numpy as np
 from .documents import (
     PADDING,
     Span,
-    _in_order,
-    _joined,
     check_layout,
+    joined_spans,
     needed_length,
     packing_for,
+    spans_in_order,
 )
 from .masks import covered
 
@@ -88,7 +88,7 @@ class Assigned:
         return tuple(s for rank in range(self.size) for s in self.spans(rank))
 
     def in_order(self) -> Tuple[np.ndarray, Tuple[Span, ...]]:
-        return _in_order(self)
+        return spans_in_order(self)
 
 
 @functools.lru_cache(maxsize=256)
@@ -102,7 +102,7 @@ def _spans(placement: Assigned, rank: int) -> Tuple[Span, ...]:
     held = sum(s.length for s in spans)
     if placement.local_length > held:
         spans.append(Span(PADDING, 0, placement.local_length - held, -1))
-    return _joined(spans)
+    return joined_spans(spans)
 
 
 def chunk_size(length: int, size: int) -> int:

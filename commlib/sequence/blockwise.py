@@ -16,10 +16,10 @@ from typing import Any, Optional, Sequence, Tuple
 
 import array_api_extra as xpx
 
-from ..namespace import accumulator_dtype, device, namespace
 from ..kernels import Kernel
 from ..kernels.merge import merge
 from ..kernels.sinks import apply_sinks
+from ..namespace import accumulator_dtype, device, namespace
 from .visibility import Block
 
 State = Optional[Tuple[Any, Any]]

@@ -119,7 +119,7 @@ class Packing:
         spans are ``spans``. Attending to one run per document takes two
         kernel calls per query chunk (the keys before it, the diagonal)
         where rank order takes one per rank."""
-        return _in_order(self)
+        return spans_in_order(self)
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ class Grouped:
 
     def spans(self, holder: int) -> Tuple[Span, ...]:
         first = holder * self.group_size
-        return _joined([s for rank in range(first, first + self.group_size)
+        return joined_spans([s for rank in range(first, first + self.group_size)
                         for s in self.packing.spans(rank)])
 
     def in_order(self) -> Tuple[np.ndarray, Tuple[Span, ...]]:
@@ -214,7 +214,7 @@ def _spans(packing: Packing, rank: int) -> Tuple[Span, ...]:
         chunk = packing.local_length * size // n
         for c in chunks_of(rank, size, layout):
             spans += _interval(offsets, c * chunk, (c + 1) * chunk)
-        return _joined(spans)
+        return joined_spans(spans)
     for doc, (start, stop) in enumerate(zip(offsets[:-1], offsets[1:])):
         chunk = -(-(stop - start) // n)
         for c in chunks_of(rank, size, layout):
@@ -223,10 +223,10 @@ def _spans(packing: Packing, rank: int) -> Tuple[Span, ...]:
                 spans.append(Span(doc, c * chunk, real, start + c * chunk))
             if chunk - real:
                 spans.append(Span(PADDING, 0, chunk - real, -1))
-    return _joined(spans)
+    return joined_spans(spans)
 
 
-def _joined(spans: List[Span]) -> Tuple[Span, ...]:
+def joined_spans(spans: List[Span]) -> Tuple[Span, ...]:
     """Adjacent spans that continue each other merged (padding with padding)."""
     joined: List[Span] = []
     for span in spans:
@@ -240,12 +240,12 @@ def _joined(spans: List[Span]) -> Tuple[Span, ...]:
 
 
 @functools.lru_cache(maxsize=64)
-def _in_order(packing: Packing) -> Tuple[np.ndarray, Tuple[Span, ...]]:
+def spans_in_order(packing: Packing) -> Tuple[np.ndarray, Tuple[Span, ...]]:
     index = np.concatenate([local_index(packing, rank) for rank in range(packing.size)])
     real = np.flatnonzero(index >= 0)
     order = np.concatenate([real[np.argsort(index[real], kind="stable")],
                             np.flatnonzero(index < 0)])
-    return order, _joined(_interval(packing.offsets, 0, index.size))
+    return order, joined_spans(_interval(packing.offsets, 0, index.size))
 
 
 def local_index(packing: Packing, rank: int) -> np.ndarray:

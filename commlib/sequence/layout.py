@@ -50,7 +50,7 @@ def shard_sequence(x: Any, comm, *, layout: str, axis: int = 1,
     document: give it the documents' ``cu_seqlens`` (without them the
     sequence is one document). ``balanced`` spreads the work of ``mask``
     (``commlib.sequence.masks.Mask``, of x's length) evenly (``commlib.sequence.balanced``)."""
-    placement = _placement(comm, layout, x.shape[axis], cu_seqlens, mask, None)
+    placement = shard_placement(comm, layout, x.shape[axis], cu_seqlens, mask, None)
     xp = namespace(x)
     pieces = [_padding(x, axis, s.length) if s.doc == PADDING else
               _along(x, axis, s.origin, s.origin + s.length)
@@ -68,7 +68,7 @@ def unshard_sequence(x: Any, comm, *, layout: str, axis: int = 1,
     local = x.shape[axis]
     if length is None and mask is not None:
         length = mask.length
-    placement = _placement(comm, layout, length, cu_seqlens, mask, local)
+    placement = shard_placement(comm, layout, length, cu_seqlens, mask, local)
     gathered = comm.allgather(x, axis=axis)
     placed: List[tuple] = []
     at = 0
@@ -80,7 +80,7 @@ def unshard_sequence(x: Any, comm, *, layout: str, axis: int = 1,
     return xp.concat(pieces, axis=axis) if len(pieces) > 1 else pieces[0]
 
 
-def _placement(comm, layout: str, length: Optional[int], cu_seqlens: Any, mask: Any,
+def shard_placement(comm, layout: str, length: Optional[int], cu_seqlens: Any, mask: Any,
                local: Optional[int]) -> Any:
     """Where every rank's tokens sit, for shards of ``local`` tokens (None:
     the length the layout gives) of a sequence of ``length`` tokens (None:

@@ -17,10 +17,10 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ..kernels import Kernel
-from ..sequence.blockwise import attend, attend_backward, finish
 from ..kernels.sinks import with_sink_gradient
 from ..namespace import detached, device
 from ..sequence.attention_call import AttentionCall, backward_extras, prepare
+from ..sequence.blockwise import attend, attend_backward, finish
 from .relayout import (
     check_heads,
     head_to_seq,

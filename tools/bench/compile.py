@@ -64,8 +64,7 @@ def _block(comm, family: str, hidden: int, seq: int):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer
 
     from commlib.bindings import transformers as cht
-    from commlib.bindings.transformers._attention import LAYOUTS, mark_checked
-    from commlib.bindings.transformers._batch import sharded_batch
+    from commlib.bindings.transformers import LAYOUTS, mark_checked, sharded_batch
 
     cht.register(comm)
     common = dict(hidden_size=hidden, num_attention_heads=HEADS, num_key_value_heads=HEADS,

@@ -64,7 +64,7 @@ def main(seq: int, heads: int, head_dim: int, repeats: int, alone: bool) -> None
     import commlib
     from commlib.bindings import jax as cj
     from commlib.bindings import torch as ct
-    from commlib.bindings.jax._traced_comm import traced
+    from commlib.bindings.jax import traced
 
     torch.set_num_threads(1)
     comm = commlib.init(backend="mpi", abort_on_error=True)

@@ -34,9 +34,9 @@ from mpi4py import MPI
 
 import commlib
 from commlib import hybrid, ring
-from commlib.sequence import balanced
 from commlib.bindings import torch as ct
 from commlib.ring.sparse import SPARSE_SHARE, routes
+from commlib.sequence import balanced
 from commlib.sequence.common_masks import block_diagonal, multimodal, prefix_lm, shared_prefix
 from commlib.sequence.masks import Mask, from_cu_seqlens
 from commlib.tools.bench.timing import best_slowest, first_rank_alone, json_option, write_json
