@@ -21,6 +21,7 @@ import click
 
 import commlib
 from commlib.namespace import FRAMEWORKS
+from commlib.tools.nccl_version import nccl_version
 from commlib.tools.relaunch import relaunchable
 from commlib.tools.world import describe_topology, world
 
@@ -70,25 +71,6 @@ def info_lines(comm: commlib.Communicator) -> List[str]:
         f"cuda-aware  {_cuda_aware_decision()}",
         "frameworks  " + ", ".join(_framework_status(name) for name in FRAMEWORKS),
     ]
-
-
-def nccl_version() -> str:
-    """NCCL's version as CuPy reports it (e.g. 22005 -> 2.20.5), or why not.
-    Any failure (no CuPy, no NCCL, no driver) is a fact to print, not an error."""
-    try:
-        from cupy.cuda import nccl as cupy_nccl
-
-        code = int(cupy_nccl.get_version())
-    except Exception as error:  # noqa: BLE001 - every failure is reported
-        return f"unknown ({type(error).__name__})"
-    return nccl_version_text(code)
-
-
-def nccl_version_text(code: int) -> str:
-    """NCCL's version code as a version: 22005 -> 2.20.5 (2.9 and older: 2904)."""
-    major, rest = divmod(code, 10000) if code >= 10000 else divmod(code, 1000)
-    minor, patch = divmod(rest, 100)
-    return f"{major}.{minor}.{patch}"
 
 
 def _gpu_count() -> str:

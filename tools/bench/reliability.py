@@ -23,8 +23,8 @@ import numpy as np
 from mpi4py import MPI
 
 import commlib
-from commlib.tools.bench.alltoallv import make_rows, mpi4py_exchange, parse_size, send_counts
 from commlib.tools.bench.timing import auto_iters, time_interleaved, write_json
+from commlib.tools.bench.workload import make_rows, mpi4py_exchange, parse_size, send_counts
 
 SIZES = ("4K", "16M")
 

@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import click
 
-from commlib.tools.cli import nccl_version_text
+from commlib.tools.nccl_version import nccl_version, nccl_version_text
 
 # imported by the steps: each must import before any step runs
 STEP_MODULES = ("commlib.bindings.torch", "commlib.bindings.jax", "commlib.bindings.transformers",
@@ -105,7 +105,6 @@ def check_nccl(setting: Setting) -> str:
     from cupy.cuda import nccl as cupy_nccl
 
     from commlib.backends import nccl
-    from commlib.tools.cli import nccl_version
     if not getattr(cupy_nccl, "available", False):
         raise PreflightError(f"CuPy finds no NCCL library: {nccl.install_hint()}")
     found = f"NCCL {nccl_version()}"
