@@ -55,15 +55,15 @@ class Rebalancer:
         """After a decode step: moves started one step ago finish and the
         modules switch; every ``every`` steps, new moves start."""
         self.steps += 1
-        self.finish()
+        self.wait()
         if self.steps % self.every == 0:
             self._start()
 
-    def finish(self) -> None:
+    def wait(self) -> None:
         """The moves in flight arrive, and their modules switch (collective)."""
         moving, self.moving = self.moving, []
         for module, placement, pending in moving:
-            relayout(module, placement, pending.finish())
+            relayout(module, placement, pending.wait())
             self.counted[id(module)] = np.zeros(module.num_experts, np.int64)
 
     def _start(self) -> None:

@@ -722,7 +722,7 @@ def _decode(model, input_ids: torch.Tensor, cache: ShardedKVCache, comm,
     if stepper is not None:
         stepper.finish(sequences.shape[1] - 1)
     if rebalancer is not None:
-        rebalancer.finish()
+        rebalancer.wait()
     return sequences, scores
 
 

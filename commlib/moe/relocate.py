@@ -43,7 +43,7 @@ def move_expert_weights(comm, weights: Any, current: Placement, new: Placement, 
     """``weights`` laid out by slot under ``current`` (one array or a dict of
     arrays, each ``[current.slots_per_rank, ...]``), returned laid out by
     slot under ``new`` (``[new.slots_per_rank, ...]``, the same structure,
-    framework and dtypes). Collective: ``start_expert_move(...).finish()``.
+    framework and dtypes). Collective: ``start_expert_move(...).wait()``.
 
     Only what moves travels, in one ``alltoallv`` (none when nothing moves):
     a rank receives each logical expert it gains and holds nowhere now once,
@@ -64,17 +64,17 @@ def move_expert_weights(comm, weights: Any, current: Placement, new: Placement, 
     ``current.slots_per_rank``, ``in_place`` with JAX arrays or another
     slot count), ``CollectiveMismatchError`` on every rank.
     """
-    return start_expert_move(comm, weights, current, new, in_place=in_place).finish()
+    return start_expert_move(comm, weights, current, new, in_place=in_place).wait()
 
 
 def start_expert_move(comm, weights: Any, current: Placement, new: Placement, *,
                       in_place: bool = False) -> "PendingMove":
     """``move_expert_weights`` started: the rows that travel are packed and
     posted, and this returns while they cross, so that a server keeps
-    answering with ``weights`` (``current``'s layout) meanwhile; ``finish()``
+    answering with ``weights`` (``current``'s layout) meanwhile; ``wait()``
     waits for them and returns the new layout. Collective, like every
     collective started in the same order on every rank. The rows sent are
-    read now, the rows kept at ``finish()``: ``weights`` must not change in
+    read now, the rows kept at ``wait()``: ``weights`` must not change in
     between."""
     arrays, rebuild = _flatten(weights)
     problem = _placements_problem(comm, current, new) or _arrays_problem(arrays, current) \
@@ -104,22 +104,23 @@ def start_expert_move(comm, weights: Any, current: Placement, new: Placement, *,
 
 class PendingMove:
     """A move of expert weights in flight (``start_expert_move``).
-    ``finish()`` (once, on every rank) waits for the rows on the wire and
+    ``wait()`` (once, on every rank, as for every in-flight object) waits for
+    the rows on the wire and
     returns the weights laid out by the new placement's slots. Dropped
     unfinished, its exchange is abandoned as any ``Pending``'s is."""
 
     def __init__(self, arrays: List[Any], rebuild, source: List[int], pending: Any,
                  changed: Optional[List[int]] = None, given: Any = None):
         self._arrays, self._rebuild, self._source = arrays, rebuild, source
-        self._pending, self._finished = pending, False
+        self._pending, self._done = pending, False
         # in place: the slots to overwrite (in ``arrays``, views of the arrays given that
         # autograd does not watch), and what was given, returned as it is
         self._changed, self._given = changed, given
 
-    def finish(self) -> Any:
-        if self._finished:
-            raise RuntimeError("this expert move was already finished")
-        self._finished = True
+    def wait(self) -> Any:
+        if self._done:
+            raise RuntimeError("this expert move was already waited for")
+        self._done = True
         received = [None] * len(self._arrays) if self._pending is None else \
             _unpack(self._pending.wait(), self._arrays)
         if self._changed is None:

@@ -6,7 +6,7 @@ rebalanced from it, to and from a drained rank), several arrays of
 different dtypes and shapes in one exchange, in NumPy, torch and JAX;
 the bytes on the wire are exactly the weights that move, and none when
 nothing does; a started move (``start_expert_move``) lets other
-collectives run before its ``finish()``. ``sum_replica_gradients`` equals the sum over replicas
+collectives run before its ``wait()``. ``sum_replica_gradients`` equals the sum over replicas
 computed from every rank's slots, and leaves replicas bitwise equal. Bad
 input is refused on every rank.
 
@@ -179,7 +179,7 @@ def test_an_in_place_move_returns_the_parameters_it_was_given(world, started):
 
     def move(weights, before, after):
         if started:
-            return moe.start_expert_move(world, weights, before, after, in_place=True).finish()
+            return moe.start_expert_move(world, weights, before, after, in_place=True).wait()
         return moe.move_expert_weights(world, weights, before, after, in_place=True)
     given = {"w_in": layer.w_in, "bias": layer.bias}
     moved = move(given, current, new)
@@ -216,20 +216,20 @@ def test_a_single_array_and_nothing_sent_when_nothing_moves(world):
 def test_a_started_move_lets_other_collectives_run_until_it_finishes(world):
     """``start_expert_move`` returns with the rows on the wire; collectives in
     between (a server answering with the old weights: its dispatch's
-    ``alltoallv``) run and return their own rows; ``finish()`` gives what
+    ``alltoallv``) run and return their own rows; ``wait()`` gives what
     ``move_expert_weights`` gives, once."""
     _, current, new = _placements(world)[1]
     mine = _mine(world, "torch", _experts(current.num_logical), current)
     pending = moe.start_expert_move(world, mine, current, new)
     ids = np.full((world.size, 2), world.rank, np.int64)
     answered, _ = world.alltoallv(ids, np.ones(world.size, np.int64))
-    moved = pending.finish()
+    moved = pending.wait()
     direct = moe.move_expert_weights(world, mine, current, new)
     assert all_ranks(np.array_equal(answered, np.repeat(np.arange(world.size)[:, None], 2, 1))
                      and all(np.array_equal(_bits(_from(moved[k])), _bits(_from(direct[k])))
                              for k in direct))
-    with pytest.raises(RuntimeError, match="already finished"):
-        pending.finish()
+    with pytest.raises(RuntimeError, match="already waited for"):
+        pending.wait()
 
 
 @pytest.mark.full  # torch.optim's first step costs 4 s of imports
