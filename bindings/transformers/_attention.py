@@ -121,7 +121,7 @@ def _hybrid(comm, ulysses_size: Optional[int]) -> Attend:
     ring method the planner picks for each shape (planned once per shape: the
     first plan probes the fabric, a collective every rank reaches at the same
     layer)."""
-    planned: Dict[Tuple[Any, ...], hybrid.Plan] = {}
+    planned: Dict[Tuple[Any, ...], hybrid.SplitPlan] = {}
 
     # a constant to torch.compile: run (and the fabric probed) when traced,
     # not traced into (the probe's MPI calls would break the graph)

@@ -3,7 +3,7 @@ the Ulysses degree from head counts and the fabric's measured speed."""
 
 from .attention import hybrid_attention, hybrid_attention_backward
 from .model_plan import ModelPlan, RecurrentLayers, plan_model
-from .planner import Plan, plan
+from .planner import SplitPlan, plan
 
-__all__ = ["hybrid_attention", "hybrid_attention_backward", "plan", "Plan", "plan_model",
+__all__ = ["hybrid_attention", "hybrid_attention_backward", "plan", "SplitPlan", "plan_model",
            "ModelPlan", "RecurrentLayers"]

@@ -20,7 +20,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from ..sequence.documents import chunks_of
 from ..topology import Topology
-from .planner import Fabric, Plan, Spread, exchange_seconds, plan, probe
+from .planner import Fabric, SplitPlan, Spread, exchange_seconds, plan, probe
 
 __all__ = ["RecurrentLayers", "RecurrentCost", "ModelPlan", "price_recurrent", "plan_model"]
 
@@ -110,7 +110,7 @@ class ModelPlan:
     of every layout, per step (forward, and backward where planned so)."""
 
     layout: str
-    plan: Plan
+    plan: SplitPlan
     attention_layers: int
     recurrent_layers: int
     recurrent: Optional[RecurrentCost]

@@ -199,10 +199,11 @@ class Candidate:
 
 
 @dataclass(frozen=True)
-class Plan:
-    """The planner's pick: ``ulysses_size`` x ``ring_size`` = world size,
-    the ring run as ``method`` ("ring", "allgather" or "sparse"); priced per forward,
-    or per forward and backward where ``backward``."""
+class SplitPlan:
+    """The planner's pick, the split of the ranks between Ulysses and the
+    ring: ``ulysses_size`` x ``ring_size`` = world size, the ring run as
+    ``method`` ("ring", "allgather" or "sparse"); priced per forward, or per
+    forward and backward where ``backward``."""
 
     ulysses_size: int
     ring_size: int
@@ -505,7 +506,7 @@ def price(size: int, degree: int, seq_len: int, num_heads: int, num_kv_heads: in
 def plan(comm, seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
          itemsize: int = 2, *, causal: bool, layout: str, mask: Optional[Mask] = None,
          methods: Optional[Sequence[str]] = None, backward: bool = False,
-         fabric: Optional[Fabric] = None) -> Plan:
+         fabric: Optional[Fabric] = None) -> SplitPlan:
     """The cheapest allowed Ulysses x Ring split of ``comm`` for this shape,
     and the cheapest of ``methods`` for its ring (None: "ring" and
     "allgather", and "sparse" with a mask), by the cost model over the
@@ -535,5 +536,5 @@ def plan(comm, seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
     if not candidates:
         raise ValueError("no Ulysses x Ring split fits: " + "; ".join(rejected))
     best = min(candidates, key=lambda c: c.seconds)
-    return Plan(best.ulysses_size, best.ring_size, best.seconds, candidates, rejected, fabric,
+    return SplitPlan(best.ulysses_size, best.ring_size, best.seconds, candidates, rejected, fabric,
                 best.method, backward)
