@@ -23,7 +23,8 @@ from .visibility import blocks, bounds, mask_blocks
 Extra = Tuple[Tuple[str, Any, tuple], ...]
 
 ATTENTION_DTYPES = ("float32", "bfloat16", "float16", "float64")
-Placement = Union[Packing, Assigned, Grouped]
+# where each token of the sequence sits: its rank and place (the MoE experts have moe.Placement)
+TokenPlacement = Union[Packing, Assigned, Grouped]
 
 
 def check_qkv(q: Any, k: Any, v: Any, extra: Extra = (), same_length: bool = True) -> None:
@@ -89,7 +90,7 @@ class AttentionCall:
     xp: Any
     kernel: Kernel
     scale: float
-    placement: Placement
+    placement: TokenPlacement
     lo: int
     hi: int
     mask: Optional[Mask] = None
@@ -149,7 +150,7 @@ def prepare(comm, op: str, q: Any, k: Any, v: Any, *, layout: str, causal: bool,
     return AttentionCall(namespace(q), kernel or kernel_for(q), scale, packing, *visible, mask)
 
 
-def _documents(packing: Optional[Placement]) -> str:
+def _documents(packing: Optional[TokenPlacement]) -> str:
     """A short digest of the documents, for the cross-rank agreement."""
     if packing is None:
         return "unreadable"
