@@ -39,7 +39,7 @@ def events(monkeypatch):
     """(what, decode steps so far, moves in flight) at each rebalance's
     start (after it) and each switch (before it)."""
     seen = []
-    start, finish = _expert_rebalance.Rebalancer._start, _expert_rebalance.Rebalancer.finish
+    start, wait = _expert_rebalance.Rebalancer._start, _expert_rebalance.Rebalancer.wait
 
     def started(self):
         start(self)
@@ -47,9 +47,9 @@ def events(monkeypatch):
 
     def switched(self):
         seen.append(("switch", self.steps, len(self.moving)))
-        finish(self)
+        wait(self)
     monkeypatch.setattr(_expert_rebalance.Rebalancer, "_start", started)
-    monkeypatch.setattr(_expert_rebalance.Rebalancer, "finish", switched)
+    monkeypatch.setattr(_expert_rebalance.Rebalancer, "wait", switched)
     return seen
 
 
