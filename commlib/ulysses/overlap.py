@@ -26,6 +26,7 @@ from typing import Any, Callable, List, Optional, Tuple
 from ..kernels import Kernel
 from ..namespace import detached, namespace
 from ..sequence.attention_call import prepare
+from ..sequence.options import AttentionOptions
 from .attention import ulysses_forward
 from .relayout import check_heads, head_to_seq_async, lse_to_seq, seq_to_head_async
 from .wire import check_wire
@@ -93,10 +94,10 @@ def ulysses_attention_overlapped(project: Project, comm, *, num_heads: int,
         comm.agree("ulysses_attention_overlapped", problem=error)
         raise  # not reached: agree raised on every rank
     q, k, v = first
-    call = prepare(comm, "ulysses_attention_overlapped", q, k, v, layout=layout, causal=causal,
-                   softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window,
-                   mask=mask, kernel=kernel, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                   groups=groups, wire=wire)
+    options = AttentionOptions(causal=causal, window=window, cu_seqlens=cu_seqlens, mask=mask,
+                               softmax_scale=softmax_scale, kernel=kernel, wire=wire)
+    call = prepare(comm, "ulysses_attention_overlapped", q, k, v, options, layout=layout,
+                   num_heads=num_heads, num_kv_heads=num_kv_heads, groups=groups)
     per_group = spans[0][0].stop - spans[0][0].start
     arriving = [seq_to_head_async(first, comm, per_group, wire)]
     leaving, lses = [], []
