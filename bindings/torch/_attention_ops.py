@@ -174,17 +174,3 @@ def _head_to_seq_gradient(ctx, grad):
 seq_to_head.register_autograd(_seq_to_head_gradient, setup_context=_save_seq_to_head)
 head_to_seq.register_autograd(_head_to_seq_gradient, setup_context=_save_head_to_seq)
 
-
-def op_window(window: Any) -> Any:
-    """(left, right) as the op's [left, right] (-1: unbounded), None, or
-    False where it is not a pair of ints (or None) the core would accept."""
-    if window is None:
-        return None
-    try:
-        left, right = window
-    except (TypeError, ValueError):
-        return False
-    if not all(r is None or (isinstance(r, int) and not isinstance(r, bool))
-               for r in (left, right)):
-        return False
-    return [-1 if r is None else r for r in (left, right)]
