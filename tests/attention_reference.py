@@ -88,13 +88,12 @@ def relative_error(got, want) -> float:
     return float(np.abs(got - want).max(initial=0.0) / max(1.0, np.abs(want).max(initial=0.0)))
 
 
-def sink_reference(q, k, v, dout, mask, sinks, scale=None, softcap=None):
+def sink_reference(q, k, v, dout, mask, sinks, scale=None):
     """(out, dq, dk, dv, dsinks) of attention with sinks on the unsharded
     sequence, float64, through autograd: gpt-oss's eager softmax, written
     out (scores and one sink column per head, softmax, the sink's column
-    dropped), under the boolean ``mask`` [s_q, s_k] (True = visible); with
-    ``softcap``, ``eager_reference``'s capped scores."""
-    return eager_reference(q, k, v, dout, mask, sinks=sinks, softcap=softcap, scale=scale)
+    dropped), under the boolean ``mask`` [s_q, s_k] (True = visible)."""
+    return eager_reference(q, k, v, dout, mask, sinks=sinks, scale=scale)
 
 
 def eager_reference(q, k, v, dout, mask, sinks=None, softcap=None, scale=None):

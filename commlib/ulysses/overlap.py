@@ -71,7 +71,8 @@ def ulysses_attention_overlapped(project: Project, comm, *, num_heads: int,
                                  causal: bool, softmax_scale: Optional[float] = None,
                                  return_lse: bool = False, cu_seqlens: Any = None,
                                  window: Any = None, mask: Any = None,
-                                 kernel: Optional[Kernel] = None, wire: Optional[str] = None):
+                                 kernel: Optional[Kernel] = None, wire: Optional[str] = None,
+                                 softcap: Optional[float] = None):
     """``ulysses_attention`` of the q, k, v that ``project(heads, kv_heads)``
     makes group by group: given two slices of head indices (the group's
     query heads and kv heads, ``head_groups``), it returns this rank's
@@ -95,7 +96,8 @@ def ulysses_attention_overlapped(project: Project, comm, *, num_heads: int,
         raise  # not reached: agree raised on every rank
     q, k, v = first
     options = AttentionOptions(causal=causal, window=window, cu_seqlens=cu_seqlens, mask=mask,
-                               softmax_scale=softmax_scale, kernel=kernel, wire=wire)
+                               softmax_scale=softmax_scale, softcap=softcap, kernel=kernel,
+                               wire=wire)
     call = prepare(comm, "ulysses_attention_overlapped", q, k, v, options, layout=layout,
                    num_heads=num_heads, num_kv_heads=num_kv_heads, groups=groups)
     per_group = spans[0][0].stop - spans[0][0].start

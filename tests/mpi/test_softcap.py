@@ -3,7 +3,8 @@ before the softmax) in every attention: ring, all-gather, sparse, Ulysses
 and the hybrid, forward and backward, with sinks, windows and packed
 documents, against the eager float64 reference written out step by step
 (tests/attention_reference.py's ``eager_reference``); the torch and JAX
-bindings; decode and chunk attention over the sharded cache; a bad cap (not
+bindings; Ulysses overlapped with the projection; decode and chunk
+attention over the sharded cache; a bad cap (not
 positive, not finite, not a number, different across ranks) and a kernel
 that cannot cap refused on every rank. The conformance matrix
 (test_conformance.py) crosses softcap with every other option pairwise."""
@@ -147,6 +148,21 @@ def test_torch_under_a_cap_runs_the_tiled_kernel_not_sdpa(comm):
     names = [{e.name for e in p.events()} for p in (capped, plain)]
     sdpa = "aten::_scaled_dot_product_flash_attention_for_cpu"
     assert all_ranks(sdpa not in names[0] and "aten::tanh" in names[0] and sdpa in names[1])
+
+
+def test_ulysses_overlapped_with_the_projection_caps(comm):
+    """ulysses_attention_overlapped (head groups pipelined with the caller's
+    projection) under a cap: out against the eager capped softmax."""
+    full, _ = _global(12, 12, seed=4)
+    mine = [ring.shard_sequence(x, comm, layout="zigzag") for x in full[:3]]
+
+    def project(heads, kv_heads):
+        return mine[0][:, :, heads], mine[1][:, :, kv_heads], mine[2][:, :, kv_heads]
+    out = ulysses.ulysses_attention_overlapped(project, comm, num_heads=12, groups=2,
+                                               layout="zigzag", causal=True, softcap=CAP)
+    want = eager_reference(*full, document_mask(SEQ, None, True), softcap=CAP)[0]
+    got = ring.unshard_sequence(out, comm, layout="zigzag")
+    assert all_ranks(relative_error(got, want) <= 1e-10)
 
 
 # -- inference: decode and a chunk over the sharded cache --------------------
