@@ -52,7 +52,8 @@ def _differentiable(forward, backward):
         comm, layout, extra, options = call
         comm = traced(comm)
         with comm.ordered():
-            return forward(options, q, k, v, comm, *extra, layout=layout, sinks=sinks)
+            return forward(options, q, k, v, comm, *extra, layout=layout, sinks=sinks,
+                           return_lse=True)
 
     def attend_fwd(q, k, v, sinks, call):
         out, lse = _forward(q, k, v, sinks, call)

@@ -52,7 +52,8 @@ def _attention(q, k, v, comm, algorithm: str, options: AttentionOptions, *, layo
     documents = options.cu_seqlens if isinstance(options.cu_seqlens, torch.Tensor) else None
     values = (options if documents is None else options.without("cu_seqlens")).graph_values()
     if values is None or not (sinks is None or isinstance(sinks, torch.Tensor)):
-        return _ops.forward(algorithm, options, q, k, v, comm, layout, ulysses_size, sinks)[0]
+        return _ops.forward(algorithm, options, q, k, v, comm, layout, ulysses_size, sinks,
+                            return_lse=False)
     op_args = (q, k, v, sinks, documents, algorithm, comm.handle, layout, ulysses_size, *values)
     if options.wire is not None:
         return _wire_ops.attention_wire(*op_args)

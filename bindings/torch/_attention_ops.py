@@ -19,7 +19,7 @@ reaches every op without a change here.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Optional, Tuple
+from typing import Any, Optional
 
 import torch
 
@@ -39,13 +39,14 @@ CALL = "str algorithm, str comm, str layout, int ulysses_size, " + graph_schema(
 
 
 def forward(algorithm: str, options: AttentionOptions, q: Any, k: Any, v: Any, comm, layout: str,
-            ulysses_size: int, sinks: Any) -> Tuple[Any, Any]:
-    """(out, lse) of the core's ring, Ulysses or hybrid attention."""
+            ulysses_size: int, sinks: Any, return_lse: bool) -> Any:
+    """out (and lse, with ``return_lse``) of the core's ring, Ulysses or
+    hybrid attention."""
     if algorithm == "hybrid":
         return hybrid_attention_with(options, q, k, v, comm, ulysses_size, layout=layout,
-                                     sinks=sinks)
+                                     sinks=sinks, return_lse=return_lse)
     run = ring_attention_with if algorithm == "ring" else ulysses_attention_with
-    return run(options, q, k, v, comm, layout=layout, sinks=sinks)
+    return run(options, q, k, v, comm, layout=layout, sinks=sinks, return_lse=return_lse)
 
 
 def _backward(algorithm: str, options: AttentionOptions, dout, q, k, v, out, lse, comm,
@@ -67,7 +68,7 @@ def options_of(cu_seqlens: Optional[torch.Tensor], values: tuple) -> AttentionOp
 
 def _attention(q, k, v, sinks, cu_seqlens, algorithm, comm, layout, ulysses_size, *values):
     out, lse = forward(algorithm, options_of(cu_seqlens, values), q, k, v,
-                       graph_names.lookup(comm), layout, ulysses_size, sinks)
+                       graph_names.lookup(comm), layout, ulysses_size, sinks, return_lse=True)
     # the fake's layouts: a compiled graph checks strides (lse may be a transposed view)
     return out.contiguous(), lse.contiguous()
 

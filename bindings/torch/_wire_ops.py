@@ -27,9 +27,8 @@ def refuse_gradients(comm, algorithm: str, wire: Optional[str], *tensors: torch.
 
 
 def _attention_wire(q, k, v, sinks, cu_seqlens, algorithm, comm, layout, ulysses_size, *values):
-    out, _ = forward(algorithm, options_of(cu_seqlens, values), q, k, v,
-                     graph_names.lookup(comm), layout, ulysses_size, sinks)
-    return out.contiguous()
+    return forward(algorithm, options_of(cu_seqlens, values), q, k, v, graph_names.lookup(comm),
+                   layout, ulysses_size, sinks, return_lse=False).contiguous()
 
 
 attention_wire = torch.library.custom_op(

@@ -81,15 +81,15 @@ def hybrid_attention(q: Any, k: Any, v: Any, comm, ulysses_size: int, *, layout:
     options = AttentionOptions(causal=causal, window=window, cu_seqlens=cu_seqlens, mask=mask,
                                softmax_scale=softmax_scale, softcap=softcap, kernel=kernel,
                                method=method, wire=wire)
-    out, lse = hybrid_attention_with(options, q, k, v, comm, ulysses_size, layout=layout,
-                                     sinks=sinks)
-    return (out, lse) if return_lse else out
+    return hybrid_attention_with(options, q, k, v, comm, ulysses_size, layout=layout,
+                                 sinks=sinks, return_lse=return_lse)
 
 
 def hybrid_attention_with(options: AttentionOptions, q: Any, k: Any, v: Any, comm,
-                          ulysses_size: int, *, layout: str, sinks: Any = None):
-    """(out, lse) of ``hybrid_attention`` with its options as one value
-    (what the bindings call)."""
+                          ulysses_size: int, *, layout: str, sinks: Any = None,
+                          return_lse: bool = False):
+    """``hybrid_attention`` with its options as one value (what the
+    bindings call)."""
     q, k, v, sinks = detached(q, k, v, sinks)
     method, wire = options.method, options.wire
     call = prepare(comm, "hybrid_attention", q, k, v, options, layout=layout, sinks=sinks,
@@ -101,7 +101,8 @@ def hybrid_attention_with(options: AttentionOptions, q: Any, k: Any, v: Any, com
     out, lse = ring_forward(call.over_groups(ulysses_size), qh, kh, vh, ring, method,
                             heads_here(sinks, group))
     heads = q.shape[2]
-    return head_to_seq(out, group, heads, wire=wire), lse_to_seq(lse, group, heads)
+    result = head_to_seq(out, group, heads, wire=wire)
+    return (result, lse_to_seq(lse, group, heads)) if return_lse else result
 
 
 def hybrid_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, comm,

@@ -76,18 +76,19 @@ def ring_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool,
     options = AttentionOptions(causal=causal, window=window, cu_seqlens=cu_seqlens, mask=mask,
                                softmax_scale=softmax_scale, softcap=softcap, kernel=kernel,
                                method=method)
-    out, lse = ring_attention_with(options, q, k, v, comm, layout=layout, sinks=sinks)
-    return (out, lse) if return_lse else out
+    return ring_attention_with(options, q, k, v, comm, layout=layout, sinks=sinks,
+                               return_lse=return_lse)
 
 
 def ring_attention_with(options: AttentionOptions, q: Any, k: Any, v: Any, comm, *,
-                        layout: str, sinks: Any = None):
-    """(out, lse) of ``ring_attention`` with its options as one value (what
-    the bindings call)."""
+                        layout: str, sinks: Any = None, return_lse: bool = False):
+    """``ring_attention`` with its options as one value (what the bindings
+    call)."""
     q, k, v, sinks = detached(q, k, v, sinks)
     call = prepare(comm, "ring_attention", q, k, v, options, layout=layout, sinks=sinks,
                    check=lambda: check_method(options.method))
-    return ring_forward(call, q, k, v, comm, options.method, sinks)
+    out, lse = ring_forward(call, q, k, v, comm, options.method, sinks)
+    return (out, lse) if return_lse else out
 
 
 def ring_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, comm, *,

@@ -51,14 +51,14 @@ def ulysses_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool
     options = AttentionOptions(causal=causal, window=window, cu_seqlens=cu_seqlens, mask=mask,
                                softmax_scale=softmax_scale, softcap=softcap, kernel=kernel,
                                wire=wire)
-    out, lse = ulysses_attention_with(options, q, k, v, comm, layout=layout, sinks=sinks)
-    return (out, lse) if return_lse else out
+    return ulysses_attention_with(options, q, k, v, comm, layout=layout, sinks=sinks,
+                                  return_lse=return_lse)
 
 
 def ulysses_attention_with(options: AttentionOptions, q: Any, k: Any, v: Any, comm, *,
-                           layout: str, sinks: Any = None):
-    """(out, lse) of ``ulysses_attention`` with its options as one value
-    (what the bindings call)."""
+                           layout: str, sinks: Any = None, return_lse: bool = False):
+    """``ulysses_attention`` with its options as one value (what the
+    bindings call)."""
     q, k, v, sinks = detached(q, k, v, sinks)
     wire = options.wire
     call = prepare(comm, "ulysses_attention", q, k, v, options, layout=layout, sinks=sinks,
@@ -67,7 +67,7 @@ def ulysses_attention_with(options: AttentionOptions, q: Any, k: Any, v: Any, co
     out, lse = ulysses_forward(call, *seq_to_head_many([q, k, v], comm, wire=wire),
                                sinks=heads_here(sinks, comm))
     result = head_to_seq(out, comm, heads, wire=wire)  # finish gave it q's dtype
-    return result, lse_to_seq(lse, comm, heads)
+    return (result, lse_to_seq(lse, comm, heads)) if return_lse else result
 
 
 def ulysses_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, comm, *,
