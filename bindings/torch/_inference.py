@@ -4,8 +4,10 @@
 ``torch.compile(fullgraph=True)`` traces without a break and without a
 retrace as the cache grows, and that a CUDA graph can capture.
 
-As in ``bindings.torch._attention_ops``, an op takes its communicator and kernel by
-name (``commlib.graph_names``) and its positions as int64 tensors; its body is
+As in ``bindings.torch._attention_ops``, an op takes its communicator by
+name (``commlib.graph_names``), the call's options in the schema they
+derive (``AttentionOptions``: the kernel by name too) and its positions as
+int64 tensors; its body is
 the eager core (``commlib.inference``), its fake gives the shapes. Both
 are forward-only: the core has no backward (inference), and an op called
 on tensors that require grad returns a result without history.

@@ -147,11 +147,9 @@ def prepare(comm, op: str, q: Any, k: Any, v: Any, options: AttentionOptions, *,
     except ValueError as error:
         problem = error
     scale = None if problem else scale_of(q, options.softmax_scale)
-    facts = options.facts()
-    if problem:
-        facts["mask"] = None
     agree_on_inputs(comm, op, q, k, problem, layout=layout, documents=_documents(packing),
-                    scale=scale, sinks=sinks_fact(sinks), **facts, **settings)
+                    scale=scale, sinks=sinks_fact(sinks), **options.facts(digest=not problem),
+                    **settings)
     return AttentionCall(namespace(q), kernel, scale, packing, *visible, mask)
 
 

@@ -63,16 +63,17 @@ class AttentionOptions:
                              f"scores s become softcap * tanh(s / softcap)) or None, got "
                              f"{cap!r}")
 
-    def facts(self) -> dict:
+    def facts(self, digest: bool = True) -> dict:
         """What every rank must agree on besides the documents and the
         scale (``attention_call`` reads those from the arrays): the flags,
-        the window, the mask's digest, the cap, the method and the wire."""
+        the window, the mask's digest (only where ``digest``: a mask the
+        checks refused is not read), the cap, the method and the wire."""
         return dict(causal=self.causal, window=self.window,
-                    mask=None if self.mask is None else _digest(self.mask),
+                    mask=None if self.mask is None or not digest else self.mask.digest(),
                     softcap=self.softcap, method=self.method, wire=self.wire)
 
     def graph_values(self) -> Optional[Tuple[Any, ...]]:
-        """The fields as a compiled graph carries them (``GRAPH_SCHEMA``'s
+        """The fields as a compiled graph carries them (``graph_schema()``'s
         order and types), or None where one cannot travel so (a window that
         is not a pair of token counts, a cap that is not a number, a
         cu_seqlens that is an array: the caller passes that one beside)."""
@@ -91,7 +92,7 @@ class AttentionOptions:
                       for option, value in zip(fields(cls), values)})
 
     def without(self, name: str) -> "AttentionOptions":
-        """These options with ``name`` at its default (what travels beside)."""
+        """These options with ``name`` None (a value that travels beside them)."""
         return replace(self, **{name: None})
 
 
@@ -103,13 +104,6 @@ def graph_schema() -> str:
 
 
 _UNCARRIED = object()
-
-
-def _digest(mask: Any) -> Any:
-    try:
-        return mask.digest()
-    except AttributeError:
-        return type(mask).__name__  # not a Mask: refused by the checks
 
 
 def _carried(kind: str, value: Any) -> Any:
