@@ -147,8 +147,10 @@ def prepare(comm, op: str, q: Any, k: Any, v: Any, options: AttentionOptions, *,
     except ValueError as error:
         problem = error
     scale = None if problem else scale_of(q, options.softmax_scale)
-    agree_on_inputs(comm, op, q, k, problem, layout=layout, documents=_documents(packing),
-                    scale=scale, sinks=sinks_fact(sinks), **options.facts(digest=not problem),
+    facts = options.facts(digest=not problem)
+    agree_on_inputs(comm, op, q, k, problem, causal=facts.pop("causal"), layout=layout,
+                    window=facts.pop("window"), documents=_documents(packing),
+                    mask=facts.pop("mask"), scale=scale, sinks=sinks_fact(sinks), **facts,
                     **settings)
     return AttentionCall(namespace(q), kernel, scale, packing, *visible, mask)
 
