@@ -93,20 +93,36 @@ def sink_reference(q, k, v, dout, mask, sinks, scale=None):
     sequence, float64, through autograd: gpt-oss's eager softmax, written
     out (scores and one sink column per head, softmax, the sink's column
     dropped), under the boolean ``mask`` [s_q, s_k] (True = visible)."""
+    return eager_reference(q, k, v, dout, mask, sinks=sinks, scale=scale)
+
+
+def eager_reference(q, k, v, dout, mask, sinks=None, softcap=None, scale=None):
+    """(out, dq, dk, dv, and dsinks with ``sinks``) of attention on the
+    unsharded sequence, float64, through autograd, written out step by
+    step: scores, scale, Gemma2's cap (cap * tanh(s / cap), with
+    ``softcap``), the boolean ``mask`` [s_q, s_k] (True = visible), one
+    sink column per head (with ``sinks``), softmax, the sink's column
+    dropped, the values."""
     import torch
 
     tq, tk, tv = (torch.tensor(np.asarray(x, np.float64)).transpose(1, 2).requires_grad_()
                   for x in (q, k, v))
-    tsinks = torch.tensor(np.asarray(sinks, np.float64)).requires_grad_()
     group = tq.shape[1] // tk.shape[1]
     keys, values = (x.repeat_interleave(group, dim=1) for x in (tk, tv))
     scale = scale if scale is not None else 1.0 / np.sqrt(tq.shape[-1])
     scores = (tq @ keys.transpose(2, 3)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~torch.tensor(np.asarray(mask, bool)), float("-inf"))
     b, h, s, _ = scores.shape
-    column = tsinks.reshape(1, h, 1, 1).expand(b, h, s, 1)
-    probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    learned = []
+    if sinks is not None:
+        learned = [torch.tensor(np.asarray(sinks, np.float64)).requires_grad_()]
+        column = learned[0].reshape(1, h, 1, 1).expand(b, h, s, 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     out = probs @ values
     out.backward(torch.tensor(np.asarray(dout, np.float64)).transpose(1, 2))
     return ([t.detach().transpose(1, 2).numpy() for t in (out, tq.grad, tk.grad, tv.grad)]
-            + [tsinks.grad.numpy()])
+            + [x.grad.numpy() for x in learned])

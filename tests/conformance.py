@@ -2,8 +2,9 @@
 point, combined by a covering array (tests/covering.py), each case either
 equal to the float64 reference on the unsharded sequence, forward and
 backward (with attention sinks: the eager softmax with the sink column,
-and the sinks' gradient summed over the ranks), or refused on every rank
-with the error this file predicts.
+and the sinks' gradient summed over the ranks; with a cap, the eager
+softmax of the capped scores), or refused on every rank with the error
+this file predicts.
 
 A case is a dict of factor -> value (``FACTORS``). ``expected_refusal``
 is the oracle: the message a refused case must carry, or None where the
@@ -31,7 +32,7 @@ from commlib.ulysses import ulysses_attention, ulysses_attention_backward
 
 import arrayimpl
 import covering
-from attention_reference import document_mask, masked_torch_reference, sink_reference
+from attention_reference import document_mask, eager_reference, masked_torch_reference
 
 TIER = os.environ.get("COMMLIB_TEST_TIER", "quick")
 QUICK_CASES = int(os.environ.get("COMMLIB_MATRIX_QUICK_CASES", "24"))
@@ -52,7 +53,11 @@ FACTORS: Dict[str, Tuple[str, ...]] = {
     "dtype": ("float64", "float32", "bfloat16"),
     "length": ("divisible", "uneven"),
     "sinks": ("none", "learned"),
+    "softcap": ("none", "capped"),
 }
+# Gemma2's logit soft-cap, small enough to bend these inputs' scores (about
+# N(0, 1) after the scale)
+SOFTCAP = 1.5
 # every entry point (api x algorithm) meets every layout and method
 FULL = (("api", "algorithm", "layout", "method"),)
 
@@ -168,13 +173,19 @@ def sinks_of(case: Dict[str, Any], seed: int) -> Optional[np.ndarray]:
     return sinks if rounded is None else sinks.astype(rounded).astype(np.float64)
 
 
-def reference(full: List[np.ndarray], dense: np.ndarray,
-              sinks: Optional[np.ndarray]) -> List[np.ndarray]:
+def softcap_of(case: Dict[str, Any]) -> Optional[float]:
+    """The case's cap on the scores, or None."""
+    return SOFTCAP if case.get("softcap", "none") == "capped" else None
+
+
+def reference(full: List[np.ndarray], dense: np.ndarray, sinks: Optional[np.ndarray],
+              softcap: Optional[float] = None) -> List[np.ndarray]:
     """(out, dq, dk, dv, and dsinks with sinks) on the unsharded sequence,
-    float64: torch SDPA, or the eager softmax with the sink column."""
-    if sinks is None:
+    float64: torch SDPA, or the eager softmax written out (with the sink
+    column, of the capped scores)."""
+    if sinks is None and softcap is None:
         return masked_torch_reference(*full, dense)
-    return sink_reference(*full, dense, sinks)
+    return eager_reference(*full, dense, sinks=sinks, softcap=softcap)
 
 
 def run_case(case: Dict[str, Any], comm, full: List[np.ndarray], options: Dict[str, Any],
@@ -189,6 +200,8 @@ def run_case(case: Dict[str, Any], comm, full: List[np.ndarray], options: Dict[s
         mine.append(sinks)
     call = dict(options, layout=layout)
     call.setdefault("causal", False)  # a mask says it all: causal=False beside it
+    if softcap_of(case) is not None:
+        call["softcap"] = softcap_of(case)
     if case["algorithm"] != "ulysses":
         call["method"] = case["method"]
     if case["algorithm"] == "hybrid":
@@ -269,6 +282,7 @@ INFERENCE_FACTORS: Dict[str, Tuple[str, ...]] = {
     "heads": tuple(HEAD_COUNTS),
     "dtype": ("float64", "float32", "bfloat16"),
     "sinks": ("none", "learned"),
+    "softcap": ("none", "capped"),
 }
 INFERENCE_FULL = (("entry", "framework", "method"),)
 CACHED, NEW = 13, 5  # tokens in the cache, then new (decode) or a chunk's
@@ -297,7 +311,8 @@ def run_inference_case(case: Dict[str, Any], comm, full: List[np.ndarray],
     new = np.arange(total - NEW, total)
     asked = new if case["entry"] == "decode" else np.array_split(new, comm.size)[comm.rank]
     impl = arrayimpl.IMPLS[case["framework"]]
-    options = dict(inference_visibility(case), q_positions=asked, k_positions=keys)
+    options = dict(inference_visibility(case), q_positions=asked, k_positions=keys,
+                   softcap=softcap_of(case))
     if case["entry"] == "chunk":
         options["method"] = case["method"]
     attention = decode_attention if case["entry"] == "decode" else chunk_attention

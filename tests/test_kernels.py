@@ -7,12 +7,17 @@ in float64 on the same block; outputs in the caller's framework."""
 import numpy as np
 import pytest
 
-from commlib.kernels import TILED, kernel_for
+from commlib.kernels import TILED, Kernel, capped, kernel_for
 from commlib.ring import merge
 
 import arrayimpl
 import requires
-from attention_reference import reference_attention, torch_reference
+from attention_reference import (
+    document_mask,
+    eager_reference,
+    reference_attention,
+    torch_reference,
+)
 
 requires.module("torch")
 requires.module("jax")
@@ -95,3 +100,42 @@ def test_merge_all_of_key_blocks_is_attention_over_them(impl):
     finite = np.isfinite(want_lse)
     assert np.allclose(got_lse[finite], want_lse[finite], atol=2e-5)
     assert np.allclose(got_out, want_out, atol=2e-5)
+
+
+@pytest.mark.parametrize("masking", ["causal", "window", "documents"])
+@pytest.mark.parametrize("impl", arrayimpl.params(("numpy", "torch", "jax")))
+def test_soft_capped_kernel_is_the_eager_capped_softmax(impl, masking):
+    """The tiled kernel with a cap, float64, against the eager reference
+    written out (scores, tanh cap, mask, softmax), output and gradients
+    within 1e-10; scores large enough that the cap bends them."""
+    import jax
+
+    rng = np.random.default_rng(3)
+    full = [rng.standard_normal((2, 24, h, 8)) * 2 for h in (4, 2, 2, 4)]
+    mask = document_mask(24, [0, 7, 24] if masking == "documents" else None,
+                         causal=True, window=(4, 0) if masking == "window" else None)
+    with jax.enable_x64(True):
+        q, k, v, dout = (impl.asarray(x, "float64") for x in full)
+        kernel = capped(kernel_for(q, softcap=2.5), 2.5)
+        assert kernel.takes_softcap is False and kernel.name.endswith("+softcap")
+        dense = impl.asarray(mask)
+        out, lse = kernel.forward(q, k, v, False, 0.5, mask=dense)
+        grads = kernel.backward(dout, q, k, v, out, lse, False, 0.5, mask=dense)
+        got = [impl.to_numpy(x).astype(np.float64) for x in (out, *grads)]
+    want = eager_reference(*full, mask, softcap=2.5, scale=0.5)
+    uncapped = eager_reference(*full, mask, scale=0.5)
+    assert np.abs(uncapped[0] - want[0]).max() > 1e-2  # the cap matters here
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and np.abs(g - w).max() <= 1e-10 * max(1, np.abs(w).max())
+
+
+def test_kernel_for_a_cap_is_one_that_caps_and_a_kernel_that_cannot_is_refused():
+    import torch
+
+    q = torch.zeros(1, 4, 2, 8)
+    assert kernel_for(q).takes_softcap is False  # torch's fused SDPA ops
+    assert kernel_for(q, softcap=30.0) is TILED
+    assert capped(TILED, None) is TILED and capped(TILED, 30.0) is capped(TILED, 30.0)
+    fused = Kernel(TILED.forward, TILED.backward, "fused")
+    with pytest.raises(ValueError, match="cannot cap the scores"):
+        capped(fused, 30.0)

@@ -22,10 +22,11 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from commlib import hybrid as _hybrid
-from commlib import ring as _ring
-from commlib import ulysses as _ulysses
+from commlib.hybrid.attention import hybrid_attention_backward_with, hybrid_attention_with
 from commlib.kernels import Kernel
+from commlib.ring.attention import ring_attention_backward_with, ring_attention_with
+from commlib.sequence.options import AttentionOptions
+from commlib.ulysses.attention import ulysses_attention_backward_with, ulysses_attention_with
 
 from ._moe import Dispatcher
 from ._recurrent import gated_delta_rule, mamba2_scan
@@ -36,55 +37,57 @@ __all__ = ["ring_attention", "ulysses_attention", "hybrid_attention", "Dispatche
 
 
 def _differentiable(forward, backward):
-    """A custom_vjp attention from a core forward (returning out, lse) and
-    backward, both traced on the TracedComm of ``settings``' communicator;
-    ``settings`` (communicator, flags) are not differentiated; ``sinks``
-    (None, or one logit per query head) are, when given."""
+    """A custom_vjp attention from a core forward (``*_attention_with``,
+    returning out, lse) and backward, both traced on the TracedComm of the
+    call's communicator; the ``call`` (communicator, layout, the
+    algorithm's own arguments, the ``AttentionOptions``: static, hashable)
+    is not differentiated; ``sinks`` (None, or one logit per query head)
+    are, when given."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-    def attend(q, k, v, sinks, settings):
-        return _forward(q, k, v, sinks, settings)[0]
+    def attend(q, k, v, sinks, call):
+        return _forward(q, k, v, sinks, call)[0]
 
-    def _forward(q, k, v, sinks, settings):
-        options = dict(settings)
-        comm = traced(options.pop("comm"))
+    def _forward(q, k, v, sinks, call):
+        comm, layout, extra, options = call
+        comm = traced(comm)
         with comm.ordered():
-            return forward(q, k, v, comm=comm, return_lse=True, sinks=sinks, **options)
+            return forward(options, q, k, v, comm, *extra, layout=layout, sinks=sinks,
+                           return_lse=True)
 
-    def attend_fwd(q, k, v, sinks, settings):
-        out, lse = _forward(q, k, v, sinks, settings)
+    def attend_fwd(q, k, v, sinks, call):
+        out, lse = _forward(q, k, v, sinks, call)
         return out, (q, k, v, out, lse, sinks)
 
-    def attend_bwd(settings, saved, dout):
+    def attend_bwd(call, saved, dout):
         *arrays, sinks = saved
-        options = dict(settings)
-        comm = traced(options.pop("comm"))
+        comm, layout, extra, options = call
+        comm = traced(comm)
         with comm.ordered():
-            grads = tuple(backward(dout, *arrays, comm=comm, sinks=sinks, **options))
+            grads = tuple(backward(options, dout, *arrays, comm, *extra, layout=layout,
+                                   sinks=sinks))
         return grads if sinks is not None else (*grads, None)
 
     attend.defvjp(attend_fwd, attend_bwd)
 
-    def call(q, k, v, sinks, settings):
+    def run(q, k, v, sinks, call):
         if sinks is not None and not isinstance(sinks, jax.Array):
-            return _forward(q, k, v, sinks, settings)[0]  # the core refuses them on every rank
-        return attend(q, k, v, sinks, settings)
-    return call
+            return _forward(q, k, v, sinks, call)[0]  # the core refuses them on every rank
+        return attend(q, k, v, sinks, call)
+    return run
 
 
-_ring_attention = _differentiable(_ring.ring_attention, _ring.ring_attention_backward)
-_ulysses_attention = _differentiable(_ulysses.ulysses_attention,
-                                     _ulysses.ulysses_attention_backward)
-_hybrid_attention = _differentiable(_hybrid.hybrid_attention, _hybrid.hybrid_attention_backward)
+_ring_attention = _differentiable(ring_attention_with, ring_attention_backward_with)
+_ulysses_attention = _differentiable(ulysses_attention_with, ulysses_attention_backward_with)
+_hybrid_attention = _differentiable(hybrid_attention_with, hybrid_attention_backward_with)
 
 
-def _settings(**values):
-    """Hashable settings for nondiff_argnums (the communicator by identity;
-    offsets and windows as tuples)."""
-    for name in ("cu_seqlens", "window"):
-        if values.get(name) is not None:
-            values[name] = static_tuple(name, values[name])
-    return tuple(sorted(values.items(), key=lambda item: item[0]))
+def _options(cu_seqlens: Any, window: Any, **values: Any) -> AttentionOptions:
+    """The call's options, hashable for a static argument (offsets and
+    windows as tuples)."""
+    return AttentionOptions(
+        cu_seqlens=None if cu_seqlens is None else static_tuple("cu_seqlens", cu_seqlens),
+        window=None if window is None else static_tuple("window", window), **values)
 
 
 def static_tuple(name: str, value: Any) -> tuple:
@@ -100,40 +103,41 @@ def static_tuple(name: str, value: Any) -> tuple:
 def ring_attention(q, k, v, comm, *, layout: str, causal: bool,
                    softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
                    window: Any = None, mask: Any = None, method: str = "auto",
-                   kernel: Optional[Kernel] = None, sinks: Any = None):
+                   kernel: Optional[Kernel] = None, sinks: Any = None,
+                   softcap: Optional[float] = None):
     """Differentiable, jit-able ``commlib.ring.ring_attention`` for JAX arrays.
     ``cu_seqlens`` must be concrete (a list or NumPy array: static under
     jit), and ``mask`` is (a ``commlib.sequence.masks.Mask``): which blocks are
     computed is decided at trace time. ``sinks`` [h] (one logit per query
     head) are differentiated: this rank's queries' share of their gradient
-    (summed over the ranks, it is the whole)."""
-    return _ring_attention(q, k, v, sinks, _settings(comm=comm, layout=layout, causal=causal,
-                                              softmax_scale=softmax_scale, kernel=kernel,
-                                              cu_seqlens=cu_seqlens, window=window, mask=mask,
-                                              method=method))
+    (summed over the ranks, it is the whole). ``softcap``: a Python number
+    (static), as the core's."""
+    options = _options(cu_seqlens, window, causal=causal, mask=mask,
+                       softmax_scale=softmax_scale, softcap=softcap, kernel=kernel,
+                       method=method)
+    return _ring_attention(q, k, v, sinks, (comm, layout, (), options))
 
 
 def ulysses_attention(q, k, v, comm, *, layout: str, causal: bool,
                       softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
                       window: Any = None, mask: Any = None, kernel: Optional[Kernel] = None,
-                      sinks: Any = None):
+                      sinks: Any = None, softcap: Optional[float] = None):
     """Differentiable, jit-able ``commlib.ulysses.ulysses_attention`` for JAX
-    arrays (``sinks`` as ``ring_attention``'s)."""
-    return _ulysses_attention(q, k, v, sinks, _settings(comm=comm, layout=layout, causal=causal,
-                                                 softmax_scale=softmax_scale, kernel=kernel,
-                                                 cu_seqlens=cu_seqlens, window=window,
-                                                 mask=mask))
+    arrays (``sinks`` and ``softcap`` as ``ring_attention``'s)."""
+    options = _options(cu_seqlens, window, causal=causal, mask=mask,
+                       softmax_scale=softmax_scale, softcap=softcap, kernel=kernel)
+    return _ulysses_attention(q, k, v, sinks, (comm, layout, (), options))
 
 
 def hybrid_attention(q, k, v, comm, ulysses_size: int, *, layout: str, causal: bool,
                      softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
                      window: Any = None, mask: Any = None, method: str = "auto",
-                     kernel: Optional[Kernel] = None, sinks: Any = None):
+                     kernel: Optional[Kernel] = None, sinks: Any = None,
+                     softcap: Optional[float] = None):
     """Differentiable, jit-able ``commlib.hybrid.hybrid_attention`` for JAX
-    arrays (``commlib.hybrid.plan`` picks ``ulysses_size``; ``sinks`` as
-    ``ring_attention``'s)."""
-    return _hybrid_attention(q, k, v, sinks, _settings(comm=comm, ulysses_size=ulysses_size,
-                                                layout=layout, causal=causal,
-                                                softmax_scale=softmax_scale, kernel=kernel,
-                                                cu_seqlens=cu_seqlens, window=window,
-                                                mask=mask, method=method))
+    arrays (``commlib.hybrid.plan`` picks ``ulysses_size``; ``sinks`` and
+    ``softcap`` as ``ring_attention``'s)."""
+    options = _options(cu_seqlens, window, causal=causal, mask=mask,
+                       softmax_scale=softmax_scale, softcap=softcap, kernel=kernel,
+                       method=method)
+    return _hybrid_attention(q, k, v, sinks, (comm, layout, (ulysses_size,), options))

@@ -22,6 +22,7 @@ import torch
 
 from commlib import ulysses as _ulysses
 from commlib.kernels import Kernel
+from commlib.sequence.options import AttentionOptions
 
 from . import _attention_ops as _ops
 from . import _wire_ops
@@ -38,36 +39,24 @@ __all__ = ["ring_attention", "ulysses_attention", "hybrid_attention", "seq_to_he
            "DecodeCache", "gated_delta_rule", "mamba2_scan", "ulysses_attention_overlapped"]
 
 
-def _attention(q, k, v, comm, algorithm: str, *, layout: str, causal: bool,
-               softmax_scale: Optional[float], cu_seqlens: Any, window: Any, mask: Any,
-               method: str = "auto", kernel: Optional[Kernel] = None,
-               ulysses_size: int = 0, sinks: Optional[torch.Tensor] = None,
-               wire: Optional[str] = None) -> torch.Tensor:
+def _attention(q, k, v, comm, algorithm: str, options: AttentionOptions, *, layout: str,
+               ulysses_size: int = 0, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The ``commlib::attention`` op's out (``commlib::attention_wire``'s
-    with a ``wire``). Arguments no graph can carry (a window that is not a
-    (left, right) pair of token counts, sinks that are not a tensor) go to
-    the core, which refuses them on every rank."""
-    if wire is not None:
-        _wire_ops.refuse_gradients(comm, algorithm, wire, q, k, v,
+    with a ``wire``). Options no graph can carry (a window that is not a
+    (left, right) pair of token counts, a cap that is not a number) and
+    sinks that are not a tensor go to the core, which refuses them on every
+    rank."""
+    if options.wire is not None:
+        _wire_ops.refuse_gradients(comm, algorithm, options.wire, q, k, v,
                                    *([sinks] if isinstance(sinks, torch.Tensor) else []))
-    reach = _ops.op_window(window)
-    if reach is False or not (sinks is None or isinstance(sinks, torch.Tensor)):
-        extra = {"ulysses_size": ulysses_size} if algorithm == "hybrid" else {}
-        if algorithm != "ulysses":
-            extra["method"] = method
-        if wire is not None:
-            extra["wire"] = wire
-        return _ops.FORWARD[algorithm](q, k, v, comm, layout=layout, causal=causal,
-                                       softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
-                                       window=window, mask=mask, kernel=kernel, sinks=sinks,
-                                       **extra)
-    tensor = isinstance(cu_seqlens, torch.Tensor)
-    values = None if tensor or cu_seqlens is None else [int(o) for o in cu_seqlens]
-    op_args = (q, k, v, sinks, cu_seqlens if tensor else None, algorithm, comm.handle, layout,
-               causal, softmax_scale, values, reach, None if mask is None else mask.handle,
-               method, None if kernel is None else kernel.handle, ulysses_size)
-    if wire is not None:
-        return _wire_ops.attention_wire(*op_args, wire)
+    documents = options.cu_seqlens if isinstance(options.cu_seqlens, torch.Tensor) else None
+    values = (options if documents is None else options.without("cu_seqlens")).graph_values()
+    if values is None or not (sinks is None or isinstance(sinks, torch.Tensor)):
+        return _ops.forward(algorithm, options, q, k, v, comm, layout, ulysses_size, sinks,
+                            return_lse=False)
+    op_args = (q, k, v, sinks, documents, algorithm, comm.handle, layout, ulysses_size, *values)
+    if options.wire is not None:
+        return _wire_ops.attention_wire(*op_args)
     out, _ = _ops.attention(*op_args)
     return out
 
@@ -76,16 +65,19 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *, l
                    causal: bool, softmax_scale: Optional[float] = None,
                    cu_seqlens: Any = None, window: Any = None, mask: Any = None,
                    method: str = "auto", kernel: Optional[Kernel] = None,
-                   sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   sinks: Optional[torch.Tensor] = None,
+                   softcap: Optional[float] = None) -> torch.Tensor:
     """Differentiable ``commlib.ring.ring_attention`` (shards in ``layout``,
     packed ``cu_seqlens``, sliding ``window``, or any ``mask``; ``method``
     as ``ring_attention``'s); ``kernel`` replaces torch's fused SDPA kernels
     (``commlib.kernels.Kernel``); ``sinks`` [h], one logit per query head
     (gpt-oss), gets this rank's queries' share of its gradient (sum it over
-    the ranks, as every replicated parameter's: ``allreduce_gradients``)."""
-    return _attention(q, k, v, comm, "ring", layout=layout, causal=causal,
-                      softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window,
-                      mask=mask, method=method, kernel=kernel, sinks=sinks)
+    the ranks, as every replicated parameter's: ``allreduce_gradients``);
+    ``softcap`` caps the scores (Gemma2: the tiled kernel, in torch)."""
+    options = AttentionOptions(causal=causal, window=window, cu_seqlens=cu_seqlens, mask=mask,
+                               softmax_scale=softmax_scale, softcap=softcap, kernel=kernel,
+                               method=method)
+    return _attention(q, k, v, comm, "ring", options, layout=layout, sinks=sinks)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *, layout: str,
@@ -93,13 +85,15 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *
                       cu_seqlens: Any = None, window: Any = None, mask: Any = None,
                       kernel: Optional[Kernel] = None,
                       sinks: Optional[torch.Tensor] = None,
-                      wire: Optional[str] = None) -> torch.Tensor:
-    """Differentiable ``commlib.ulysses.ulysses_attention`` (``sinks`` as
-    ``ring_attention``'s); with ``wire="float8"`` forward only (refused where
-    q, k or v requires grad)."""
-    return _attention(q, k, v, comm, "ulysses", layout=layout, causal=causal,
-                      softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window,
-                      mask=mask, kernel=kernel, sinks=sinks, wire=wire)
+                      wire: Optional[str] = None,
+                      softcap: Optional[float] = None) -> torch.Tensor:
+    """Differentiable ``commlib.ulysses.ulysses_attention`` (``sinks`` and
+    ``softcap`` as ``ring_attention``'s); with ``wire="float8"`` forward only
+    (refused where q, k or v requires grad)."""
+    options = AttentionOptions(causal=causal, window=window, cu_seqlens=cu_seqlens, mask=mask,
+                               softmax_scale=softmax_scale, softcap=softcap, kernel=kernel,
+                               wire=wire)
+    return _attention(q, k, v, comm, "ulysses", options, layout=layout, sinks=sinks)
 
 
 def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm,
@@ -108,14 +102,16 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm,
                      window: Any = None, mask: Any = None, method: str = "auto",
                      kernel: Optional[Kernel] = None,
                      sinks: Optional[torch.Tensor] = None,
-                     wire: Optional[str] = None) -> torch.Tensor:
-    """Differentiable ``commlib.hybrid.hybrid_attention`` (``sinks`` as
-    ``ring_attention``'s); with ``wire="float8"`` (its Ulysses stage)
-    forward only."""
-    return _attention(q, k, v, comm, "hybrid", layout=layout, causal=causal,
-                      softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window,
-                      mask=mask, method=method, kernel=kernel, ulysses_size=ulysses_size,
-                      sinks=sinks, wire=wire)
+                     wire: Optional[str] = None,
+                     softcap: Optional[float] = None) -> torch.Tensor:
+    """Differentiable ``commlib.hybrid.hybrid_attention`` (``sinks`` and
+    ``softcap`` as ``ring_attention``'s); with ``wire="float8"`` (its Ulysses
+    stage) forward only."""
+    options = AttentionOptions(causal=causal, window=window, cu_seqlens=cu_seqlens, mask=mask,
+                               softmax_scale=softmax_scale, softcap=softcap, kernel=kernel,
+                               method=method, wire=wire)
+    return _attention(q, k, v, comm, "hybrid", options, layout=layout,
+                      ulysses_size=ulysses_size, sinks=sinks)
 
 
 def seq_to_head(x: torch.Tensor, comm, num_heads: Optional[int] = None) -> torch.Tensor:

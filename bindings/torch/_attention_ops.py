@@ -9,86 +9,97 @@ on arguments, its MPI or NCCL transfers, torch's kernels), which the
 compiler never looks into; its fake implementation gives the shapes and
 dtypes, and its backward is another op. ``bindings.torch`` calls these ops
 eagerly too: one path, compiled or not.
+
+The attention ops take the call's options (``AttentionOptions``) as their
+fields, in the schema the options derive (``graph_schema``: one typed
+argument per field, named objects by name), so an option added there
+reaches every op without a change here.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from dataclasses import replace
+from typing import Any, Optional
 
 import torch
 
 from commlib import graph_names
-from commlib import hybrid as _hybrid
-from commlib import ring as _ring
 from commlib import ulysses as _ulysses
+from commlib.hybrid.attention import hybrid_attention_backward_with, hybrid_attention_with
 from commlib.kernels.sinks import sink_gradient
 from commlib.namespace import accumulator_dtype
+from commlib.ring.attention import ring_attention_backward_with, ring_attention_with
+from commlib.sequence.options import AttentionOptions, graph_schema
+from commlib.ulysses.attention import ulysses_attention_backward_with, ulysses_attention_with
 from commlib.ulysses.relayout import kv_heads_for
 
-FORWARD = {"ring": _ring.ring_attention, "ulysses": _ulysses.ulysses_attention,
-            "hybrid": _hybrid.hybrid_attention}
-_BACKWARD = {"ring": _ring.ring_attention_backward,
-             "ulysses": _ulysses.ulysses_attention_backward,
-             "hybrid": _hybrid.hybrid_attention_backward}
+# what every attention op takes before the options' own fields
+# (``AttentionOptions.graph_values``): a new option reaches the ops by itself
+CALL = "str algorithm, str comm, str layout, int ulysses_size, " + graph_schema()
 
 
-def attention_settings(algorithm: str, comm: str, layout: str, causal: bool,
-              softmax_scale: Optional[float], cu_seqlens: Optional[torch.Tensor],
-              cu_seqlens_values: Optional[List[int]], window: Optional[List[int]],
-              mask: Optional[str], method: str, kernel: Optional[str],
-              ulysses_size: int) -> dict:
-    """The core call's keywords, the named objects looked up."""
-    settings = dict(comm=graph_names.lookup(comm), layout=layout, causal=causal,
-                    softmax_scale=softmax_scale,
-                    cu_seqlens=cu_seqlens if cu_seqlens is not None else cu_seqlens_values,
-                    window=None if window is None else tuple(window),
-                    mask=None if mask is None else graph_names.lookup(mask),
-                    kernel=None if kernel is None else graph_names.lookup(kernel))
-    if algorithm != "ulysses":
-        settings["method"] = method
+def forward(algorithm: str, options: AttentionOptions, q: Any, k: Any, v: Any, comm, layout: str,
+            ulysses_size: int, sinks: Any, return_lse: bool) -> Any:
+    """out (and lse, with ``return_lse``) of the core's ring, Ulysses or
+    hybrid attention."""
     if algorithm == "hybrid":
-        settings["ulysses_size"] = ulysses_size
-    return settings
+        return hybrid_attention_with(options, q, k, v, comm, ulysses_size, layout=layout,
+                                     sinks=sinks, return_lse=return_lse)
+    run = ring_attention_with if algorithm == "ring" else ulysses_attention_with
+    return run(options, q, k, v, comm, layout=layout, sinks=sinks, return_lse=return_lse)
 
 
-@torch.library.custom_op("commlib::attention", mutates_args=())
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
-              cu_seqlens: Optional[torch.Tensor], algorithm: str, comm: str, layout: str,
-              causal: bool, softmax_scale: Optional[float],
-              cu_seqlens_values: Optional[List[int]], window: Optional[List[int]],
-              mask: Optional[str], method: str, kernel: Optional[str],
-              ulysses_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of ring, Ulysses or hybrid attention (``algorithm``), with
-    ``sinks`` in its softmax (lse then includes them)."""
-    settings = attention_settings(algorithm, comm, layout, causal, softmax_scale, cu_seqlens,
-                         cu_seqlens_values, window, mask, method, kernel, ulysses_size)
-    out, lse = FORWARD[algorithm](q, k, v, return_lse=True, sinks=sinks, **settings)
+def _backward(algorithm: str, options: AttentionOptions, dout, q, k, v, out, lse, comm,
+              layout: str, ulysses_size: int):
+    if algorithm == "hybrid":
+        return hybrid_attention_backward_with(options, dout, q, k, v, out, lse, comm,
+                                              ulysses_size, layout=layout)
+    run = ring_attention_backward_with if algorithm == "ring" \
+        else ulysses_attention_backward_with
+    return run(options, dout, q, k, v, out, lse, comm, layout=layout)
+
+
+def options_of(cu_seqlens: Optional[torch.Tensor], values: tuple) -> AttentionOptions:
+    """The options an op was given: its options' values, and the documents'
+    offsets where they came as a tensor."""
+    options = AttentionOptions.from_graph_values(*values)
+    return options if cu_seqlens is None else replace(options, cu_seqlens=cu_seqlens)
+
+
+def _attention(q, k, v, sinks, cu_seqlens, algorithm, comm, layout, ulysses_size, *values):
+    out, lse = forward(algorithm, options_of(cu_seqlens, values), q, k, v,
+                       graph_names.lookup(comm), layout, ulysses_size, sinks, return_lse=True)
     # the fake's layouts: a compiled graph checks strides (lse may be a transposed view)
     return out.contiguous(), lse.contiguous()
 
 
+attention = torch.library.custom_op(
+    "commlib::attention", _attention, mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor? documents, {CALL}) "
+           f"-> (Tensor, Tensor)")
+attention.__doc__ = """(out, lse) of ring, Ulysses or hybrid attention (``algorithm``), with
+``sinks`` in its softmax (lse then includes them)."""
+
+
 @attention.register_fake
-def _attention_shapes(q, k, v, sinks, cu_seqlens, algorithm, comm, layout, causal, softmax_scale,
-                      cu_seqlens_values, window, mask, method, kernel, ulysses_size):
+def _attention_shapes(q, k, v, *statics):
     b, s, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=accumulator_dtype(q))
 
 
-@torch.library.custom_op("commlib::attention_backward", mutates_args=())
-def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       out: torch.Tensor, lse: torch.Tensor,
-                       cu_seqlens: Optional[torch.Tensor], algorithm: str, comm: str,
-                       layout: str, causal: bool, softmax_scale: Optional[float],
-                       cu_seqlens_values: Optional[List[int]], window: Optional[List[int]],
-                       mask: Optional[str], method: str, kernel: Optional[str],
-                       ulysses_size: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of ``attention``, from its out and lse (with the sinks:
-    dq, dk and dv need nothing else; the sinks' gradient is
-    ``_attention_gradients``')."""
-    settings = attention_settings(algorithm, comm, layout, causal, softmax_scale, cu_seqlens,
-                         cu_seqlens_values, window, mask, method, kernel, ulysses_size)
-    grads = _BACKWARD[algorithm](dout.contiguous(), q, k, v, out, lse, **settings)
+def _attention_backward(dout, q, k, v, out, lse, cu_seqlens, algorithm, comm, layout,
+                        ulysses_size, *values):
+    grads = _backward(algorithm, options_of(cu_seqlens, values), dout.contiguous(), q, k, v,
+                      out, lse, graph_names.lookup(comm), layout, ulysses_size)
     return tuple(g.contiguous() for g in grads)
+
+
+attention_backward = torch.library.custom_op(
+    "commlib::attention_backward", _attention_backward, mutates_args=(),
+    schema=f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+           f"Tensor? documents, {CALL}) -> (Tensor, Tensor, Tensor)")
+attention_backward.__doc__ = """(dq, dk, dv) of ``attention``, from its out and lse (with the
+sinks: dq, dk and dv need nothing else; the sinks' gradient is ``_attention_gradients``')."""
 
 
 @attention_backward.register_fake
@@ -164,17 +175,3 @@ def _head_to_seq_gradient(ctx, grad):
 seq_to_head.register_autograd(_seq_to_head_gradient, setup_context=_save_seq_to_head)
 head_to_seq.register_autograd(_head_to_seq_gradient, setup_context=_save_head_to_seq)
 
-
-def op_window(window: Any) -> Any:
-    """(left, right) as the op's [left, right] (-1: unbounded), None, or
-    False where it is not a pair of ints (or None) the core would accept."""
-    if window is None:
-        return None
-    try:
-        left, right = window
-    except (TypeError, ValueError):
-        return False
-    if not all(r is None or (isinstance(r, int) and not isinstance(r, bool))
-               for r in (left, right)):
-        return False
-    return [-1 if r is None else r for r in (left, right)]

@@ -4,8 +4,10 @@
 ``torch.compile(fullgraph=True)`` traces without a break and without a
 retrace as the cache grows, and that a CUDA graph can capture.
 
-As in ``bindings.torch._attention_ops``, an op takes its communicator and kernel by
-name (``commlib.graph_names``) and its positions as int64 tensors; its body is
+As in ``bindings.torch._attention_ops``, an op takes its communicator by
+name (``commlib.graph_names``), the call's options in the schema they
+derive (``AttentionOptions``: the kernel by name too) and its positions as
+int64 tensors; its body is
 the eager core (``commlib.inference``), its fake gives the shapes. Both
 are forward-only: the core has no backward (inference), and an op called
 on tensors that require grad returns a result without history.
@@ -19,17 +21,18 @@ not replay). A chunk (``chunk_attention``) reads its positions on the host
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
 from commlib import graph_names
 from commlib import inference as _inference
+from commlib.inference.attention import chunk_attention_with, decode_attention_with
 from commlib.kernels import Kernel
 from commlib.namespace import accumulator_dtype
+from commlib.sequence.options import AttentionOptions, graph_schema
 
-from ._attention_ops import op_window
 from ._direct import runs_directly
 
 __all__ = ["decode_attention", "chunk_attention", "DecodeCache"]
@@ -37,51 +40,46 @@ __all__ = ["decode_attention", "chunk_attention", "DecodeCache"]
 Positions = Union[torch.Tensor, Sequence[int], np.ndarray]
 
 
-def _settings(comm: str, window: Optional[List[int]], kernel: Optional[str]) -> dict:
-    """The core call's keywords, the named objects looked up."""
-    return dict(comm=graph_names.lookup(comm), window=None if window is None else tuple(window),
-                kernel=None if kernel is None else graph_names.lookup(kernel))
+# the positions and the communicator, then the options' own fields
+CALL = "Tensor q_positions, Tensor k_positions, str comm, " + graph_schema()
 
 
-@torch.library.custom_op("commlib::decode_attention", mutates_args=())
-def decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        sinks: Optional[torch.Tensor], q_positions: torch.Tensor,
-                        k_positions: torch.Tensor, comm: str, causal: bool,
-                        window: Optional[List[int]], softmax_scale: Optional[float],
-                        kernel: Optional[str]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of ``commlib.inference.decode_attention`` (device positions)."""
-    settings = _settings(comm, window, kernel)
-    out, lse = _inference.decode_attention(
-        q, k, v, settings.pop("comm"), q_positions=q_positions, k_positions=k_positions,
-        causal=causal, softmax_scale=softmax_scale, return_lse=True, sinks=sinks, **settings)
+def _decode(q, k, v, sinks, q_positions, k_positions, comm, *values):
+    out, lse = decode_attention_with(AttentionOptions.from_graph_values(*values), q, k, v,
+                                     graph_names.lookup(comm), q_positions=q_positions,
+                                     k_positions=k_positions, sinks=sinks)
     return out.contiguous(), lse.contiguous()
+
+
+decode_attention_op = torch.library.custom_op(
+    "commlib::decode_attention", _decode, mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor v, Tensor? sinks, {CALL}) -> (Tensor, Tensor)")
+decode_attention_op.__doc__ = """(out, lse) of ``commlib.inference.decode_attention`` (device
+positions)."""
 
 
 @decode_attention_op.register_fake
-def _decode_shapes(q, k, v, sinks, q_positions, k_positions, comm, causal, window, softmax_scale,
-                   kernel):
+def _decode_shapes(q, *statics):
     return _attention_shapes(q)
 
 
-@torch.library.custom_op("commlib::chunk_attention", mutates_args=())
-def chunk_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       sinks: Optional[torch.Tensor], q_positions: torch.Tensor,
-                       k_positions: torch.Tensor, comm: str, causal: bool,
-                       window: Optional[List[int]], softmax_scale: Optional[float],
-                       kernel: Optional[str], method: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of ``commlib.inference.chunk_attention`` (positions read
-    on the host)."""
-    settings = _settings(comm, window, kernel)
-    out, lse = _inference.chunk_attention(
-        q, k, v, settings.pop("comm"), q_positions=q_positions.cpu().numpy(),
-        k_positions=k_positions.cpu().numpy(), causal=causal, softmax_scale=softmax_scale,
-        method=method, return_lse=True, sinks=sinks, **settings)
+def _chunk(q, k, v, sinks, q_positions, k_positions, comm, *values):
+    out, lse = chunk_attention_with(AttentionOptions.from_graph_values(*values), q, k, v,
+                                    graph_names.lookup(comm),
+                                    q_positions=q_positions.cpu().numpy(),
+                                    k_positions=k_positions.cpu().numpy(), sinks=sinks)
     return out.contiguous(), lse.contiguous()
 
 
+chunk_attention_op = torch.library.custom_op(
+    "commlib::chunk_attention", _chunk, mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor v, Tensor? sinks, {CALL}) -> (Tensor, Tensor)")
+chunk_attention_op.__doc__ = """(out, lse) of ``commlib.inference.chunk_attention`` (positions
+read on the host)."""
+
+
 @chunk_attention_op.register_fake
-def _chunk_shapes(q, k, v, sinks, q_positions, k_positions, comm, causal, window, softmax_scale,
-                  kernel, method):
+def _chunk_shapes(q, *statics):
     return _attention_shapes(q)
 
 
@@ -99,39 +97,40 @@ def _positions(positions: Positions, like: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(np.asarray(positions, np.int64), device=like.device)
 
 
-def _fits_an_op(window: Any, sinks: Any) -> bool:
-    """Whether the op can carry these arguments: a (left, right) window (or
-    None) and sinks that are a tensor (or None); the core refuses the rest
-    on every rank."""
-    return op_window(window) is not False and (sinks is None or isinstance(sinks, torch.Tensor))
+def _run(entry: str, options: AttentionOptions, q, k, v, comm, q_positions: Positions,
+         k_positions: Positions, sinks: Optional[torch.Tensor]):
+    """(out, lse) of decode or chunk attention (``entry``): its op, or the
+    core where the op cannot carry the options or the sinks (the core
+    refuses them on every rank) or where the tensors run directly."""
+    core, op = {"decode": (decode_attention_with, decode_attention_op),
+                "chunk": (chunk_attention_with, chunk_attention_op)}[entry]
+    values = options.graph_values()
+    if values is None or not (sinks is None or isinstance(sinks, torch.Tensor)):
+        return core(options, q, k, v, comm, q_positions=q_positions, k_positions=k_positions,
+                    sinks=sinks)
+    if entry == "decode" and runs_directly(q, k, v, sinks):  # the op's body, without dispatch
+        return core(options, q, k, v, comm, q_positions=_positions(q_positions, q),
+                    k_positions=_positions(k_positions, q), sinks=sinks)
+    return op(q, k, v, sinks, _positions(q_positions, q), _positions(k_positions, q),
+              comm.handle, *values)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *,
                      q_positions: Positions, k_positions: Positions, causal: bool,
                      window: Any = None, softmax_scale: Optional[float] = None,
                      kernel: Optional[Kernel] = None, return_lse: bool = False,
-                     sinks: Optional[torch.Tensor] = None) -> Any:
+                     sinks: Optional[torch.Tensor] = None,
+                     softcap: Optional[float] = None) -> Any:
     """``commlib.inference.decode_attention`` as one graph node: q [b, t,
     h, d] the same on every rank at ``q_positions`` [t]; k, v [b, n, hk, d]
     this rank's shard at ``k_positions`` [n] (any order; -1: an empty
-    slot); ``sinks`` [h] as the core's. Positions as int64 tensors on q's
-    device keep a compiled step from retracing as they change (a list is
-    copied there each call). Reads nothing back from the device: a CUDA
-    graph can capture it."""
-    if not _fits_an_op(window, sinks):  # the core refuses it on every rank
-        return _inference.decode_attention(q, k, v, comm, q_positions=q_positions,
-                                           k_positions=k_positions, causal=causal,
-                                           window=window, softmax_scale=softmax_scale,
-                                           kernel=kernel, return_lse=return_lse, sinks=sinks)
-    if runs_directly(q, k, v, sinks):  # the op's body, without its dispatch
-        return _inference.decode_attention(q, k, v, comm, q_positions=_positions(q_positions, q),
-                                           k_positions=_positions(k_positions, q), causal=causal,
-                                           window=window, softmax_scale=softmax_scale,
-                                           kernel=kernel, return_lse=return_lse, sinks=sinks)
-    out, lse = decode_attention_op(q, k, v, sinks, _positions(q_positions, q),
-                                   _positions(k_positions, q), comm.handle, causal,
-                                   op_window(window), softmax_scale,
-                                   None if kernel is None else kernel.handle)
+    slot); ``sinks`` [h] and ``softcap`` as the core's. Positions as int64
+    tensors on q's device keep a compiled step from retracing as they change
+    (a list is copied there each call). Reads nothing back from the device:
+    a CUDA graph can capture it."""
+    options = AttentionOptions(causal=causal, window=window, softmax_scale=softmax_scale,
+                               softcap=softcap, kernel=kernel)
+    out, lse = _run("decode", options, q, k, v, comm, q_positions, k_positions, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -139,22 +138,16 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *,
                     q_positions: Positions, k_positions: Positions, causal: bool,
                     window: Any = None, softmax_scale: Optional[float] = None,
                     kernel: Optional[Kernel] = None, method: str = "auto",
-                    return_lse: bool = False, sinks: Optional[torch.Tensor] = None) -> Any:
+                    return_lse: bool = False, sinks: Optional[torch.Tensor] = None,
+                    softcap: Optional[float] = None) -> Any:
     """``commlib.inference.chunk_attention`` as one graph node (this rank's
     queries of a chunk, increasing positions, over the sharded cache;
-    ``method`` "pass_q", "pass_kv" or "auto"; ``sinks`` as the core's). It
-    reads the positions on the host: compiled, not captured."""
-    if not _fits_an_op(window, sinks):
-        return _inference.chunk_attention(q, k, v, comm, q_positions=q_positions,
-                                          k_positions=k_positions, causal=causal,
-                                          window=window, softmax_scale=softmax_scale,
-                                          kernel=kernel, method=method, return_lse=return_lse,
-                                          sinks=sinks)
-    out, lse = chunk_attention_op(q, k, v, sinks, _positions(q_positions, q),
-                                  _positions(k_positions, q), comm.handle, causal,
-                                  op_window(window),
-                                  softmax_scale, None if kernel is None else kernel.handle,
-                                  method)
+    ``method`` "pass_q", "pass_kv" or "auto"; ``sinks`` and ``softcap`` as
+    the core's). It reads the positions on the host: compiled, not
+    captured."""
+    options = AttentionOptions(causal=causal, window=window, softmax_scale=softmax_scale,
+                               softcap=softcap, kernel=kernel, method=method)
+    out, lse = _run("chunk", options, q, k, v, comm, q_positions, k_positions, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -235,13 +228,14 @@ class DecodeCache:
     def attend(self, layer: int, q: torch.Tensor, q_positions: torch.Tensor, *, causal: bool,
                window: Any = None, softmax_scale: Optional[float] = None,
                kernel: Optional[Kernel] = None,
-               sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+               sinks: Optional[torch.Tensor] = None,
+               softcap: Optional[float] = None) -> torch.Tensor:
         """``decode_attention`` of q [b, t, h, d] over ``layer``'s shard."""
         q = torch.where(self.overflowed, torch.nan, q)  # NaN on every rank, not wrong data
         return decode_attention(q, self.keys[layer], self.values[layer], self.comm,
                                 q_positions=q_positions, k_positions=self.positions,
                                 causal=causal, window=window, softmax_scale=softmax_scale,
-                                kernel=kernel, sinks=sinks)
+                                kernel=kernel, sinks=sinks, softcap=softcap)
 
     def into(self, cache: "_inference.ShardedKVCache", length: int) -> None:
         """Append the tokens decoded here (past ``cache``'s) to ``cache``,

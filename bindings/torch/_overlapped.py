@@ -25,7 +25,8 @@ def ulysses_attention_overlapped(project: Callable[[slice, slice], Tuple[torch.T
                                  softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
                                  window: Any = None, mask: Any = None,
                                  kernel: Optional[Kernel] = None,
-                                 wire: Optional[str] = None) -> torch.Tensor:
+                                 wire: Optional[str] = None,
+                                 softcap: Optional[float] = None) -> torch.Tensor:
     """Differentiable ``commlib.ulysses.ulysses_attention_overlapped``:
     ``project(heads, kv_heads)`` returns this rank's q, k, v shards
     [b, s/P, n, d] for the query and kv heads those slices name (norms and
@@ -45,7 +46,8 @@ def ulysses_attention_overlapped(project: Callable[[slice, slice], Tuple[torch.T
         return q, k, v
 
     settings = dict(layout=layout, causal=causal, softmax_scale=softmax_scale,
-                    cu_seqlens=cu_seqlens, window=window, mask=mask, kernel=kernel)
+                    cu_seqlens=cu_seqlens, window=window, mask=mask, kernel=kernel,
+                    softcap=softcap)
     result = overlap.ulysses_attention_overlapped(
         recorded, comm, num_heads=num_heads, num_kv_heads=num_kv_heads, groups=groups,
         return_lse=recording, wire=wire, **settings)

@@ -8,11 +8,13 @@ wire."""
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
-from ._attention_ops import FORWARD, attention_settings
+from commlib import graph_names
+
+from ._attention_ops import CALL, forward, options_of
 
 
 def refuse_gradients(comm, algorithm: str, wire: Optional[str], *tensors: torch.Tensor) -> None:
@@ -24,19 +26,17 @@ def refuse_gradients(comm, algorithm: str, wire: Optional[str], *tensors: torch.
             f"under torch.no_grad() / torch.inference_mode(), or train with wire=None"))
 
 
-@torch.library.custom_op("commlib::attention_wire", mutates_args=())
-def attention_wire(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   sinks: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-                   algorithm: str, comm: str, layout: str,
-                   causal: bool, softmax_scale: Optional[float],
-                   cu_seqlens_values: Optional[List[int]], window: Optional[List[int]],
-                   mask: Optional[str], method: str, kernel: Optional[str],
-                   ulysses_size: int, wire: str) -> torch.Tensor:
-    """out of Ulysses or hybrid attention (``algorithm``) with q, k, v and
-    out travelling as ``wire``, ``sinks`` in its softmax."""
-    settings = attention_settings(algorithm, comm, layout, causal, softmax_scale, cu_seqlens,
-                         cu_seqlens_values, window, mask, method, kernel, ulysses_size)
-    return FORWARD[algorithm](q, k, v, wire=wire, sinks=sinks, **settings).contiguous()
+def _attention_wire(q, k, v, sinks, cu_seqlens, algorithm, comm, layout, ulysses_size, *values):
+    return forward(algorithm, options_of(cu_seqlens, values), q, k, v, graph_names.lookup(comm),
+                   layout, ulysses_size, sinks, return_lse=False).contiguous()
+
+
+attention_wire = torch.library.custom_op(
+    "commlib::attention_wire", _attention_wire, mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor? documents, {CALL}) "
+           f"-> Tensor")
+attention_wire.__doc__ = """out of Ulysses or hybrid attention (``algorithm``) with q, k, v and
+out travelling as the options' ``wire``, ``sinks`` in its softmax."""
 
 
 @attention_wire.register_fake

@@ -14,9 +14,10 @@ Packed sequences arrive as transformers' flash-attention keyword arguments
 puts in the batch and the model forwards to every attention call); a
 sliding window as the ``sliding_window`` the model passes; attention sinks
 (gpt-oss) as the ``s_aux`` it passes (one learned logit per query head, in
-every softmax: ``commlib.kernels.sinks``). Anything else that would change
-the attention's math and that commlib does not implement (soft-capping,
-chunked attention, dropout, padding masks) is refused by name, on every
+every softmax: ``commlib.kernels.sinks``); Gemma2's logit soft-cap as the
+``softcap`` it passes (the scores capped in the tiled kernel). Anything else
+that would change the attention's math and that commlib does not implement
+(chunked attention, dropout, padding masks) is refused by name, on every
 rank, rather than silently dropped.
 """
 
@@ -60,10 +61,11 @@ BOOKKEEPING = frozenset({"position_ids", "use_cache", "num_items_in_batch", "shi
 DOCUMENTS = ("cu_seq_lens_q", "cu_seq_lens_k")
 # read by the attention function itself: gpt-oss's attention sinks, [heads]
 SINKS = "s_aux"
+# read by the attention function itself: Gemma2's logit soft-cap (attn_logit_softcapping)
+SOFTCAP = "softcap"
 
 # Keyword arguments that change the math, accepted only unset (None or False).
 UNSUPPORTED = {
-    "softcap": "logit soft-capping",
     "position_bias": "an additive position bias",
     "head_mask": "a head mask",
     "output_attentions": "returning attention weights",
@@ -75,8 +77,8 @@ UNSUPPORTED = {
     "encoder_hidden_states": "cross-attention to an encoder's states (encoder_hidden_states)",
 }
 
-# attend(q, k, v, causal=, softmax_scale=, cu_seqlens=, window=, sinks=) on [b, s_local, h, d]
-# shards
+# attend(q, k, v, causal=, softmax_scale=, cu_seqlens=, window=, sinks=, softcap=) on
+# [b, s_local, h, d] shards
 Attend = Callable[..., torch.Tensor]
 # packed documents' global offsets: host ints, a host tensor, or None (one sequence)
 Documents = Union[None, List[int], torch.Tensor]
@@ -98,7 +100,7 @@ def register_attention(comm, ulysses_size: Optional[int] = None) -> None:
 def implementations(comm, ulysses_size: Optional[int] = None) -> Dict[str, Attend]:
     """Each implementation's attention over ``comm`` on [b, s_local, h, d]
     shards in its layout (``LAYOUTS``): ``attend(q, k, v, causal=,
-    softmax_scale=, cu_seqlens=, window=, sinks=)``."""
+    softmax_scale=, cu_seqlens=, window=, sinks=, softcap=)``."""
     if ulysses_size is not None:
         check_degree(comm.size, ulysses_size)
     attends: Dict[str, Attend] = {
@@ -198,7 +200,7 @@ def _attention_function(name: str, attend: Attend, comm) -> Callable:
                      causal=causal, softmax_scale=scaling, cu_seqlens=cu_seqlens,
                      window=window_of(name, sliding_window, query.shape[2] * world_size,
                                       causal, getattr(module, "config", None)),
-                     sinks=kwargs.get(SINKS))
+                     sinks=kwargs.get(SINKS), softcap=kwargs.get(SOFTCAP))
         return out, None
 
     attention.__name__ = attention.__qualname__ = name
@@ -348,7 +350,8 @@ def check_call(name: str, module: torch.nn.Module, attention_mask: Optional[torc
     if dropout:
         raise ValueError(f"{name} does not implement attention dropout (dropout={dropout}); "
                          f"set the model's config.attention_dropout = 0.0")
-    unknown = sorted(set(kwargs) - BOOKKEEPING - set(DOCUMENTS) - {SINKS} - set(UNSUPPORTED))
+    unknown = sorted(set(kwargs) - BOOKKEEPING - set(DOCUMENTS) - {SINKS, SOFTCAP}
+                     - set(UNSUPPORTED))
     if unknown:
         raise ValueError(f"{name} got keyword argument(s) {', '.join(unknown)} that it does not "
                          f"know; they may change the attention's math, so it refuses them "

@@ -67,6 +67,7 @@ from ..torch import DecodeCache
 from ._attention import (
     LAYOUTS,
     SINKS,
+    SOFTCAP,
     attention_chunk,
     check_call,
     implementations,
@@ -515,7 +516,7 @@ def _attention(attend: Callable, comm, decoding: _Decoding) -> Callable:
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         slot = step.slot(module)
         settings = dict(causal=causal, window=window, softmax_scale=scaling,
-                        sinks=kwargs.get(SINKS))
+                        sinks=kwargs.get(SINKS), softcap=kwargs.get(SOFTCAP))
         if step.cache is None:
             step.kept.append((k, v))
             return attend(q, k, v, cu_seqlens=step.offsets, **settings), None
@@ -549,7 +550,8 @@ def _decode_attention(decoding: _Decoding, module: torch.nn.Module, query: torch
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     decoding.cache.store(module.layer_idx, k, v)
     return decoding.cache.attend(module.layer_idx, q, decoding.positions, causal=causal,
-                                 window=window, softmax_scale=scaling, sinks=kwargs.get(SINKS))
+                                 window=window, softmax_scale=scaling, sinks=kwargs.get(SINKS),
+                                 softcap=kwargs.get(SOFTCAP))
 
 
 def _expert_parallel(model: torch.nn.Module) -> bool:

@@ -20,6 +20,7 @@ from ..kernels.sinks import with_sink_gradient
 from ..namespace import detached
 from ..ring.attention import check_method, ring_backward, ring_forward
 from ..sequence.attention_call import backward_extras, prepare
+from ..sequence.options import AttentionOptions
 from ..ulysses.relayout import (
     check_heads,
     divisors,
@@ -65,7 +66,8 @@ def hybrid_attention(q: Any, k: Any, v: Any, comm, ulysses_size: int, *, layout:
                      causal: bool, softmax_scale: Optional[float] = None,
                      return_lse: bool = False, cu_seqlens: Any = None, window: Any = None,
                      mask: Any = None, method: str = "auto", kernel: Optional[Kernel] = None,
-                     sinks: Any = None, wire: Optional[str] = None):
+                     sinks: Any = None, wire: Optional[str] = None,
+                     softcap: Optional[float] = None):
     """Attention over the whole sequence for shards q [b, s/P, h, d],
     k/v [b, s/P, hk, d] in ``layout`` (any of ``commlib.ring.LAYOUTS``; no
     default: shards and attention must name the same one): Ulysses of
@@ -74,14 +76,26 @@ def hybrid_attention(q: Any, k: Any, v: Any, comm, ulysses_size: int, *, layout:
     ``window``, ``mask`` and ``sinks`` (all h heads', applied once, after the
     ring) as ``ring_attention``'s. In q's framework, device and dtype.
     ``wire="float8"``: the Ulysses all-to-alls travel as e4m3 with per-head
-    scales (``commlib.ulysses.wire``); the ring's K/V in q's dtype."""
+    scales (``commlib.ulysses.wire``); the ring's K/V in q's dtype.
+    ``softcap`` as ``ring_attention``'s."""
+    options = AttentionOptions(causal=causal, window=window, cu_seqlens=cu_seqlens, mask=mask,
+                               softmax_scale=softmax_scale, softcap=softcap, kernel=kernel,
+                               method=method, wire=wire)
+    return hybrid_attention_with(options, q, k, v, comm, ulysses_size, layout=layout,
+                                 sinks=sinks, return_lse=return_lse)
+
+
+def hybrid_attention_with(options: AttentionOptions, q: Any, k: Any, v: Any, comm,
+                          ulysses_size: int, *, layout: str, sinks: Any = None,
+                          return_lse: bool = False):
+    """``hybrid_attention`` with its options as one value (what the
+    bindings call)."""
     q, k, v, sinks = detached(q, k, v, sinks)
-    call = prepare(comm, "hybrid_attention", q, k, v, layout=layout, causal=causal,
-                   softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, mask=mask,
-                   kernel=kernel, sinks=sinks,
+    method, wire = options.method, options.wire
+    call = prepare(comm, "hybrid_attention", q, k, v, options, layout=layout, sinks=sinks,
                    check=lambda: (_check(q, comm.size, ulysses_size, method),
                                   check_wire(wire, q)),
-                   ulysses_size=ulysses_size, method=method, wire=wire)
+                   ulysses_size=ulysses_size)
     group, ring = groups(comm, ulysses_size)
     qh, kh, vh = seq_to_head_many([q, k, v], group, wire=wire)
     out, lse = ring_forward(call.over_groups(ulysses_size), qh, kh, vh, ring, method,
@@ -95,15 +109,28 @@ def hybrid_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: 
                               ulysses_size: int, *, layout: str, causal: bool,
                               softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
                               window: Any = None, mask: Any = None, method: str = "auto",
-                              kernel: Optional[Kernel] = None, sinks: Any = None):
+                              kernel: Optional[Kernel] = None, sinks: Any = None,
+                              softcap: Optional[float] = None):
     """(dq, dk, dv) of ``hybrid_attention`` for this rank's shards; with
     ``sinks``, (dq, dk, dv, dsinks) as ``ring_attention_backward``'s."""
+    options = AttentionOptions(causal=causal, window=window, cu_seqlens=cu_seqlens, mask=mask,
+                               softmax_scale=softmax_scale, softcap=softcap, kernel=kernel,
+                               method=method)
+    return hybrid_attention_backward_with(options, dout, q, k, v, out, lse, comm, ulysses_size,
+                                          layout=layout, sinks=sinks)
+
+
+def hybrid_attention_backward_with(options: AttentionOptions, dout: Any, q: Any, k: Any,
+                                   v: Any, out: Any, lse: Any, comm, ulysses_size: int, *,
+                                   layout: str, sinks: Any = None):
+    """``hybrid_attention_backward`` with its options as one value (the
+    backward moves q's dtype: no ``wire``)."""
     dout, q, k, v, out, lse, sinks = detached(dout, q, k, v, out, lse, sinks)
-    call = prepare(comm, "hybrid_attention_backward", q, k, v, layout=layout, causal=causal,
-                   softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, mask=mask,
-                   kernel=kernel, extra=backward_extras(q, dout, out, lse), sinks=sinks,
+    method = options.method
+    call = prepare(comm, "hybrid_attention_backward", q, k, v, options, layout=layout,
+                   extra=backward_extras(q, dout, out, lse), sinks=sinks,
                    check=lambda: _check(q, comm.size, ulysses_size, method),
-                   ulysses_size=ulysses_size, method=method)
+                   ulysses_size=ulysses_size)
     group, ring = groups(comm, ulysses_size)
     qh, kh, vh, dh, oh = seq_to_head_many([q, k, v, dout, out], group)
     dq, dk, dv = ring_backward(call.over_groups(ulysses_size), dh, qh, kh, vh, oh,

@@ -39,13 +39,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..kernels import Kernel, kernel_for
+from ..kernels import Kernel
 from ..kernels.merge import merge_all
 from ..kernels.sinks import apply_sinks, check_sinks, sinks_fact
 from ..namespace import accumulated, accumulator_dtype, detached, device, framework, namespace
 from ..ring.exchange import RingExchange
-from ..sequence.attention_call import agree_on_inputs, check_qkv, scale_of
+from ..sequence.attention_call import agree_on_inputs, check_qkv, kernel_of, scale_of
 from ..sequence.blockwise import attend, finish
+from ..sequence.options import AttentionOptions
 from ..sequence.visibility import band_blocks, bounds
 
 __all__ = ["decode_attention", "chunk_attention", "prefill_bytes", "PREFILL_METHODS"]
@@ -56,7 +57,8 @@ PREFILL_METHODS = ("auto", "pass_q", "pass_kv")
 def decode_attention(q: Any, k: Any, v: Any, comm, *, q_positions: Sequence[int],
                      k_positions: Sequence[int], causal: bool, window: Any = None,
                      softmax_scale: Optional[float] = None, kernel: Optional[Kernel] = None,
-                     return_lse: bool = False, sinks: Any = None):
+                     return_lse: bool = False, sinks: Any = None,
+                     softcap: Optional[float] = None):
     """Attention of new tokens, the same on every rank, over a sharded cache.
 
     q [b, t, h, d]: the new tokens' queries, identical on every rank, at
@@ -67,7 +69,8 @@ def decode_attention(q: Any, k: Any, v: Any, comm, *, q_positions: Sequence[int]
     out [b, t, h, d] in q's framework, device and dtype, the same on every
     rank (and lse [b, h, t] float32, float64 for float64 q, with
     ``return_lse``). ``sinks`` [h]: attention sinks as ``ring_attention``'s,
-    applied once, after every rank's partial is merged.
+    applied once, after every rank's partial is merged; ``softcap`` as
+    ``ring_attention``'s.
 
     Positions given as arrays of q's framework (not NumPy: a torch, CuPy
     or JAX array, on q's device) take the path a captured or compiled
@@ -76,13 +79,23 @@ def decode_attention(q: Any, k: Any, v: Any, comm, *, q_positions: Sequence[int]
     preallocated buffer whose empty slots have position -1 (in any order),
     and the queries' positions are compared across ranks on the device
     (``_decode_on_device``)."""
+    options = AttentionOptions(causal=causal, window=window, softmax_scale=softmax_scale,
+                               softcap=softcap, kernel=kernel)
+    out, lse = decode_attention_with(options, q, k, v, comm, q_positions=q_positions,
+                                     k_positions=k_positions, sinks=sinks)
+    return (out, lse) if return_lse else out
+
+
+def decode_attention_with(options: AttentionOptions, q: Any, k: Any, v: Any, comm, *,
+                          q_positions: Sequence[int], k_positions: Sequence[int],
+                          sinks: Any = None) -> Tuple[Any, Any]:
+    """(out, lse) of ``decode_attention`` with its options as one value
+    (what the bindings call)."""
     q, k, v, sinks = detached(q, k, v, sinks)
     if _device_positions(q, q_positions) or _device_positions(q, k_positions):
-        return _decode_on_device(q, k, v, comm, q_positions, k_positions, causal, window,
-                                 softmax_scale, kernel, return_lse, sinks)
-    kernel, scale, (lo, hi) = _prepare(comm, "decode_attention", q, k, v, q_positions,
-                                       k_positions, causal, window, softmax_scale, kernel,
-                                       sinks, replicated=True)
+        return _decode_on_device(options, q, k, v, comm, q_positions, k_positions, sinks)
+    kernel, scale, (lo, hi) = _prepare(comm, "decode_attention", q, k, v, options, q_positions,
+                                       k_positions, sinks, replicated=True)
     xp = namespace(q)
     state = attend(kernel, q, k, v, band_blocks(q_positions, k_positions, lo, hi), scale)
     out, lse = finish(state, q) if state is None else state
@@ -91,8 +104,7 @@ def decode_attention(q: Any, k: Any, v: Any, comm, *, q_positions: Sequence[int]
     gathered = xp.reshape(comm.allgather(packed), (comm.size, -1))
     merged = merge_all(xp.reshape(gathered[:, :b * t * h * d], (comm.size, b, t, h, d)),
                        xp.reshape(gathered[:, b * t * h * d:], (comm.size, b, h, t)))
-    out, lse = finish(merged, q, sinks)
-    return (out, lse) if return_lse else out
+    return finish(merged, q, sinks)
 
 
 def _device_positions(q: Any, positions: Any) -> bool:
@@ -109,9 +121,8 @@ def _framework_or_none(x: Any) -> Optional[str]:
         return None
 
 
-def _decode_on_device(q: Any, k: Any, v: Any, comm, q_positions: Any, k_positions: Any,
-                      causal: bool, window: Any, softmax_scale: Optional[float],
-                      kernel: Optional[Kernel], return_lse: bool, sinks: Any):
+def _decode_on_device(options: AttentionOptions, q: Any, k: Any, v: Any, comm,
+                      q_positions: Any, k_positions: Any, sinks: Any) -> Tuple[Any, Any]:
     """``decode_attention`` with positions on the device, and no read of
     the device: what is checked is what the host knows (shapes, dtypes,
     settings, agreed by every rank as on the host path); the keys a query
@@ -120,19 +131,21 @@ def _decode_on_device(q: Any, k: Any, v: Any, comm, q_positions: Any, k_position
     and a rank whose positions differ from rank 0's makes the output NaN on
     every rank (no rank can raise without reading the device)."""
     xp = namespace(q)
-    problem = band = None
+    problem = band = kernel = None
     try:
         check_qkv(q, k, v, same_length=False)
         check_sinks(sinks, q)
+        options.check()
         q_positions = _on_device_as_ints("q_positions", q_positions, q.shape[1], q)
         k_positions = _on_device_as_ints("k_positions", k_positions, k.shape[1], q)
-        band = bounds(causal, window)
+        band = bounds(options.causal, options.window)
+        kernel = kernel_of(options, q)
     except ValueError as error:
         problem = error
-    shared = dict(causal=causal, window=window,
-                  scale=None if problem else scale_of(q, softmax_scale),
-                  kernel=None if kernel is None else kernel.name, positions="device",
-                  q_length=None if problem else q.shape[1], sinks=sinks_fact(sinks))
+    shared = dict(options.facts(), scale=None if problem else scale_of(q, options.softmax_scale),
+                  kernel=None if options.kernel is None else options.kernel.name,
+                  positions="device", q_length=None if problem else q.shape[1],
+                  sinks=sinks_fact(sinks))
     agree_on_inputs(comm, "decode_attention", q, k, problem, shared_axes=(0, 2, 3), **shared)
     lo, hi = band
     wide = accumulator_dtype(q)
@@ -140,8 +153,7 @@ def _decode_on_device(q: Any, k: Any, v: Any, comm, q_positions: Any, k_position
     if k.shape[1]:
         apart = q_positions[:, None] - k_positions[None, :]
         visible = (k_positions >= 0)[None, :] & (apart >= lo) & (apart <= hi)
-        out, lse = (kernel or kernel_for(q)).forward(q, k, v, False, shared["scale"],
-                                                     mask=visible)
+        out, lse = kernel.forward(q, k, v, False, shared["scale"], mask=visible)
         out = xp.astype(out, wide, copy=False)
         lse = xp.astype(lse, wide, copy=False)
         # a row that saw no key: out 0 (a kernel may leave NaN there), lse -inf
@@ -158,8 +170,7 @@ def _decode_on_device(q: Any, k: Any, v: Any, comm, q_positions: Any, k_position
     told = gathered[:, b * t * h * (d + 1):]
     same = xp.all(told == told[:1])
     out, lse = apply_sinks(*merged, sinks)
-    out, lse = xp.astype(xp.where(same, out, math.nan), q.dtype), xp.where(same, lse, math.nan)
-    return (out, lse) if return_lse else out
+    return xp.astype(xp.where(same, out, math.nan), q.dtype), xp.where(same, lse, math.nan)
 
 
 def _on_device_as_ints(name: str, positions: Any, count: int, q: Any) -> Any:
@@ -180,7 +191,8 @@ def _on_device_as_ints(name: str, positions: Any, count: int, q: Any) -> Any:
 def chunk_attention(q: Any, k: Any, v: Any, comm, *, q_positions: Sequence[int],
                     k_positions: Sequence[int], causal: bool, window: Any = None,
                     softmax_scale: Optional[float] = None, kernel: Optional[Kernel] = None,
-                    method: str = "auto", return_lse: bool = False, sinks: Any = None):
+                    method: str = "auto", return_lse: bool = False, sinks: Any = None,
+                    softcap: Optional[float] = None):
     """Attention of this rank's queries of a new chunk over the whole
     sharded cache (the chunk's keys included: every rank stores its share
     first).
@@ -191,19 +203,30 @@ def chunk_attention(q: Any, k: Any, v: Any, comm, *, q_positions: Sequence[int],
     "pass_kv", "pass_q" or "auto" (fewer bytes, ``prefill_bytes``; the same
     choice on every rank). Returns out [b, m, h, d] in q's framework,
     device and dtype (and lse [b, h, m] float32, float64 for float64 q,
-    with ``return_lse``); ``sinks`` as ``decode_attention``'s."""
+    with ``return_lse``); ``sinks`` and ``softcap`` as ``decode_attention``'s."""
+    options = AttentionOptions(causal=causal, window=window, softmax_scale=softmax_scale,
+                               softcap=softcap, kernel=kernel, method=method)
+    out, lse = chunk_attention_with(options, q, k, v, comm, q_positions=q_positions,
+                                    k_positions=k_positions, sinks=sinks)
+    return (out, lse) if return_lse else out
+
+
+def chunk_attention_with(options: AttentionOptions, q: Any, k: Any, v: Any, comm, *,
+                         q_positions: Sequence[int], k_positions: Sequence[int],
+                         sinks: Any = None) -> Tuple[Any, Any]:
+    """(out, lse) of ``chunk_attention`` with its options as one value
+    (what the bindings call)."""
     q, k, v, sinks = detached(q, k, v, sinks)
-    kernel, scale, band = _prepare(comm, "chunk_attention", q, k, v, q_positions, k_positions,
-                                   causal, window, softmax_scale, kernel, sinks,
-                                   replicated=False, method=method)
+    kernel, scale, band = _prepare(comm, "chunk_attention", q, k, v, options, q_positions,
+                                   k_positions, sinks, replicated=False)
     queries, keys = _everyone(comm, q_positions), _everyone(comm, k_positions)
+    method = options.method
     if method == "auto":
         costs = prefill_bytes([len(p) for p in queries], [len(p) for p in keys], q.shape[0],
                               q.shape[2], k.shape[2], q.shape[3], q.dtype.itemsize)
         method = min(costs, key=lambda name: (costs[name], name != "pass_kv"))
     run = _pass_q if method == "pass_q" else _pass_kv
-    out, lse = finish(run(comm, kernel, scale, band, q, k, v, queries, keys), q, sinks)
-    return (out, lse) if return_lse else out
+    return finish(run(comm, kernel, scale, band, q, k, v, queries, keys), q, sinks)
 
 
 def prefill_bytes(queries: Sequence[int], keys: Sequence[int], batch: int, num_heads: int,
@@ -221,37 +244,38 @@ def prefill_bytes(queries: Sequence[int], keys: Sequence[int], batch: int, num_h
                                                            + max(4, itemsize) * (head_dim + 1))}
 
 
-def _prepare(comm, op: str, q: Any, k: Any, v: Any, q_positions: Sequence[int],
-             k_positions: Sequence[int], causal: bool, window: Any,
-             softmax_scale: Optional[float], kernel: Optional[Kernel], sinks: Any,
-             replicated: bool, **settings: Any) -> Tuple[Kernel, float, Tuple[int, int]]:
+def _prepare(comm, op: str, q: Any, k: Any, v: Any, options: AttentionOptions,
+             q_positions: Sequence[int], k_positions: Sequence[int], sinks: Any,
+             replicated: bool) -> Tuple[Kernel, float, Tuple[int, int]]:
     """Check this rank's inputs and agree with every rank (any problem
     raises on all): the shapes but the cache's length, the dtype, the
-    settings, the sinks' presence, shape and dtype, and, for ``replicated``
-    queries, their positions."""
-    problem = band = None
+    options, the sinks' presence, shape and dtype, and, for ``replicated``
+    queries, their positions. Returns the kernel (bound to the options'
+    cap), the scale and the visible distances."""
+    problem = band = kernel = None
     try:
         check_qkv(q, k, v, same_length=False)
         check_sinks(sinks, q)
+        options.check()
         _check_positions("q_positions", q_positions, q.shape[1])
         _check_positions("k_positions", k_positions, k.shape[1])
-        band = bounds(causal, window)
-        if settings.get("method", "auto") not in PREFILL_METHODS:
+        band = bounds(options.causal, options.window)
+        if options.method not in PREFILL_METHODS:
             raise ValueError(f"method must be one of {', '.join(PREFILL_METHODS)}, got "
-                             f"{settings['method']!r}")
+                             f"{options.method!r}")
+        kernel = kernel_of(options, q)
     except ValueError as error:
         problem = error
-    shared = dict(causal=causal, window=window,
-                  scale=None if problem else scale_of(q, softmax_scale),
-                  kernel=None if kernel is None else kernel.name, sinks=sinks_fact(sinks),
-                  **settings)
+    shared = dict(options.facts(), scale=None if problem else scale_of(q, options.softmax_scale),
+                  kernel=None if options.kernel is None else options.kernel.name,
+                  sinks=sinks_fact(sinks))
     if replicated:  # the same new tokens everywhere
         shared["q_length"] = q.shape[1] if problem is None else None
         shared["q_positions"] = zlib.crc32(np.asarray(q_positions, np.int64).tobytes()) \
             if problem is None else None
     # the shards' lengths differ across ranks: batch, heads and head_dim agree
     agree_on_inputs(comm, op, q, k, problem, shared_axes=(0, 2, 3), **shared)
-    return kernel or kernel_for(q), shared["scale"], band
+    return kernel, shared["scale"], band
 
 
 def _check_positions(name: str, positions: Sequence[int], count: int) -> None:

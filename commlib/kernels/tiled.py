@@ -20,6 +20,11 @@ lengths: query i sees keys 0..i of the same block. ``mask`` (bool
 [queries, keys], True = visible, in q's framework) hides pairs of packed
 documents and sliding windows; a row that sees no key gets out 0 and
 lse -inf.
+
+``softcap`` (Gemma2, Grok): every score s, after the scale, becomes
+cap * tanh(s / cap) before the softmax (before the masks, which then hide
+the capped score); the backward multiplies the scores' gradient by its
+derivative, 1 - tanh(s / cap)^2, recomputed from the same scores.
 """
 
 from __future__ import annotations
@@ -125,6 +130,15 @@ def _hidden(scores, mask, q0: int, q1: int, k0: int, k1: int, group: int, xp):
     return xp.where(xp.tile(mask[q0:q1, k0:k1], (group, 1)), scores, -math.inf)
 
 
+def _capped(scores, softcap: Optional[float], xp):
+    """(cap * tanh(scores / cap), tanh(scores / cap)) of a fresh score tile;
+    (scores, None) without a cap."""
+    if softcap is None:
+        return scores, None
+    squashed = xp.tanh(scores / softcap)
+    return squashed * softcap, squashed
+
+
 def _key_tiles(q_start: int, q_end: int, k_len: int, causal: bool,
                tile: int) -> Iterator[Tuple[int, int, bool]]:
     """(start, end, needs_mask) of each key tile a query tile must visit;
@@ -157,10 +171,12 @@ def _heads_last(x, xp):
 
 def attention_forward(q: Any, k: Any, v: Any, causal: bool,
                       softmax_scale: Optional[float] = None, tile: Optional[int] = None,
-                      cuda: Optional[bool] = None, mask: Any = None) -> Tuple[Any, Any]:
-    """softmax(scale * q k^T) v for q [b, sq, h, d], k and v [b, sk, hk, d],
-    in q's framework. Returns ``(out, lse)``: out [b, sq, h, d] and
-    lse [b, h, sq], both in the accumulator dtype. ``cuda`` says where q lives when it cannot
+                      cuda: Optional[bool] = None, mask: Any = None,
+                      softcap: Optional[float] = None) -> Tuple[Any, Any]:
+    """softmax(scale * q k^T) v for q [b, sq, h, d], k and v [b, sk, hk, d]
+    (each score capped at ``softcap`` first, where given), in q's framework.
+    Returns ``(out, lse)``: out [b, sq, h, d] and lse [b, h, sq], both in
+    the accumulator dtype. ``cuda`` says where q lives when it cannot
     be asked (inside ``jax.jit``)."""
     xp, cuda, b, sq, heads, d, kv_heads, group, scale, tile = _setup(
         q, k, causal, softmax_scale, tile, cuda)
@@ -178,6 +194,7 @@ def attention_forward(q: Any, k: Any, v: Any, causal: bool,
         for k0, k1, masked in _key_tiles(q0, q1, k.shape[1], causal, tile):
             scores = _product(qt, xp.permute_dims(keys[:, :, k0:k1], (0, 1, 3, 2)),
                               score_dtype, wide, xp)
+            scores, _ = _capped(scores, softcap, xp)
             if masked:
                 later = _later(xp, device(q), q0, q1 - q0, k0, k1 - k0, group)
                 scores = xp.where(later, -math.inf, scores)
@@ -206,7 +223,8 @@ def attention_forward(q: Any, k: Any, v: Any, causal: bool,
 def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
                        causal: bool, softmax_scale: Optional[float] = None,
                        tile: Optional[int] = None, cuda: Optional[bool] = None,
-                       mask: Any = None) -> Tuple[Any, Any, Any]:
+                       mask: Any = None, softcap: Optional[float] = None
+                       ) -> Tuple[Any, Any, Any]:
     """Gradients of ``attention_forward`` (dq, dk, dv in the accumulator
     dtype, shaped like q, k, v). ``lse`` [b, h, sq] may be the log-sum-exp
     over *more* keys than ``k`` holds (Ring Attention passes the global
@@ -232,7 +250,8 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
         dqt = xp.zeros(qt.shape, dtype=wide, device=device(q))
         for k0, k1, masked in _key_tiles(q0, q1, k.shape[1], causal, tile):
             kt, vt = keys[:, :, k0:k1], values[:, :, k0:k1]            # [b, hk, tk, d]
-            scores = xp.matmul(scaled, xp.permute_dims(kt, (0, 1, 3, 2)))
+            scores, squashed = _capped(xp.matmul(scaled, xp.permute_dims(kt, (0, 1, 3, 2))),
+                                       softcap, xp)
             if masked:
                 later = _later(xp, device(q), q0, q1 - q0, k0, k1 - k0, group)
                 scores = xp.where(later, -math.inf, scores)
@@ -244,6 +263,8 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
             dscores = xp.matmul(dot, xp.permute_dims(vt, (0, 1, 3, 2)))
             dscores -= row_delta
             dscores *= probs
+            if squashed is not None:  # d(cap * tanh(s / cap)) / ds
+                dscores *= 1 - squashed * squashed
             dscores *= scale
             dqt += xp.matmul(dscores, kt)
             dk_part = xp.matmul(xp.permute_dims(dscores, (0, 1, 3, 2)), qt)

@@ -34,6 +34,7 @@ from ..kernels.sinks import with_sink_gradient
 from ..namespace import contiguous, detached, device, namespace
 from ..sequence.attention_call import AttentionCall, backward_extras, prepare
 from ..sequence.blockwise import attend, attend_backward, finish
+from ..sequence.options import AttentionOptions
 from .exchange import RingExchange
 from .sparse import SPARSE_SHARE, routes, sparse_backward, sparse_forward
 
@@ -49,7 +50,7 @@ def ring_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool,
                    softmax_scale: Optional[float] = None, return_lse: bool = False,
                    cu_seqlens: Any = None, window: Any = None, mask: Any = None,
                    method: str = "auto", kernel: Optional[Kernel] = None,
-                   sinks: Any = None):
+                   sinks: Any = None, softcap: Optional[float] = None):
     """Attention of this rank's queries over the whole (sharded) sequence.
 
     q [b, s/P, h, d]; k, v [b, s/P, hk, d] with h % hk == 0; shards as
@@ -68,13 +69,25 @@ def ring_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool,
     built-in block kernel (``commlib.kernels``). ``sinks`` [h]: one logit
     per query head that joins every softmax as a column with no value
     (gpt-oss; ``commlib.kernels.sinks``); the lse returned then includes
-    it (what the backward takes)."""
+    it (what the backward takes). ``softcap``: every score s (after the
+    scale) becomes softcap * tanh(s / softcap) before the softmax (Gemma2,
+    Grok; the sinks are not capped); it runs the tiled kernel, as PyTorch's
+    fused SDPA cannot cap (``commlib.kernels``)."""
+    options = AttentionOptions(causal=causal, window=window, cu_seqlens=cu_seqlens, mask=mask,
+                               softmax_scale=softmax_scale, softcap=softcap, kernel=kernel,
+                               method=method)
+    return ring_attention_with(options, q, k, v, comm, layout=layout, sinks=sinks,
+                               return_lse=return_lse)
+
+
+def ring_attention_with(options: AttentionOptions, q: Any, k: Any, v: Any, comm, *,
+                        layout: str, sinks: Any = None, return_lse: bool = False):
+    """``ring_attention`` with its options as one value (what the bindings
+    call)."""
     q, k, v, sinks = detached(q, k, v, sinks)
-    call = prepare(comm, "ring_attention", q, k, v, layout=layout, causal=causal,
-                   softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, mask=mask,
-                   kernel=kernel, sinks=sinks, check=lambda: check_method(method),
-                   method=method)
-    out, lse = ring_forward(call, q, k, v, comm, method, sinks)
+    call = prepare(comm, "ring_attention", q, k, v, options, layout=layout, sinks=sinks,
+                   check=lambda: check_method(options.method))
+    out, lse = ring_forward(call, q, k, v, comm, options.method, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -82,18 +95,28 @@ def ring_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: An
                             layout: str, causal: bool,
                             softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
                             window: Any = None, mask: Any = None, method: str = "auto",
-                            kernel: Optional[Kernel] = None, sinks: Any = None):
+                            kernel: Optional[Kernel] = None, sinks: Any = None,
+                            softcap: Optional[float] = None):
     """(dq, dk, dv) of ``ring_attention`` for this rank's shards, given the
     forward's ``out`` and ``lse`` and the output gradient ``dout``; in q's
     framework, device and dtype. With ``sinks`` (the forward's): (dq, dk, dv,
     dsinks), dsinks this rank's queries' share of the sinks' gradient (the
     ranks' shares add up to it: ``commlib.kernels.sinks``)."""
+    options = AttentionOptions(causal=causal, window=window, cu_seqlens=cu_seqlens, mask=mask,
+                               softmax_scale=softmax_scale, softcap=softcap, kernel=kernel,
+                               method=method)
+    return ring_attention_backward_with(options, dout, q, k, v, out, lse, comm, layout=layout,
+                                        sinks=sinks)
+
+
+def ring_attention_backward_with(options: AttentionOptions, dout: Any, q: Any, k: Any, v: Any,
+                                 out: Any, lse: Any, comm, *, layout: str, sinks: Any = None):
+    """``ring_attention_backward`` with its options as one value."""
     dout, q, k, v, out, lse, sinks = detached(dout, q, k, v, out, lse, sinks)
-    call = prepare(comm, "ring_attention_backward", q, k, v, layout=layout, causal=causal,
-                   softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, mask=mask,
-                   kernel=kernel, extra=backward_extras(q, dout, out, lse), sinks=sinks,
-                   check=lambda: check_method(method), method=method)
-    grads = ring_backward(call, dout, q, k, v, out, lse, comm, method)
+    call = prepare(comm, "ring_attention_backward", q, k, v, options, layout=layout,
+                   extra=backward_extras(q, dout, out, lse), sinks=sinks,
+                   check=lambda: check_method(options.method))
+    grads = ring_backward(call, dout, q, k, v, out, lse, comm, options.method)
     return with_sink_gradient(grads, dout, out, lse, sinks)
 
 

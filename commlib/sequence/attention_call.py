@@ -12,12 +12,13 @@ import zlib
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Tuple, Union
 
-from ..kernels import Kernel, kernel_for
+from ..kernels import Kernel, capped, kernel_for
 from ..kernels.sinks import check_sinks, sinks_fact
 from ..namespace import dtype_name, framework_of, namespace, on_cuda
 from .balanced import Assigned, placement_for
 from .documents import Grouped, Packing, Span
 from .masks import Mask, check_mask, from_band
+from .options import AttentionOptions
 from .visibility import blocks, bounds, mask_blocks
 
 Extra = Tuple[Tuple[str, Any, tuple], ...]
@@ -78,9 +79,10 @@ def scale_of(q: Any, softmax_scale: Optional[float]) -> float:
 @dataclass(frozen=True)
 class AttentionCall:
     """What one attention call is, read from its inputs once on this rank and
-    agreed by every rank: the arrays' namespace, the block kernel, the
-    softmax scale, where every rank's tokens sit in the documents
-    (``placement``: a ``commlib.sequence.documents.Packing``, a
+    agreed by every rank: the arrays' namespace, the block kernel (bound to
+    the options' ``softcap``: ``kernels.capped``), the softmax scale, where
+    every rank's tokens sit in the documents (``placement``: a
+    ``commlib.sequence.documents.Packing``, a
     ``commlib.sequence.balanced.Assigned``, or either ``Grouped`` as the hybrid's
     ring sees it; each has ``offsets``, ``size``, ``spans``, ``in_order``)
     and which query-key
@@ -116,20 +118,22 @@ class AttentionCall:
         return replace(self, placement=Grouped(self.placement, group_size))
 
 
-def prepare(comm, op: str, q: Any, k: Any, v: Any, *, layout: str, causal: bool,
-            softmax_scale: Optional[float], cu_seqlens: Any, window: Any,
-            kernel: Optional[Kernel], mask: Optional[Mask] = None, extra: Extra = (),
-            sinks: Any = None, check: Callable[[], None] = lambda: None,
+def prepare(comm, op: str, q: Any, k: Any, v: Any, options: AttentionOptions, *, layout: str,
+            extra: Extra = (), sinks: Any = None, check: Callable[[], None] = lambda: None,
             **settings: Any) -> AttentionCall:
-    """Check the inputs on this rank (q, k, v, ``extra`` and ``sinks``; then
-    ``check()``, the algorithm's own checks, raising ValueError), agree on
-    them and on every setting with every rank (any problem raises on all),
-    and return the call's facts."""
-    packing = visible = None
+    """Check the inputs on this rank (q, k, v, ``extra``, ``sinks`` and the
+    ``options``; then ``check()``, the algorithm's own checks, raising
+    ValueError), agree on them, on the options' facts and on every setting
+    with every rank (any problem raises on all), and return the call's
+    facts."""
+    packing = visible = kernel = None
     problem = None
+    mask, causal, cu_seqlens, window = (options.mask, options.causal, options.cu_seqlens,
+                                        options.window)
     try:
         check_qkv(q, k, v, extra)
         check_sinks(sinks, q)
+        options.check()
         check()
         if mask is not None:
             check_mask(mask, None)
@@ -140,14 +144,22 @@ def prepare(comm, op: str, q: Any, k: Any, v: Any, *, layout: str, causal: bool,
         packing = placement_for(layout, comm.size, q.shape[1], cu_seqlens=cu_seqlens,
                                 mask=mask)
         visible = bounds(causal, window)
+        kernel = kernel_of(options, q)
     except ValueError as error:
         problem = error
-    scale = None if problem else scale_of(q, softmax_scale)
-    agree_on_inputs(comm, op, q, k, problem, causal=causal, layout=layout, window=window,
-                    documents=_documents(packing),
-                    mask=None if mask is None or problem else mask.digest(), scale=scale,
-                    sinks=sinks_fact(sinks), **settings)
-    return AttentionCall(namespace(q), kernel or kernel_for(q), scale, packing, *visible, mask)
+    scale = None if problem else scale_of(q, options.softmax_scale)
+    facts = options.facts(digest=not problem)
+    agree_on_inputs(comm, op, q, k, problem, causal=facts.pop("causal"), layout=layout,
+                    window=facts.pop("window"), documents=_documents(packing),
+                    mask=facts.pop("mask"), scale=scale, sinks=sinks_fact(sinks), **facts,
+                    **settings)
+    return AttentionCall(namespace(q), kernel, scale, packing, *visible, mask)
+
+
+def kernel_of(options: AttentionOptions, q: Any) -> Kernel:
+    """The call's block kernel: the options' (or the built-in one for q and
+    the cap), bound to the cap (a ValueError where it cannot cap)."""
+    return capped(options.kernel or kernel_for(q, options.softcap), options.softcap)
 
 
 def _documents(packing: Optional[TokenPlacement]) -> str:

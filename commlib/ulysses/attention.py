@@ -21,6 +21,7 @@ from ..kernels.sinks import with_sink_gradient
 from ..namespace import detached, device
 from ..sequence.attention_call import AttentionCall, backward_extras, prepare
 from ..sequence.blockwise import attend, attend_backward, finish
+from ..sequence.options import AttentionOptions
 from .relayout import (
     check_heads,
     head_to_seq,
@@ -36,7 +37,7 @@ def ulysses_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool
                       softmax_scale: Optional[float] = None, return_lse: bool = False,
                       cu_seqlens: Any = None, window: Any = None, mask: Any = None,
                       kernel: Optional[Kernel] = None, sinks: Any = None,
-                      wire: Optional[str] = None):
+                      wire: Optional[str] = None, softcap: Optional[float] = None):
     """Attention over the whole sequence for sequence shards
     q [b, s/P, h, d], k/v [b, s/P, hk, d] in ``layout`` (any of
     ``commlib.ring.LAYOUTS``, as ``shard_sequence`` makes them; no default:
@@ -46,12 +47,22 @@ def ulysses_attention(q: Any, k: Any, v: Any, comm, *, layout: str, causal: bool
     Returns out [b, s/P, h, d] (q's framework, device and dtype) and, with
     ``return_lse``, lse [b, h, s/P] float32 (float64 for float64 q).
     ``wire="float8"``: q, k, v and out travel as e4m3 with per-head scales
-    (``commlib.ulysses.wire``)."""
+    (``commlib.ulysses.wire``); ``softcap`` as ``ring_attention``'s."""
+    options = AttentionOptions(causal=causal, window=window, cu_seqlens=cu_seqlens, mask=mask,
+                               softmax_scale=softmax_scale, softcap=softcap, kernel=kernel,
+                               wire=wire)
+    return ulysses_attention_with(options, q, k, v, comm, layout=layout, sinks=sinks,
+                                  return_lse=return_lse)
+
+
+def ulysses_attention_with(options: AttentionOptions, q: Any, k: Any, v: Any, comm, *,
+                           layout: str, sinks: Any = None, return_lse: bool = False):
+    """``ulysses_attention`` with its options as one value (what the
+    bindings call)."""
     q, k, v, sinks = detached(q, k, v, sinks)
-    call = prepare(comm, "ulysses_attention", q, k, v, layout=layout, causal=causal,
-                   softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, mask=mask,
-                   kernel=kernel, sinks=sinks, check=lambda: (check_heads(q.shape[2], comm.size),
-                                                              check_wire(wire, q)), wire=wire)
+    wire = options.wire
+    call = prepare(comm, "ulysses_attention", q, k, v, options, layout=layout, sinks=sinks,
+                   check=lambda: (check_heads(q.shape[2], comm.size), check_wire(wire, q)))
     heads = q.shape[2]
     out, lse = ulysses_forward(call, *seq_to_head_many([q, k, v], comm, wire=wire),
                                sinks=heads_here(sinks, comm))
@@ -63,14 +74,25 @@ def ulysses_attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse:
                                layout: str, causal: bool,
                                softmax_scale: Optional[float] = None, cu_seqlens: Any = None,
                                window: Any = None, mask: Any = None,
-                               kernel: Optional[Kernel] = None, sinks: Any = None):
+                               kernel: Optional[Kernel] = None, sinks: Any = None,
+                               softcap: Optional[float] = None):
     """(dq, dk, dv) of ``ulysses_attention`` for this rank's shards, in q's
     framework, device and dtype; with ``sinks``, (dq, dk, dv, dsinks) as
     ``ring_attention_backward``'s."""
+    options = AttentionOptions(causal=causal, window=window, cu_seqlens=cu_seqlens, mask=mask,
+                               softmax_scale=softmax_scale, softcap=softcap, kernel=kernel)
+    return ulysses_attention_backward_with(options, dout, q, k, v, out, lse, comm,
+                                           layout=layout, sinks=sinks)
+
+
+def ulysses_attention_backward_with(options: AttentionOptions, dout: Any, q: Any, k: Any,
+                                    v: Any, out: Any, lse: Any, comm, *, layout: str,
+                                    sinks: Any = None):
+    """``ulysses_attention_backward`` with its options as one value (the
+    backward moves q's dtype: no ``wire``)."""
     dout, q, k, v, out, lse, sinks = detached(dout, q, k, v, out, lse, sinks)
-    call = prepare(comm, "ulysses_attention_backward", q, k, v, layout=layout, causal=causal,
-                   softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, mask=mask,
-                   kernel=kernel, extra=backward_extras(q, dout, out, lse), sinks=sinks,
+    call = prepare(comm, "ulysses_attention_backward", q, k, v, options, layout=layout,
+                   extra=backward_extras(q, dout, out, lse), sinks=sinks,
                    check=lambda: check_heads(q.shape[2], comm.size))
     qh, kh, vh, dh, oh = seq_to_head_many([q, k, v, dout, out], comm)
     dq, dk, dv = ulysses_backward(call, dh, qh, kh, vh, oh, lse_to_heads(lse, comm))

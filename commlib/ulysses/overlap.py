@@ -26,6 +26,7 @@ from typing import Any, Callable, List, Optional, Tuple
 from ..kernels import Kernel
 from ..namespace import detached, namespace
 from ..sequence.attention_call import prepare
+from ..sequence.options import AttentionOptions
 from .attention import ulysses_forward
 from .relayout import check_heads, head_to_seq_async, lse_to_seq, seq_to_head_async
 from .wire import check_wire
@@ -70,7 +71,8 @@ def ulysses_attention_overlapped(project: Project, comm, *, num_heads: int,
                                  causal: bool, softmax_scale: Optional[float] = None,
                                  return_lse: bool = False, cu_seqlens: Any = None,
                                  window: Any = None, mask: Any = None,
-                                 kernel: Optional[Kernel] = None, wire: Optional[str] = None):
+                                 kernel: Optional[Kernel] = None, wire: Optional[str] = None,
+                                 softcap: Optional[float] = None):
     """``ulysses_attention`` of the q, k, v that ``project(heads, kv_heads)``
     makes group by group: given two slices of head indices (the group's
     query heads and kv heads, ``head_groups``), it returns this rank's
@@ -93,10 +95,11 @@ def ulysses_attention_overlapped(project: Project, comm, *, num_heads: int,
         comm.agree("ulysses_attention_overlapped", problem=error)
         raise  # not reached: agree raised on every rank
     q, k, v = first
-    call = prepare(comm, "ulysses_attention_overlapped", q, k, v, layout=layout, causal=causal,
-                   softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window,
-                   mask=mask, kernel=kernel, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                   groups=groups, wire=wire)
+    options = AttentionOptions(causal=causal, window=window, cu_seqlens=cu_seqlens, mask=mask,
+                               softmax_scale=softmax_scale, softcap=softcap, kernel=kernel,
+                               wire=wire)
+    call = prepare(comm, "ulysses_attention_overlapped", q, k, v, options, layout=layout,
+                   num_heads=num_heads, num_kv_heads=num_kv_heads, groups=groups)
     per_group = spans[0][0].stop - spans[0][0].start
     arriving = [seq_to_head_async(first, comm, per_group, wire)]
     leaving, lses = [], []

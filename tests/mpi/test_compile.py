@@ -61,6 +61,8 @@ def _maskings():
         # attention sinks, a learned parameter: their gradient is in the backward graph
         "sinks": ("zigzag", lambda: dict(causal=True, sinks=torch.linspace(
             -1.0, 2.0, HEADS).requires_grad_())),
+        # Gemma2's cap on the scores: an option the op carries in its schema
+        "softcap": ("zigzag", lambda: dict(causal=True, softcap=1.5)),
     }
 
 
@@ -88,7 +90,7 @@ ATTENTION_CASES = [("ring", masking) for masking in _maskings()] + [
     ("ulysses", "causal"), ("ulysses", "cu_seqlens"), ("ulysses", "window"),
     ("ulysses", "mask"), ("ulysses", "sinks"), ("hybrid-ring", "causal"),
     ("hybrid-ring", "documents-mask"), ("hybrid-ulysses", "cu_seqlens"),
-    ("hybrid-ulysses", "window")]
+    ("hybrid-ulysses", "window"), ("ulysses", "softcap"), ("hybrid-ulysses", "softcap")]
 
 
 @pytest.mark.quick_sample(3)

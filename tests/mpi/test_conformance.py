@@ -2,8 +2,8 @@
 world size: each case equals torch SDPA in float64 on the unsharded
 sequence with the case's dense mask, output and the three gradients (with
 attention sinks: the eager softmax with the sink column, and the sinks'
-gradient), or is refused on every rank with the predicted error. Nothing
-is skipped."""
+gradient; with a cap: the eager softmax of the capped scores), or is
+refused on every rank with the predicted error. Nothing is skipped."""
 
 import numpy as np
 import pytest
@@ -43,7 +43,7 @@ def test_case_is_correct_or_refused_everywhere(comm, case):
             f"{raised}")
         return
     assert all_ranks(refusal is None), f"computed, but should have been refused ({refusal!r})"
-    want = conformance.reference(full, dense, sinks)
+    want = conformance.reference(full, dense, sinks, conformance.softcap_of(case))
     bounds = conformance.TOLERANCE[case["dtype"]]
     errors = [relative_error(g, w) for g, w in zip(got, want)]
     ok = len(got) == len(want) and errors[0] <= bounds[0] and max(errors[1:]) <= bounds[1]
@@ -64,7 +64,7 @@ def test_inference_case_is_sdpa_over_the_whole_cache(comm, case):
     mask = position_mask(asked, np.arange(length), **conformance.inference_visibility(case))
     q, k, v, _ = full
     want = conformance.reference([q[:, asked], k, v, np.zeros_like(q[:, asked])], mask,
-                                 sinks)[0]
+                                 sinks, conformance.softcap_of(case))[0]
     error = relative_error(got, want)
     assert all_ranks(error <= conformance.TOLERANCE[case["dtype"]][0]), error
 

@@ -23,6 +23,7 @@ from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     DiffLlamaConfig,
     DogeConfig,
+    Gemma2Config,
     GenerationConfig,
     HrmTextConfig,
     Llama4TextConfig,
@@ -207,6 +208,28 @@ def test_layers_that_attend_twice_or_run_again_generate_as_one_process(comm, nam
     raises_everywhere(ValueError, lambda: cht.generate(
         model, torch.cat([again, tokens(1, 4, seed=4)], dim=1), comm, max_new_tokens=2,
         past_key_values=cache_of(out), compile_decode=True), match=unrolled)
+
+
+@pytest.mark.parametrize("prefill", ["commlib_ring", "commlib_ulysses"])
+def test_gemma2_soft_capped_generates_as_one_process(comm, prefill):
+    """Gemma2 (every score capped, a sliding window on alternate layers;
+    weights drawn wide so that both change its scores): model.generate's
+    greedy tokens and scores for a first turn (the sharded prefill, then
+    decode) and a second one against the cache (a chunk)."""
+    model = family_model(Gemma2Config(**COMMON, head_dim=16, query_pre_attn_scalar=16,
+                                      attn_logit_softcapping=1.0, sliding_window=8,
+                                      final_logit_softcapping=None, initializer_range=0.2))
+    options = dict(do_sample=False, output_scores=True, return_dict_in_generate=True)
+    first = tokens(1, 37, seed=37)
+    out = cht.generate(model, first, comm, max_new_tokens=6, prefill=prefill, **options)
+    second = torch.cat([out.sequences, tokens(1, 9, seed=9)], dim=1)
+    again = cht.generate(model, second, comm, max_new_tokens=3, past_key_values=cache_of(out),
+                         **options)
+    same = [torch.equal(got.sequences, want.sequences) and all(
+        torch.allclose(g, w, atol=1e-4) for g, w in zip(got.scores, want.scores))
+        for got, want in ((out, model.generate(first, max_new_tokens=6, **options)),
+                          (again, model.generate(second, max_new_tokens=3, **options)))]
+    assert all_ranks(all(same)), same
 
 
 def test_llama4_generates_as_one_process_where_its_chunks_cover_the_call(comm):

@@ -1,8 +1,9 @@
 """transformers over commlib, dense models: a tiny GQA Llama trained with
 each context-parallel attention implementation matches the unsharded model
 (loss, gradients, 20 optimizer steps), on packed documents it matches the
-documents run one by one, a sliding-window Mistral matches its unsharded
-self, and what commlib does not implement is refused on every rank."""
+documents run one by one, a sliding-window Mistral and a Gemma2 (logit
+soft-capping, sliding windows on alternate layers) match their unsharded
+selves, and what commlib does not implement is refused on every rank."""
 
 import copy
 
@@ -139,6 +140,33 @@ def mistral_reference(comm):
     return {"model": initial, "loss": loss.item(), "grads": gradients(model)}
 
 
+# Gemma2's cap and window, small enough to change this tiny model's loss
+# (weights drawn wide: at the usual 0.02 its scores are too small to cap)
+GEMMA2 = dict(head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM, attn_logit_softcapping=1.0,
+              sliding_window=WINDOW, initializer_range=0.2)
+
+
+@pytest.fixture(scope="module")
+def gemma2_reference(comm):
+    """A tiny Gemma2 (its layers alternate a sliding window and full
+    attention; every score capped): the unsharded model (eager, the only
+    transformers attention that caps), its loss and gradients; and the
+    same weights without the cap or the window lose otherwise (both
+    matter here)."""
+    hf.register(comm)
+    config = tiny_config(transformers.Gemma2Config, **GEMMA2)
+    assert config.layer_types == ["sliding_attention", "full_attention"]
+    model = new_model(config, seed=2, attn_implementation="eager")
+    initial = copy.deepcopy(model)
+    loss = model(**global_batch()).loss
+    loss.backward()
+    for change in ({"attn_logit_softcapping": None}, {"sliding_window": 2 * SEQ}):
+        other = new_model(tiny_config(transformers.Gemma2Config, **{**GEMMA2, **change}),
+                          seed=2, attn_implementation="eager")
+        assert abs(other(**global_batch()).loss.item() - loss.item()) > 1e-3 * loss.item()
+    return {"model": initial, "loss": loss.item(), "grads": gradients(model)}
+
+
 _TINY_MODELS = {}
 
 
@@ -188,6 +216,15 @@ def test_packed_documents_match_each_document_alone(comm, packed_reference, impl
 @pytest.mark.parametrize("implementation", KINDS)
 def test_a_sliding_window_matches_the_unsharded_model(comm, mistral_reference, implementation):
     assert first_step_matches(comm, mistral_reference, implementation)
+
+
+@pytest.mark.quick_sample(2)
+@pytest.mark.parametrize("implementation", KINDS)
+def test_gemma2_soft_capped_matches_the_unsharded_model(comm, gemma2_reference, implementation):
+    """Gemma2's capped scores (commlib's softcap=, the tiled kernel) and its
+    alternate sliding-window layers: loss and gradients of the unsharded
+    eager model."""
+    assert first_step_matches(comm, gemma2_reference, implementation)
 
 
 @pytest.mark.parametrize("implementation", TRAINED)
@@ -285,7 +322,8 @@ def test_hybrid_runs_at_a_given_ulysses_size(comm, reference):
 
 
 @pytest.mark.parametrize("extra, named", [
-    ({"softcap": 30.0}, "softcap"), ({"s_aux": torch.zeros(HEADS + 1)}, "sinks must have shape"),
+    ({"softcap": -1.0}, "softcap must be a positive"),
+    ({"s_aux": torch.zeros(HEADS + 1)}, "sinks must have shape"),
     ({"sliding_window": 4, "is_causal": False}, "bidirectional sliding window"),
     ({"dropout": 0.1}, "dropout"), ({"position_bias": torch.zeros(1)}, "position_bias"),
     ({"output_attentions": True}, "output_attentions"),

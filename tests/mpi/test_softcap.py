@@ -1,0 +1,269 @@
+"""Logit soft-capping (Gemma2, Grok: scores s -> cap * tanh(s / cap)
+before the softmax) in every attention: ring, all-gather, sparse, Ulysses
+and the hybrid, forward and backward, with sinks, windows and packed
+documents, against the eager float64 reference written out step by step
+(tests/attention_reference.py's ``eager_reference``); the torch and JAX
+bindings; Ulysses overlapped with the projection; decode and chunk
+attention over the sharded cache; a bad cap (not
+positive, not finite, not a number, different across ranks) and a kernel
+that cannot cap refused on every rank. The conformance matrix
+(test_conformance.py) crosses softcap with every other option pairwise."""
+
+import numpy as np
+import pytest
+
+import commlib
+from commlib import hybrid, ring, ulysses
+from commlib.inference import chunk_attention, decode_attention
+from commlib.kernels import TILED, Kernel
+
+import arrayimpl
+import requires
+from attention_reference import document_mask, eager_reference, position_mask, relative_error
+from conftest import all_ranks, raises_everywhere
+
+WORLD_SIZES = (2, 3)
+
+torch = requires.module("torch")
+jax = requires.module("jax")
+
+SEQ, DIM, CAP = 24, 8, 2.0
+METHODS = ("ring", "allgather", "sparse", "ulysses", "hybrid")
+# (heads, kv heads, layout, attention keywords, with sinks)
+CASES = {"causal-gqa-sinks": (6, 2, "zigzag", {"causal": True}, True),
+         "docs-mqa": (6, 1, "zigzag_docs", {"causal": True, "cu_seqlens": [0, 7, 19]}, False),
+         "window-sinks": (6, 3, "contiguous", {"causal": True, "window": (5, 0)}, True),
+         "bidirectional": (6, 6, "zigzag", {"causal": False}, False)}
+
+
+def _global(heads, kv_heads, seed, length=SEQ):
+    """q, k, v, dout of the whole sequence, float64, large enough that the
+    cap bends the scores; and sinks [heads]."""
+    rng = np.random.default_rng(seed)
+    full = [rng.standard_normal((2, length, h, DIM)) * 2
+            for h in (heads, kv_heads, kv_heads, heads)]
+    return full, rng.normal(1.5, 1.0, heads)
+
+
+def _degree(comm):
+    return comm.size // 2 if comm.size % 2 == 0 else comm.size
+
+
+def _attention(method, q, k, v, dout, comm, **options):
+    """(out, (dq, dk, dv[, dsinks])) of the core ``method``."""
+    if method in ("ring", "allgather", "sparse"):
+        out, lse = ring.ring_attention(q, k, v, comm, return_lse=True, method=method, **options)
+        return out, ring.ring_attention_backward(dout, q, k, v, out, lse, comm, method=method,
+                                                 **options)
+    if method == "ulysses":
+        out, lse = ulysses.ulysses_attention(q, k, v, comm, return_lse=True, **options)
+        return out, ulysses.ulysses_attention_backward(dout, q, k, v, out, lse, comm, **options)
+    degree = _degree(comm)
+    out, lse = hybrid.hybrid_attention(q, k, v, comm, degree, return_lse=True, **options)
+    return out, hybrid.hybrid_attention_backward(dout, q, k, v, out, lse, comm, degree,
+                                                 **options)
+
+
+@pytest.mark.quick_sample(6)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_is_the_eager_capped_softmax(comm, method, case):
+    """out, dq, dk, dv (and dsinks, summed over the ranks) of every method,
+    float64, within 1e-10 of the eager capped softmax on the unsharded
+    sequence; and not within it of the uncapped one (the cap matters)."""
+    heads, kv_heads, layout, options, with_sinks = CASES[case]
+    cu_seqlens = options.get("cu_seqlens")
+    length = SEQ if cu_seqlens is None else cu_seqlens[-1]
+    full, sinks = _global(heads, kv_heads, seed=len(case) + len(method), length=length)
+    sinks = sinks if with_sinks else None
+    dense = document_mask(length, cu_seqlens, options["causal"], options.get("window"))
+    shards = dict(layout=layout, cu_seqlens=cu_seqlens)
+    mine = [ring.shard_sequence(x, comm, **shards) for x in full]
+    out, grads = _attention(method, *mine, comm, layout=layout, sinks=sinks, softcap=CAP,
+                            **options)
+
+    def whole(x):
+        return ring.unshard_sequence(x, comm, **shards, length=None if cu_seqlens else length)
+    got = [whole(x) for x in (out, *grads[:3])] + [comm.allreduce(x) for x in grads[3:]]
+    want = eager_reference(*full, dense, sinks=sinks, softcap=CAP)
+    uncapped = eager_reference(*full, dense, sinks=sinks)
+    errors = [relative_error(g, w) for g, w in zip(got, want)]
+    assert len(got) == len(want) and all_ranks(max(errors) <= 1e-10), errors
+    assert relative_error(got[0], uncapped[0]) > 1e-3
+
+
+# JAX compiles each program here (about 15 s): the full tier; the quick tier
+# meets JAX's cap in the conformance matrix's sample
+@pytest.mark.parametrize("api", ["torch", pytest.param("jax", marks=pytest.mark.full)])
+def test_the_bindings_cap_forward_and_backward(comm, api):
+    """The torch binding's ops (autograd) and the JAX binding's custom_vjp
+    (under jit) with a cap, sinks and packed documents: out, dq, dk, dv and
+    dsinks of ring, Ulysses and the hybrid against the eager reference."""
+    cu = [0, 7, 19]
+    full, sinks = _global(6, 2, seed=11, length=cu[-1])
+    want = eager_reference(*full, document_mask(cu[-1], cu, True), sinks=sinks, softcap=CAP)
+    mine = [ring.shard_sequence(x, comm, layout="zigzag_docs", cu_seqlens=cu) for x in full]
+    errors = []
+    for name in ("ring", "ulysses", "hybrid"):
+        args = (_degree(comm),) if name == "hybrid" else ()
+        keywords = dict(layout="zigzag_docs", causal=True, cu_seqlens=cu, softcap=CAP)
+        got = _binding(api, name, mine, sinks, comm, args, keywords)
+        whole = [ring.unshard_sequence(x, comm, layout="zigzag_docs", cu_seqlens=cu)
+                 for x in got[:4]]
+        errors += [relative_error(g, w) for g, w in zip(whole + [comm.allreduce(got[4])], want)]
+    assert all_ranks(max(errors) <= 1e-10), errors
+
+
+def _binding(api, name, mine, sinks, comm, args, keywords):
+    """(out, dq, dk, dv, dsinks) of the binding, float64 NumPy."""
+    if api == "torch":
+        from commlib.bindings import torch as ct
+        q, k, v, dout = (torch.tensor(x, requires_grad=True) for x in mine)
+        learned = torch.tensor(sinks, requires_grad=True)
+        out = getattr(ct, f"{name}_attention")(q, k, v, comm, *args, sinks=learned, **keywords)
+        out.backward(dout)
+        return [x.detach().numpy() for x in (out, q.grad, k.grad, v.grad, learned.grad)]
+    from commlib.bindings import jax as cj
+    attention = getattr(cj, f"{name}_attention")
+
+    def step(q, k, v, dout, sinks):
+        out, pullback = jax.vjp(lambda q, k, v, s: attention(q, k, v, comm, *args, sinks=s,
+                                                             **keywords), q, k, v, sinks)
+        return (out, *pullback(dout))
+    with jax.enable_x64(True):
+        got = jax.jit(step)(*(jax.numpy.asarray(x) for x in (*mine, sinks)))
+        return [np.asarray(x) for x in got]
+
+
+def test_torch_under_a_cap_runs_the_tiled_kernel_not_sdpa(comm):
+    """PyTorch's fused SDPA cannot cap: under softcap= the torch ring runs
+    the tiled kernel in torch (the profiler sees no SDPA op)."""
+    from torch.profiler import profile
+    full, _ = _global(4, 2, seed=2)
+    q, k, v = (torch.tensor(ring.shard_sequence(x, comm, layout="zigzag")) for x in full[:3])
+    with profile() as capped:
+        ring.ring_attention(q, k, v, comm, layout="zigzag", causal=True, softcap=CAP)
+    with profile() as plain:
+        ring.ring_attention(q, k, v, comm, layout="zigzag", causal=True)
+    names = [{e.name for e in p.events()} for p in (capped, plain)]
+    sdpa = "aten::_scaled_dot_product_flash_attention_for_cpu"
+    assert all_ranks(sdpa not in names[0] and "aten::tanh" in names[0] and sdpa in names[1])
+
+
+def test_ulysses_overlapped_with_the_projection_caps(comm):
+    """ulysses_attention_overlapped (head groups pipelined with the caller's
+    projection) under a cap: out against the eager capped softmax."""
+    full, _ = _global(12, 12, seed=4)
+    mine = [ring.shard_sequence(x, comm, layout="zigzag") for x in full[:3]]
+
+    def project(heads, kv_heads):
+        return mine[0][:, :, heads], mine[1][:, :, kv_heads], mine[2][:, :, kv_heads]
+    out = ulysses.ulysses_attention_overlapped(project, comm, num_heads=12, groups=2,
+                                               layout="zigzag", causal=True, softcap=CAP)
+    want = eager_reference(*full, document_mask(SEQ, None, True), softcap=CAP)[0]
+    got = ring.unshard_sequence(out, comm, layout="zigzag")
+    assert all_ranks(relative_error(got, want) <= 1e-10)
+
+
+# -- inference: decode and a chunk over the sharded cache --------------------
+
+CACHED, NEW = 13, 5
+# JAX's eager kernel compiles per shape (seconds a case): its cases run in the full tier
+INFERENCE_CASES = [pytest.param(impl, entry, marks=[pytest.mark.full] if impl == "jax" else [])
+                   for impl in ("numpy", "torch", "torch-binding", "jax")
+                   for entry in ("decode", "decode-on-device", "chunk-pass_q", "chunk-pass_kv")
+                   if entry != "decode-on-device" or impl in ("torch", "jax")]
+
+
+@pytest.mark.quick_sample(4)
+@pytest.mark.parametrize("impl, entry", INFERENCE_CASES)
+def test_inference_over_the_sharded_cache_caps_the_scores(comm, impl, entry):
+    """decode_attention and chunk_attention (core in each framework, and the
+    torch binding's ops) with a cap, sinks, a window and GQA, against the
+    eager capped softmax over the whole cache."""
+    full, sinks = _global(6, 2, seed=9, length=CACHED + NEW)
+    q, k, v, _ = full
+    keys = np.arange(comm.rank, CACHED + NEW, comm.size)
+    new = np.arange(CACHED, CACHED + NEW)
+    asked = new if entry.startswith("decode") else np.array_split(new, comm.size)[comm.rank]
+    array = arrayimpl.IMPLS["torch" if impl == "torch-binding" else impl]
+    with jax.enable_x64(True):
+        arrays = [array.asarray(x) for x in (q[:, asked], k[:, keys], v[:, keys], sinks)]
+        positions = (array.asarray(asked), array.asarray(keys)) \
+            if entry == "decode-on-device" else (asked, keys)
+        options = dict(q_positions=positions[0], k_positions=positions[1], causal=True,
+                       window=(6, 0), sinks=arrays[3], softcap=CAP)
+        if entry.startswith("chunk"):
+            options["method"] = entry.removeprefix("chunk-")
+        if impl == "torch-binding":
+            from commlib.bindings import torch as ct
+            attention = ct.decode_attention if entry.startswith("decode") else \
+                ct.chunk_attention
+        else:
+            attention = decode_attention if entry.startswith("decode") else chunk_attention
+        out = array.to_numpy(attention(*arrays[:3], comm, **options))
+    mask = position_mask(asked, np.arange(CACHED + NEW), causal=True, window=(6, 0))
+    want = eager_reference(q[:, asked], k, v, np.zeros_like(q[:, asked]), mask, sinks=sinks,
+                           softcap=CAP)[0]
+    assert all_ranks(relative_error(out, want) <= 1e-10)
+
+
+# -- a bad cap: one clear error on every rank, before anything moves ---------
+
+BAD = {"zero": (0.0, "softcap must be a positive finite number"),
+       "negative": (-30.0, "softcap must be a positive finite number"),
+       "nan": (float("nan"), "softcap must be a positive finite number"),
+       "infinite": (float("inf"), "softcap must be a positive finite number"),
+       "text": ("50", "softcap must be a positive finite number"),
+       "bool": (True, "softcap must be a positive finite number"),
+       "differs": (None, "different arguments")}
+ENTRIES = ("ring", "allgather", "ulysses", "hybrid", "torch-ring", "jax-ulysses", "decode",
+           "chunk")
+
+
+@pytest.mark.quick_sample(10)
+@pytest.mark.parametrize("entry", ENTRIES)
+@pytest.mark.parametrize("kind", list(BAD))
+def test_a_bad_cap_is_refused_on_every_rank(comm, kind, entry):
+    """A cap that is not a positive finite number, on the last rank alone
+    (the others' is good), or a good cap that differs across ranks."""
+    framework = {"torch-ring": "torch", "jax-ulysses": "jax"}.get(entry, "numpy")
+    make = arrayimpl.IMPLS[framework].asarray
+    rng = np.random.default_rng(0)
+    q, k, v = (make(rng.standard_normal((1, 4, h, DIM))) for h in (4, 2, 2))
+    bad, message = BAD[kind]
+    wrong = comm.rank == comm.size - 1
+    softcap = (30.0 + wrong) if kind == "differs" else (bad if wrong else 30.0)
+    options = dict(layout="contiguous", causal=True, softcap=softcap)
+    positions = dict(q_positions=[8, 9, 10, 11], k_positions=[0, 1, 2, 3], causal=True,
+                     softcap=softcap)
+    calls = {"ring": lambda: ring.ring_attention(q, k, v, comm, **options),
+             "allgather": lambda: ring.ring_attention(q, k, v, comm, method="allgather",
+                                                      **options),
+             "ulysses": lambda: ulysses.ulysses_attention(q, k, v, comm, **options),
+             "hybrid": lambda: hybrid.hybrid_attention(q, k, v, comm, 1, **options),
+             "decode": lambda: decode_attention(q, k, v, comm, **positions),
+             "chunk": lambda: chunk_attention(q, k, v, comm, **positions)}
+    if entry == "torch-ring":
+        from commlib.bindings import torch as ct
+        calls[entry] = lambda: ct.ring_attention(q, k, v, comm, **options)
+    if entry == "jax-ulysses":
+        from commlib.bindings import jax as cj
+        calls[entry] = lambda: jax.jit(lambda q, k, v: cj.ulysses_attention(
+            q, k, v, comm, **options))(q, k, v)
+    raises_everywhere(ValueError, calls[entry], match=message)
+
+
+def test_a_kernel_that_cannot_cap_is_refused_on_every_rank(comm):
+    """kernel= a Kernel without ``takes_softcap`` under a cap: refused on
+    every rank (the last rank's alone cannot cap), forward and backward."""
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 4, h, DIM)) for h in (4, 2, 2))
+    blind = Kernel(TILED.forward, TILED.backward, "blind")
+    kernel = blind if comm.rank == comm.size - 1 else TILED
+    options = dict(layout="contiguous", causal=True, softcap=CAP)
+    raises_everywhere(commlib.CollectiveMismatchError, lambda: ring.ring_attention(
+        q, k, v, comm, kernel=kernel, **options), match="cannot cap the scores")
+    out, lse = ring.ring_attention(q, k, v, comm, return_lse=True, **options)
+    raises_everywhere(commlib.CollectiveMismatchError, lambda: ring.ring_attention_backward(
+        out, q, k, v, out, lse, comm, kernel=kernel, **options), match="cannot cap the scores")
