@@ -121,7 +121,7 @@ def test_fixed_capacity_never_reads_the_device(comm, monkeypatch, hierarchical):
     and a capacity: not one ``to_host`` (the counted mode makes one per
     dispatch); the counts reach the host at ``collect_stats`` only."""
     torch = requires.module("torch")
-    import commlib.moe.dispatch as module
+    import commlib.moe.fixed as module  # the path it takes, and its stats
 
     reads = []
     original = module.to_host
