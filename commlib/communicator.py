@@ -19,7 +19,7 @@ import numpy as np
 
 from . import consistency, graph_names, memory
 from . import counts as _counts
-from .backends import REDUCE_OPS, Backend
+from .backends import REDUCE_OPS, Backend, PreparedExchange
 from .backends.mpi import MpiBackend
 from .backends.nccl import NcclBackend
 from .backends.staged import StagedBackend
@@ -488,7 +488,8 @@ class Communicator:
         of the size): ``start()`` begins one and returns its wait, with
         none of a call's per-array work (the arrays are resolved here). Over
         MPI it is MPI 4's persistent ``Alltoall_init`` (a start costs about
-        half a new ``Ialltoall``). For callers that keep their buffers
+        half a new ``Ialltoall``); each transport prepares its own
+        (``Backend.prepare_alltoall``). For callers that keep their buffers
         between calls: a decode step's MoE exchange (issue 46)."""
         native = unwrap(x)
         target = self._target(out, native)
@@ -497,13 +498,7 @@ class Communicator:
             raise ValueError(f"prepare_alltoall takes a C-contiguous array whose axis 0 is a "
                              f"multiple of {self.size}; got shape {tuple(native.data.shape)}")
         backend = self._backend_for(native, unwrap(out))
-        if backend is self._host:
-            start = self._host.prepare_alltoall(native.data, target)
-        else:
-            def start():
-                backend.alltoall(native.data, target)
-                return _nothing
-        return PreparedAlltoall(self, start, native)
+        return PreparedAlltoall(self, backend.prepare_alltoall(native.data, target), native)
 
     @_on_callers_stream
     def alltoall_many(self, arrays: Sequence[Any]) -> List[Any]:
@@ -713,25 +708,20 @@ class Communicator:
         self._host.barrier()
 
 
-def _nothing() -> None:
-    """The wait of a transfer already ordered on its stream."""
-
-
 class PreparedAlltoall:
     """``Communicator.prepare_alltoall``'s exchange: ``start()`` begins one
     (counted and checked like any call) and returns its wait. Its arrays
     must not change between a start and its wait."""
 
-    def __init__(self, comm: Communicator, start: Any, native: Native):
+    def __init__(self, comm: Communicator, transport: PreparedExchange, native: Native):
         self._comm, self._native = comm, native
-        self._transport = start  # holds the arrays until the exchange is gone
-        self._start = start if callable(start) else start.start
+        self._transport = transport  # holds the arrays until the exchange is gone
         self._facts = (native.dtype, native.data.shape)
 
     def start(self) -> "_Started":
         self._comm._begin("alltoall", *self._facts)
         with callers_stream(self._native):
-            return _Started(self._start(), self)
+            return _Started(self._transport.start(), self)
 
 
 class _Started:

@@ -70,14 +70,6 @@ def _core_handle(key: torch.Tensor) -> _moe.DispatchHandle:
                           f"combine the handle its dispatch returned") from None
 
 
-def _fixed_shape(core: _moe.Dispatcher, x: torch.Tensor, k: int) -> Tuple[int, ...]:
-    """expert_x's shape under a fixed capacity: [local experts, P * per
-    source cap, H...] (the core's ``_fixed_layout``)."""
-    cap = core.max_tokens_per_rank
-    per_source = min(cap, core._capacity(cap, k) or cap)
-    return (core.local_experts, core.comm.size * per_source) + tuple(x.shape[1:])
-
-
 @torch.library.custom_op("commlib::moe_dispatch", mutates_args=())
 def moe_dispatch(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                  dispatcher: str, quantize: Optional[str]
@@ -96,12 +88,12 @@ def moe_dispatch(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
 @moe_dispatch.register_fake
 def _moe_dispatch_shapes(x, experts, weights, dispatcher, quantize):
     core = graph_names.lookup(dispatcher)
-    if core.max_tokens_per_rank is None:  # counted: rows known when it runs
-        shape: Tuple[Any, ...] = (torch.library.get_ctx().new_dynamic_size(),) \
-            + tuple(x.shape[1:])
+    # expert_x of the path this dispatch takes (FP8 rows are dequantized: x's dtype)
+    shape: Optional[Tuple[Any, ...]] = core.expert_shape(x, experts.shape[1], quantize)
+    if shape is None:  # counted: rows known when it runs
+        shape = (torch.library.get_ctx().new_dynamic_size(),) + tuple(x.shape[1:])
         counts = torch.empty(core.local_experts, dtype=torch.int64)
     else:
-        shape = _fixed_shape(core, x, experts.shape[1])
         counts = torch.empty(core.local_experts, dtype=torch.int64, device=x.device)
     return x.new_empty(shape), counts, torch.empty((), dtype=torch.int64)
 

@@ -3,8 +3,11 @@
 A backend moves the bytes of C-contiguous arrays that the Communicator has
 already validated and allocated; it never allocates results or checks user
 input. ``mpi`` carries host arrays and all control traffic (count exchanges,
-error reports); ``nccl`` carries CUDA arrays. A new transport (UCC, a
-CUDA-aware MPI) is one new module with the methods of ``Backend``.
+error reports); ``nccl`` carries CUDA arrays; ``staged`` carries them over
+MPI, through host memory or, where MPI reads CUDA memory, directly
+(``cuda_aware``). A new transport (UCC, say) is one new module with the
+methods of ``Backend`` plus the line of ``Communicator._transport`` that
+selects it (docs/architecture.md, "Adding a transport").
 """
 
 from __future__ import annotations
@@ -14,6 +17,13 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 
 REDUCE_OPS = ("sum", "prod", "max", "min")
+
+
+class PreparedExchange(Protocol):
+    """An all-to-all of two fixed arrays, set up once: ``start()`` begins
+    one and returns its wait."""
+
+    def start(self) -> Callable[[], None]: ...
 
 
 class Backend(Protocol):
@@ -31,6 +41,10 @@ class Backend(Protocol):
     def alltoall(self, send: Any, out: Any) -> None:
         """Equal byte chunks, chunk i to rank i."""
 
+    def prepare_alltoall(self, send: Any, out: Any) -> PreparedExchange:
+        """``alltoall(send, out)`` set up once to run many times on these two
+        arrays (a persistent collective where the transport has one)."""
+
     def start_sendrecv(self, send: Any, dest: int, out: Any,
                        source: int) -> Callable[[], None]:
         """Start sending to ``dest`` while receiving from ``source``; the
@@ -42,6 +56,23 @@ class Backend(Protocol):
         """Element-wise reduction; ``dtype`` is the logical element type."""
 
     def bcast(self, buf: Any, root: int) -> None: ...
+
+
+class RepeatedAlltoall:
+    """``prepare_alltoall`` of a transport without persistent collectives:
+    each ``start()`` runs its ``alltoall`` (finished, or ordered on the
+    caller's stream, when it returns), so the wait has nothing left to do."""
+
+    def __init__(self, backend: Backend, send: Any, out: Any):
+        self._backend, self._send, self._out = backend, send, out
+
+    def start(self) -> Callable[[], None]:
+        self._backend.alltoall(self._send, self._out)
+        return _done
+
+
+def _done() -> None:
+    """The wait of an exchange that has finished, or is ordered on its stream."""
 
 
 def displacements(counts: np.ndarray) -> np.ndarray:

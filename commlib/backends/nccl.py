@@ -20,7 +20,7 @@ import numpy as np
 from ..dlpack import byte_view
 from ..errors import CommlibError, CommTimeoutError
 from ..watchdog import TIMEOUT_ENV
-from . import displacements
+from . import RepeatedAlltoall, displacements
 from .inflight import IN_FLIGHT, CudaEvents, InFlight
 
 # ncclDataType_t / ncclRedOp_t values (nccl.h); stable since NCCL 2.10
@@ -505,6 +505,11 @@ class NcclBackend:
         chunk = send.nbytes // self.size
         counts = np.full(self.size, chunk, dtype=np.int64)
         self.alltoallv(send, counts, out, counts)
+
+    def prepare_alltoall(self, send, out) -> RepeatedAlltoall:
+        """Each start enqueues an ``alltoall`` (NCCL has no persistent
+        collective; the host does not wait for it)."""
+        return RepeatedAlltoall(self, send, out)
 
     def start_sendrecv(self, send, dest, out, source) -> Callable[[], None]:
         """Enqueued at once; the returned callable makes the caller's stream

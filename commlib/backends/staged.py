@@ -45,7 +45,7 @@ import numpy as np
 
 from ..dlpack import byte_view
 from ..errors import CommlibError
-from . import displacements
+from . import RepeatedAlltoall, displacements
 from .cuda_aware import detect as cuda_aware_detect
 from .inflight import CudaEvents, event_outcome
 
@@ -273,6 +273,11 @@ class StagedBackend:
     def alltoall(self, send, out) -> None:
         chunk = np.full(self.host.size, send.nbytes // self.host.size, dtype=np.int64)
         self.alltoallv(send, chunk, out, chunk)
+
+    def prepare_alltoall(self, send, out) -> RepeatedAlltoall:
+        """Each start runs an ``alltoall`` (staged or CUDA-aware alike: the
+        pieces through host memory are made per call)."""
+        return RepeatedAlltoall(self, send, out)
 
     def start_sendrecv(self, send, dest, out, source) -> Callable[[], None]:
         """Every message is posted before this returns (so that shifts

@@ -10,11 +10,13 @@ its replicas."""
 
 from .balance import BiasBalancer
 from .contract import DROP_POLICIES, QUANTIZE, MoEHandle
-from .dispatch import Dispatcher, DispatchHandle, PendingMoE
+from .dispatch import Dispatcher
 from .placement import Placement, moves, rebalance
 from .relocate import PendingMove, move_expert_weights, start_expert_move, sum_replica_gradients
+from .routed import DispatchHandle
 from .routing import route
 from .stats import DispatchStats
+from .wire import PendingMoE
 
 __all__ = ["route", "Dispatcher", "DispatchHandle", "MoEHandle", "PendingMoE", "DispatchStats",
            "BiasBalancer", "DROP_POLICIES", "QUANTIZE", "Placement", "rebalance", "moves",

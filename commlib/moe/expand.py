@@ -19,7 +19,7 @@ every expert row cost the torch pair 1.6x; issue 37).
 
 A fixed capacity has static sizes and no count exchange, so a chunk's pair
 count is unknown until the device is read: its expert_x is made once every
-chunk is in (one gather over the slots, ``Dispatcher._expand_fixed``), and
+chunk is in (one gather over the slots, ``FixedPath._expand``), and
 its combine gathers each arrival's k slots chunk by chunk
 (``GatheredRows``), or scatters every expert row at once where that
 touches fewer rows.

@@ -24,7 +24,7 @@ token naming an expert twice is two assignments, as in every layout, and
 takes two slots, so expert_x, ``tokens_per_expert`` and the statistics
 count it twice and combine weighs each row by its own weight. What does
 not fit is dropped and counted, as the per-destination layout drops it
-(``Dispatcher._capacity_losses``): an expert's choices past its C slots
+(``Experts.capacity_losses``): an expert's choices past its C slots
 (only a token naming an expert more than once makes T <= C tokens need
 them), the latest first, and every choice of the tokens past C."""
 
@@ -44,14 +44,16 @@ from ..namespace import (
     framework,
     index_dtype,
     namespace,
+    on_cuda,
     sum_rows,
     take_rows,
     to_host,
 )
 from . import contract
-from .call import PendingMoE, Wire
+from .experts import Experts
+from .wire import PendingMoE, Wire
 
-__all__ = ["LowLatency", "LowLatencyHandle"]
+__all__ = ["LowLatencyPath", "LowLatencyHandle"]
 
 FLAG = 8  # bytes after a row's payload (8: rows stay aligned); the first is 1 for a token
 # the most bytes this layout sends each peer; beyond, the per-destination fixed layout.
@@ -92,6 +94,7 @@ class LowLatencyHandle:
     target: Any = field(default=None, repr=False)  # [T * k] slot of each choice, S * C: none
     gather: Any = field(default=None, repr=False)  # [L * P * C] arrived slot of each expert row
     expert_shape: Tuple[int, ...] = field(default=(), repr=False)  # (L, P * C)
+    path: Any = field(default=None, repr=False)  # the LowLatencyPath that made it
 
     @property
     def homes(self) -> Any:
@@ -100,14 +103,53 @@ class LowLatencyHandle:
         return namespace(self.gather).argsort(self.gather)
 
 
-class LowLatency:
-    """The ``Dispatcher``'s low-latency path (a mixin: it reads the
-    communicator, experts, options and ``_slots_of``)."""
+class LowLatencyPath:
+    """A ``Dispatcher`` with ``max_tokens_per_rank`` C, flat, without a
+    capacity factor, while a peer's block is at most
+    ``LOW_LATENCY_MOST_BYTES`` (``takes``): expert_x [local experts, P * C,
+    H], expert e's first ``tokens_per_expert[e]`` rows real."""
 
-    _shapes: Dict[tuple, _Shape]
-    _slot_experts: Optional[np.ndarray]
-    _exchanges: Dict[tuple, List[Tuple[Any, Any, Any]]]
-    _noted: Dict[tuple, Any]
+    name = "low-latency slots"
+
+    def __init__(self, experts: Experts):
+        self.experts = experts
+        self.comm = experts.comm
+        self._shapes: Dict[tuple, _Shape] = {}  # tables, per shape
+        self._exchanges: Dict[tuple, List[Tuple[Any, Any, Any]]] = {}  # free between calls
+        self._noted: Dict[tuple, Any] = {}  # counts on devices
+
+    def takes(self, row_bytes: Optional[int]) -> bool:
+        """Whether a dispatch of rows of ``row_bytes`` (on the wire) takes
+        this path: a flat fixed capacity without a capacity factor, while
+        its block to each peer (a row per local expert and token slot) is
+        at most ``LOW_LATENCY_MOST_BYTES``; beyond, the per-destination
+        layout (``commlib.moe.fixed``), which sends a token once per rank.
+        Without ``row_bytes`` (a rank's bad input) this path: its agreement
+        refuses on every rank."""
+        mine = self.experts
+        if mine.max_tokens_per_rank is None or mine.hierarchical \
+                or mine.capacity_factor is not None:
+            return False
+        block = mine.local_experts * mine.max_tokens_per_rank
+        return row_bytes is None or block * (row_bytes + FLAG) <= LOW_LATENCY_MOST_BYTES
+
+    def expert_shape(self, x: Any, k: int) -> Tuple[int, ...]:
+        """[local experts, P * C, H...]."""
+        mine = self.experts
+        return (mine.local_experts, self.comm.size * mine.max_tokens_per_rank) \
+            + tuple(x.shape[1:])
+
+    def dispatch(self, x: Any, experts: Any, weights: Any, wire: Optional[Wire],
+                 facts: Tuple[str, ...], problem: Optional[Exception]
+                 ) -> Tuple[PendingMoE, None]:
+        """The agreement, then pack, one exchange, compact (no statistics
+        until they are collected). The framework and device kind are agreed
+        on too: the exchange buffers are kept per both, and making a new set
+        is collective."""
+        if problem is None:
+            facts = facts + ("low-latency layout", framework(x), f"cuda={on_cuda(x)}")
+        self.comm.agree("moe.dispatch", *facts, problem=problem)
+        return self._exchange(x, experts, weights, wire), None
 
     def _buffers(self, like: Any, dtype: Any, row: Tuple[int, ...],
                  zero_row: bool = False) -> Tuple[Any, Any, Any]:
@@ -128,7 +170,7 @@ class LowLatency:
         if held:
             return held.pop()
         xp = namespace(like)
-        slots = self.num_slots * self.max_tokens_per_rank
+        slots = self.experts.num_slots * self.experts.max_tokens_per_rank
         send = xp.zeros((slots,) + row, dtype=dtype, device=device(like))
         receive = xp.zeros((slots + zero_row,) + row, dtype=dtype, device=device(like))
         return send, receive, self.comm.prepare_alltoall(send, receive[:slots])
@@ -139,26 +181,12 @@ class LowLatency:
                receive.shape[0] > send.shape[0])
         self._exchanges.setdefault(key, []).append(buffers)
 
-    def _low_latency(self, wire: Optional[Wire]) -> bool:
-        """Whether a dispatch of these rows takes this path: a flat fixed
-        capacity without a capacity factor, while its block to each peer
-        (a row per local expert and token slot) is at most
-        ``LOW_LATENCY_MOST_BYTES``; beyond, the per-destination layout
-        (``commlib.moe.fixed``), which sends a token once per rank. Without
-        ``wire`` (a rank's bad input) this path: its agreement refuses on
-        every rank."""
-        if self.max_tokens_per_rank is None or self.hierarchical \
-                or self.capacity_factor is not None:
-            return False
-        block = self.local_experts * self.max_tokens_per_rank
-        return wire is None or block * (int(wire.payload.shape[1]) + FLAG) \
-            <= LOW_LATENCY_MOST_BYTES
-
     def _shape(self, like: Any, row_bytes: int, tokens: int, k: int) -> _Shape:
         key = (framework(like), str(device(like)), row_bytes, tokens, k)
         held = self._shapes.get(key)
         if held is None:
-            size, local, cap = self.comm.size, self.local_experts, self.max_tokens_per_rank
+            size, cap = self.comm.size, self.experts.max_tokens_per_rank
+            local = self.experts.local_experts
             source, place = np.divmod(np.arange(size * cap), cap)
             arrived = (source * local * cap + place)[None, :] + (np.arange(local) * cap)[:, None]
             width = -(-row_bytes // FLAG) * FLAG + FLAG
@@ -173,23 +201,23 @@ class LowLatency:
             on_device = xp.asarray(rows, device=where)
             held = self._shapes[key] = _Shape(
                 on_device, on_device[:tokens, :row_bytes], put(choice_rows),
-                put(np.arange(self.num_experts)),
+                put(np.arange(self.experts.num_experts)),
                 None if tokens <= cap else xp.asarray(choice_rows < cap, device=where),
                 put(arrived.reshape(-1)), put(np.arange(local).reshape(local, 1) * size * cap))
         return held
 
-    def _dispatch_low_latency(self, x: Any, experts: Any, weights: Any,
-                              wire: Wire) -> PendingMoE:
+    def _exchange(self, x: Any, experts: Any, weights: Any, wire: Wire) -> PendingMoE:
         """Pack, one exchange, compact (see the module docstring)."""
+        mine = self.experts
         xp = namespace(x)
-        cap, local = self.max_tokens_per_rank, self.local_experts
-        spare = self.num_slots * cap
+        cap, local = mine.max_tokens_per_rank, mine.local_experts
+        spare = mine.num_slots * cap
         tokens, k = experts.shape
         row_bytes = int(wire.payload.shape[1])
         shape = self._shape(x, row_bytes, tokens, k)
         kind = shape.choice_rows.dtype
         ids = xp.reshape(experts if experts.dtype == kind else xp.astype(experts, kind), (-1,))
-        named = (ids >= 0) & (ids < self.num_experts)
+        named = (ids >= 0) & (ids < mine.num_experts)
         invalid = xp.sum(named ^ (ids != -1), keepdims=True)
         place, wanted = _places(ids, shape)  # of logical ids: capacities are per logical expert
         kept = named & (place < cap)
@@ -197,9 +225,9 @@ class LowLatency:
             dropped = xp.clip(wanted - cap, min=0)
         else:  # more than C tokens: those past C have no slot either
             kept = kept & shape.fits
-            dropped = bincount(xp.where(named & ~kept, ids, -1), self.num_experts)
-        if self.placement is not None:
-            ids = xp.reshape(self._slots_of(xp.reshape(xp.where(kept, ids, -1), (tokens, k))),
+            dropped = bincount(xp.where(named & ~kept, ids, -1), mine.num_experts)
+        if mine.placement is not None:
+            ids = xp.reshape(mine.slots_of(xp.reshape(xp.where(kept, ids, -1), (tokens, k))),
                              (-1,))
         target = xp.where(kept, ids * cap + place, spare)
         shape.payloads[...] = wire.payload
@@ -226,7 +254,7 @@ class LowLatency:
             per_source = flags.reshape(size, local, cap).sum(axis=2, dtype=kind)
             self._note_received(per_source, row_bytes)
             handle = LowLatencyHandle(per_source.sum(axis=0), None, float32(weights), target,
-                                      gather, (local, size * cap))
+                                      gather, (local, size * cap), self)
             return expert_x, handle
         return PendingMoE(finish)
 
@@ -245,17 +273,18 @@ class LowLatency:
         held = self._noted.get(key)
         self._noted[key] = per_source if held is None else held + per_source
 
-    def _low_latency_counts(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    def unreported(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """The counts noted since the last collection, on the host (one copy
         each), cleared: (kept per slot, dropped per slot, traffic [P, P] in
         payload bytes, invalid ids). A logical expert's drops are put on
         its first slot (the statistics sum them per logical expert)."""
-        size, local, count = self.comm.size, self.local_experts, self.num_slots
+        mine = self.experts
+        size, local, count = self.comm.size, mine.local_experts, mine.num_slots
         kept, dropped = np.zeros(count, np.int64), np.zeros(count, np.int64)
         traffic, invalid = np.zeros((size, size), np.int64), 0
         first = self.comm.rank * local
-        first_slots = np.arange(count) if self._slot_experts is None else np.unique(
-            self._slot_experts, return_index=True)[1][-self.num_experts:]  # after -1's
+        first_slots = np.arange(count) if mine.slot_experts is None else np.unique(
+            mine.slot_experts, return_index=True)[1][-mine.num_experts:]  # after -1's
         for key, counts in self._noted.items():
             host = np.asarray(to_host(counts), np.int64).reshape(-1)
             if key[2] == "received":
@@ -268,7 +297,7 @@ class LowLatency:
         self._noted.clear()
         return kept, dropped, traffic, invalid
 
-    def _combine_low_latency(self, expert_y: Any, handle: LowLatencyHandle) -> PendingMoE:
+    def combine(self, expert_y: Any, handle: LowLatencyHandle) -> PendingMoE:
         """combine's checks and agreement, then the way back, weighed."""
         problem = contract.combine_problem(expert_y, handle.expert_shape, handle.gather)
         facts = (f"dtype {dtype_name(expert_y)}", f"row shape {tuple(expert_y.shape[2:])}") \
@@ -313,14 +342,14 @@ class LowLatency:
             return result
         return wait
 
-    def _dispatch_backward_low_latency(self, d_expert_x: Any, handle: LowLatencyHandle) -> Any:
+    def dispatch_backward(self, d_expert_x: Any, handle: LowLatencyHandle) -> Any:
         """d x: the gradients of each token's slots summed (a choice without
         a slot reads the zero row)."""
         ones = namespace(d_expert_x).ones_like(handle.gate)
         return self._slots_back(d_expert_x, handle, ones).wait()
 
-    def _combine_backward_low_latency(self, expert_y: Any, d_y: Any,
-                                      handle: LowLatencyHandle) -> Tuple[Any, Any]:
+    def combine_backward(self, expert_y: Any, d_y: Any, handle: LowLatencyHandle,
+                         k: int) -> Tuple[Any, Any]:
         """(d expert_y, d weights): w * d y travels to the slots (one
         choice's each); expert_y travels back for <d y, y_e>."""
         xp = namespace(expert_y)

@@ -259,7 +259,7 @@ def test_a_dispatch_reads_the_device_once_at_every_size(comm, monkeypatch, hiera
     1 and the torch witness of every other device read:
     tests/test_moe_host_syncs.py.)"""
     torch = requires.module("torch")
-    import commlib.moe.dispatch as module
+    import commlib.moe.counted as module  # the counted path reads the device
 
     reads = []
     original = module.to_host

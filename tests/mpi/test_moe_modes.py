@@ -115,13 +115,52 @@ def test_fixed_capacity_equals_the_counted_dispatch(comm, monkeypatch, case, cap
         world.free()
 
 
+# (options, FP8 rows, rows too large for the slots, the path a dispatch takes)
+PATHS = [({}, None, False, "counted flat"),
+         ({"hierarchical": True}, None, False, "counted two-hop"),
+         ({"max_tokens_per_rank": 9}, None, False, "low-latency slots"),
+         ({"max_tokens_per_rank": 9}, "fp8", True, "fixed per-destination flat"),
+         ({"max_tokens_per_rank": 9, "capacity_factor": 0.6}, None, False,
+          "fixed per-destination flat"),
+         ({"max_tokens_per_rank": 9, "hierarchical": True}, "fp8", False,
+          "fixed per-destination two-hop")]
+
+
+@pytest.mark.parametrize("options, quantize, large, name", PATHS,
+                         ids=[f"{name}-{quantize}" for _, quantize, _, name in PATHS])
+def test_the_path_a_dispatch_takes_is_named_and_gives_its_shape(comm, monkeypatch, options,
+                                                                 quantize, large, name):
+    """``path_for`` names the path a dispatch then takes (its handle's),
+    ``describe`` names it too, and ``expert_shape`` (the torch fakes')
+    is the shape of the expert_x it returns: None where counted."""
+    torch = requires.module("torch")
+    if large:
+        monkeypatch.setattr(lowlatency, "LOW_LATENCY_MOST_BYTES", 0)
+    world = world_for(comm)
+    try:
+        num_experts = 4 * comm.size
+        x, experts, weights = (torch.from_numpy(a) for a in make_routing(comm, "k1",
+                                                                        num_experts))
+        d = Dispatcher(world, num_experts, **options)
+        path = d.path_for(x, quantize)
+        shape = d.expert_shape(x, experts.shape[1], quantize)
+        expert_x, handle = d.dispatch(x, experts, weights, quantize=quantize,
+                                      dequantize=quantize is not None)
+        counted = d.max_tokens_per_rank is None
+        assert all_ranks(path.name == name and handle.path is path and name in d.describe()
+                         and shape == (None if counted else tuple(expert_x.shape))), \
+            (path.name, d.describe(), shape, tuple(expert_x.shape))
+    finally:
+        world.free()
+
+
 @pytest.mark.parametrize("hierarchical", [False, True], ids=["flat", "two-hop"])
 def test_fixed_capacity_never_reads_the_device(comm, monkeypatch, hierarchical):
     """Dispatch, combine and both backwards with torch tensors, FP8 rows
     and a capacity: not one ``to_host`` (the counted mode makes one per
     dispatch); the counts reach the host at ``collect_stats`` only."""
     torch = requires.module("torch")
-    import commlib.moe.dispatch as module
+    import commlib.moe.fixed as module  # the path it takes, and its stats
 
     reads = []
     original = module.to_host

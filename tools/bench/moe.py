@@ -255,7 +255,8 @@ def modes(tokens: int, small_tokens: int, hidden: int, num_experts: int, topk: i
         counted.dispatch(x, experts, weights, quantize="fp8")
         narrow = int(counted.stats.traffic.sum()) - wide
         fixed.collect_stats()
-        blocks = fixed._fixed_layout(x, topk)["hops"][0][3]  # rows per destination, padded
+        # rows per destination, padded: the layout of the path the fixed dispatches took
+        blocks = fixed.path_for(x).layout(x, topk, hidden * 2)["hops"][0][3]
         wire = {None: hidden * 2 + 8 * topk, "fp8": hidden + 4 * -(-hidden // 128) + 8 * topk}
         say(f"-- {count} tokens per rank: payload per dispatch (all ranks) bf16 "
             f"{wide / 2**20:.2f} MiB, fp8 {narrow / 2**20:.2f} MiB ({narrow / wide:.3f}); "
