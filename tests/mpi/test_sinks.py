@@ -9,6 +9,7 @@ bad sinks refused on every rank. The conformance matrix
 
 import numpy as np
 import pytest
+from binding_calls import through_binding
 
 import commlib
 from commlib import hybrid, ring, ulysses
@@ -170,31 +171,10 @@ def test_the_bindings_differentiate_the_sinks(comm, api):
     for name in ("ring", "ulysses", "hybrid"):
         args = (_degree(comm),) if name == "hybrid" else ()
         keywords = dict(layout=layout, causal=True, cu_seqlens=cu)
-        got = _binding(api, name, mine, sinks, comm, args, keywords)
+        got = through_binding(api, name, mine, sinks, comm, args, keywords)
         whole = [ring.unshard_sequence(x, comm, layout=layout, cu_seqlens=cu) for x in got[:4]]
         errors += [relative_error(g, w) for g, w in zip(whole + [comm.allreduce(got[4])], want)]
     assert all_ranks(max(errors) <= 1e-12), errors
-
-
-def _binding(api, name, mine, sinks, comm, args, keywords):
-    """(out, dq, dk, dv, dsinks) of the binding, float64 NumPy."""
-    if api == "torch":
-        from commlib.bindings import torch as ct
-        q, k, v, dout = (torch.tensor(x, requires_grad=True) for x in mine)
-        learned = torch.tensor(sinks, requires_grad=True)
-        out = getattr(ct, f"{name}_attention")(q, k, v, comm, *args, sinks=learned, **keywords)
-        out.backward(dout)
-        return [x.detach().numpy() for x in (out, q.grad, k.grad, v.grad, learned.grad)]
-    from commlib.bindings import jax as cj
-    attention = getattr(cj, f"{name}_attention")
-
-    def step(q, k, v, dout, sinks):
-        out, pullback = jax.vjp(lambda q, k, v, s: attention(q, k, v, comm, *args, sinks=s,
-                                                             **keywords), q, k, v, sinks)
-        return (out, *pullback(dout))
-    with jax.enable_x64(True):
-        got = jax.jit(step)(*(jax.numpy.asarray(x) for x in (*mine, sinks)))
-        return [np.asarray(x) for x in got]
 
 
 def test_a_sink_of_minus_infinity_is_no_sink(comm):

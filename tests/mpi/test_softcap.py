@@ -11,6 +11,7 @@ that cannot cap refused on every rank. The conformance matrix
 
 import numpy as np
 import pytest
+from binding_calls import through_binding
 
 import commlib
 from commlib import hybrid, ring, ulysses
@@ -107,32 +108,11 @@ def test_the_bindings_cap_forward_and_backward(comm, api):
     for name in ("ring", "ulysses", "hybrid"):
         args = (_degree(comm),) if name == "hybrid" else ()
         keywords = dict(layout="zigzag_docs", causal=True, cu_seqlens=cu, softcap=CAP)
-        got = _binding(api, name, mine, sinks, comm, args, keywords)
+        got = through_binding(api, name, mine, sinks, comm, args, keywords)
         whole = [ring.unshard_sequence(x, comm, layout="zigzag_docs", cu_seqlens=cu)
                  for x in got[:4]]
         errors += [relative_error(g, w) for g, w in zip(whole + [comm.allreduce(got[4])], want)]
     assert all_ranks(max(errors) <= 1e-10), errors
-
-
-def _binding(api, name, mine, sinks, comm, args, keywords):
-    """(out, dq, dk, dv, dsinks) of the binding, float64 NumPy."""
-    if api == "torch":
-        from commlib.bindings import torch as ct
-        q, k, v, dout = (torch.tensor(x, requires_grad=True) for x in mine)
-        learned = torch.tensor(sinks, requires_grad=True)
-        out = getattr(ct, f"{name}_attention")(q, k, v, comm, *args, sinks=learned, **keywords)
-        out.backward(dout)
-        return [x.detach().numpy() for x in (out, q.grad, k.grad, v.grad, learned.grad)]
-    from commlib.bindings import jax as cj
-    attention = getattr(cj, f"{name}_attention")
-
-    def step(q, k, v, dout, sinks):
-        out, pullback = jax.vjp(lambda q, k, v, s: attention(q, k, v, comm, *args, sinks=s,
-                                                             **keywords), q, k, v, sinks)
-        return (out, *pullback(dout))
-    with jax.enable_x64(True):
-        got = jax.jit(step)(*(jax.numpy.asarray(x) for x in (*mine, sinks)))
-        return [np.asarray(x) for x in got]
 
 
 def test_torch_under_a_cap_runs_the_tiled_kernel_not_sdpa(comm):
