@@ -48,6 +48,17 @@ CHECKED = ("test_alltoallv.py", "test_collectives.py", "test_fuzz.py", "test_moe
 SERVING = ("test_conformance.py", "test_generate.py", "test_inference.py", "test_masks.py",
            "test_moe_matrix.py", "test_moe_replicated.py")
 
+# whole models (transformers, diffusers, the Trainer, compiled models) at 2
+# and 3 ranks in a launch of their own: with them, the 2-rank launch came
+# within a minute of its 1200 s on a loaded machine
+MODELS = ("test_compile.py", "test_compile_inference.py", "test_compile_models.py",
+          "test_diffusers.py", "test_generate.py", "test_generate_rebalance.py",
+          "test_generate_recurrent.py", "test_model_axis.py", "test_trainer.py",
+          "test_transformers_changes.py", "test_transformers_dense.py",
+          "test_transformers_encoders.py", "test_transformers_gpt_oss.py",
+          "test_transformers_moe.py", "test_transformers_placement.py",
+          "test_transformers_recurrent.py")
+
 # the quick tier's 3-rank launch: the attention matrix (odd sizes change
 # every layout's cuts), and any file that does not run at 2
 QUICK_AT_3 = ("test_conformance.py",)
@@ -96,8 +107,10 @@ def _launches():
         return [_launch(2, _quick_files(2), "0", "2-quick"),
                 _launch(3, _quick_files(3), "0", "3-quick")]
     return [_launch(1, _files(1), "0", "1"),
-            _launch(2, _files(2), "0", "2"),
-            _launch(3, _files(3), "0", "3"),
+            _launch(2, _files(2, exclude=MODELS), "0", "2"),
+            _launch(2, _files(2, MODELS), "0", "2-models"),
+            _launch(3, _files(3, exclude=MODELS), "0", "3"),
+            _launch(3, _files(3, MODELS), "0", "3-models"),
             _launch(4, _files(4, MPI_LAYER), "0", "4-mpi-layer"),
             _launch(4, _files(4, exclude=MPI_LAYER + SERVING), "0", "4-frameworks"),
             _launch(4, _files(4, SERVING), "0", "4-serving"),
@@ -137,7 +150,7 @@ def test_mpi_suite(nprocs, hosts, files, check, tmp_path, request):
 def test_the_named_selections_are_files_of_tests_mpi():
     """A misspelt or renamed file would drop out of its launch unseen."""
     every = {path.name for path in MPI_TESTS.glob("test_*.py")}
-    missing = sorted(set(MPI_LAYER + CHECKED + SERVING) - every)
+    missing = sorted(set(MPI_LAYER + CHECKED + SERVING + MODELS) - every)
     assert not missing, f"named in test_multirank.py but not in tests/mpi: {missing}"
 
 
