@@ -170,7 +170,9 @@ mpi_step() {
     [[ -e $LOGS/$name.log ]] && summary "$name" "$LOGS/$name"/rank*.xml
 }
 
-if step preflight 90 $PY -m commlib.tools.gpu.check preflight --site "$ENV_DIR/site" $rehearse
+# imports, then pytest collecting every gpu test twice (tests/, tests/mpi/): about 60 s on a
+# quiet 2-core machine, 112 s on a loaded one, where 90 s stopped the rehearsal
+if step preflight 150 $PY -m commlib.tools.gpu.check preflight --site "$ENV_DIR/site" $rehearse
 then
     grep -v "^  \.\.\. " "$LOGS/preflight.log" | tee -a "$OUT/summary.txt"
 else
