@@ -19,15 +19,15 @@ import numpy as np
 
 from . import consistency, graph_names, memory
 from . import counts as _counts
-from .backends import REDUCE_OPS, Backend, PreparedExchange
+from .backends import REDUCE_OPS, Backend
 from .backends.mpi import MpiBackend
 from .backends.nccl import NcclBackend
 from .backends.staged import StagedBackend
 from .dlpack import Native, byte_view, callers_stream, contiguous, unwrap, writable
 from .errors import AllocationRefusedError, CollectiveMismatchError
+from .in_flight import Pending, PreparedAlltoall
 from .namespace import contiguous as framework_contiguous
 from .namespace import namespace
-from .progress import PROGRESS
 from .topology import Topology
 
 # alltoallv's count exchange sends each peer [rows, signature], or this
@@ -498,7 +498,8 @@ class Communicator:
             raise ValueError(f"prepare_alltoall takes a C-contiguous array whose axis 0 is a "
                              f"multiple of {self.size}; got shape {tuple(native.data.shape)}")
         backend = self._backend_for(native, unwrap(out))
-        return PreparedAlltoall(self, backend.prepare_alltoall(native.data, target), native)
+        return PreparedAlltoall(backend.prepare_alltoall(native.data, target), native,
+                                begin=self._begin, abandon=self._abandon)
 
     @_on_callers_stream
     def alltoall_many(self, arrays: Sequence[Any]) -> List[Any]:
@@ -706,85 +707,3 @@ class Communicator:
     def barrier(self) -> None:
         self._begin("barrier")
         self._host.barrier()
-
-
-class PreparedAlltoall:
-    """``Communicator.prepare_alltoall``'s exchange: ``start()`` begins one
-    (counted and checked like any call) and returns its wait. Its arrays
-    must not change between a start and its wait."""
-
-    def __init__(self, comm: Communicator, transport: PreparedExchange, native: Native):
-        self._comm, self._native = comm, native
-        self._transport = transport  # holds the arrays until the exchange is gone
-        self._facts = (native.dtype, native.data.shape)
-
-    def start(self) -> "_Started":
-        self._comm._begin("alltoall", *self._facts)
-        with callers_stream(self._native):
-            return _Started(self._transport.start(), self)
-
-
-class _Started:
-    """A prepared exchange in flight: calling it waits. Dropped without a
-    call, it hands the exchange (its request still active, its buffers still
-    written) to the communicator's ``_abandon``, like a dropped ``Pending``:
-    the next call raises on every rank instead of hanging."""
-
-    def __init__(self, wait: Callable[[], None], prepared: PreparedAlltoall):
-        self._wait: Optional[Callable[[], None]] = wait
-        self._prepared = prepared
-
-    def __call__(self) -> None:
-        wait, self._wait = self._wait, None
-        if wait is None:
-            raise RuntimeError("this alltoall was already waited on")
-        wait()
-
-    def __del__(self):
-        if getattr(self, "_wait", None) is not None:
-            prepared = self._prepared
-            prepared._comm._abandon("alltoall", self._wait, prepared, prepared._transport)
-
-
-class Pending:
-    """A transfer in flight; ``wait()`` returns its result (once). It holds
-    the buffer being sent (a contiguous copy of a strided input, say) until
-    the transfer is done, so that no transport reads freed memory. Dropped
-    without ``wait()``, it hands its transfer to ``abandon``. ``progress``:
-    an MPI transfer, driven by the progress thread meanwhile. ``unpack``:
-    how the received buffer becomes the result (``alltoall_many_async``'s
-    list), instead of the buffer in the caller's framework."""
-
-    def __init__(self, op: str, wait: Callable[[], None], native: Native, out: Any,
-                 sending: Any, abandon: Optional[Callable[..., None]], progress: bool = False,
-                 recv_counts: Optional[np.ndarray] = None,
-                 unpack: Optional[Callable[[Any], Any]] = None):
-        self._op, self._wait, self._native, self._out = op, wait, native, out
-        self._unpack = unpack
-        self._sending, self._abandon = sending, abandon
-        self._progress = progress
-        self.recv_counts = recv_counts
-        if progress:
-            PROGRESS.start()
-
-    def wait(self) -> Any:
-        if self._abandon is None and self._sending is None:
-            raise RuntimeError(f"this {self._op} was already waited on")
-        with callers_stream(self._native):
-            try:
-                self._wait()
-            finally:
-                if self._progress:
-                    self._progress = False
-                    PROGRESS.finish()
-            self._sending, self._abandon = None, None
-            if self._unpack is not None:
-                return self._unpack(self._out)
-            return self._native.wrap(self._out)
-
-    def __del__(self):
-        # an instance torch.compile's tracing made without __init__ holds nothing
-        if getattr(self, "_progress", False):
-            PROGRESS.finish()
-        if getattr(self, "_abandon", None) is not None:
-            self._abandon(self._op, self._wait, self._out, self._sending)

@@ -22,7 +22,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
                     "commlib.progress", "commlib.watchdog", "commlib.abort",
                     "commlib.consistency", "commlib.launcher", "commlib.memory")),
     ("transport", ("commlib.backends",)),
-    ("collectives", ("commlib.communicator", "commlib.bootstrap", "commlib")),
+    ("collectives", ("commlib.in_flight", "commlib.communicator", "commlib.bootstrap", "commlib")),
     ("kernels", ("commlib.kernels",)),
     ("geometry", ("commlib.sequence",)),
     ("algorithms", ("commlib.ring", "commlib.ulysses", "commlib.hybrid", "commlib.moe",
