@@ -54,7 +54,10 @@ FACTORS: Dict[str, Tuple[str, ...]] = {
     "length": ("divisible", "uneven"),
     "sinks": ("none", "learned"),
     "softcap": ("none", "capped"),
+    # v's head size: q's, or narrower (multi-head latent attention: 192 and 128)
+    "value_dim": ("same", "narrower"),
 }
+VALUE_DIMS = {"same": DIM, "narrower": 5}
 # Gemma2's logit soft-cap, small enough to bend these inputs' scores (about
 # N(0, 1) after the scale)
 SOFTCAP = 1.5
@@ -154,7 +157,9 @@ def inputs(case: Dict[str, Any], length: int, seed: int) -> List[np.ndarray]:
     import ml_dtypes
     rng = np.random.default_rng(seed)
     heads, kv_heads = HEAD_COUNTS[case["heads"]]
-    arrays = [rng.standard_normal((1, length, h, DIM)) for h in (heads, kv_heads, kv_heads, heads)]
+    value_dim = VALUE_DIMS[case.get("value_dim", "same")]
+    shapes = ((heads, DIM), (kv_heads, DIM), (kv_heads, value_dim), (heads, value_dim))
+    arrays = [rng.standard_normal((1, length, h, d)) for h, d in shapes]
     if case["dtype"] == "bfloat16":
         arrays = [x.astype(ml_dtypes.bfloat16).astype(np.float64) for x in arrays]
     elif case["dtype"] == "float32":
@@ -283,6 +288,7 @@ INFERENCE_FACTORS: Dict[str, Tuple[str, ...]] = {
     "dtype": ("float64", "float32", "bfloat16"),
     "sinks": ("none", "learned"),
     "softcap": ("none", "capped"),
+    "value_dim": ("same", "narrower"),
 }
 INFERENCE_FULL = (("entry", "framework", "method"),)
 CACHED, NEW = 13, 5  # tokens in the cache, then new (decode) or a chunk's

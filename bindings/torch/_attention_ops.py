@@ -84,7 +84,7 @@ attention.__doc__ = """(out, lse) of ring, Ulysses or hybrid attention (``algori
 @attention.register_fake
 def _attention_shapes(q, k, v, *statics):
     b, s, h, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=accumulator_dtype(q))
+    return q.new_empty((b, s, h, v.shape[-1])), q.new_empty((b, h, s), dtype=accumulator_dtype(q))
 
 
 def _attention_backward(dout, q, k, v, out, lse, cu_seqlens, algorithm, comm, layout,

@@ -59,8 +59,8 @@ positions)."""
 
 
 @decode_attention_op.register_fake
-def _decode_shapes(q, *statics):
-    return _attention_shapes(q)
+def _decode_shapes(q, k, v, *statics):
+    return _attention_shapes(q, v)
 
 
 def _chunk(q, k, v, sinks, q_positions, k_positions, comm, *values):
@@ -79,14 +79,15 @@ read on the host)."""
 
 
 @chunk_attention_op.register_fake
-def _chunk_shapes(q, *statics):
-    return _attention_shapes(q)
+def _chunk_shapes(q, k, v, *statics):
+    return _attention_shapes(q, v)
 
 
-def _attention_shapes(q: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """out like q, lse [b, h, t] in q's accumulator dtype."""
+def _attention_shapes(q: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """out like q with v's head size, lse [b, h, t] in q's accumulator dtype."""
     b, t, h, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((b, h, t), dtype=accumulator_dtype(q))
+    return (q.new_empty((b, t, h, v.shape[-1])),
+            q.new_empty((b, h, t), dtype=accumulator_dtype(q)))
 
 
 def _positions(positions: Positions, like: torch.Tensor) -> torch.Tensor:

@@ -128,7 +128,7 @@ def hybrid_attention_backward_with(options: AttentionOptions, dout: Any, q: Any,
     dout, q, k, v, out, lse, sinks = detached(dout, q, k, v, out, lse, sinks)
     method = options.method
     call = prepare(comm, "hybrid_attention_backward", q, k, v, options, layout=layout,
-                   extra=backward_extras(q, dout, out, lse), sinks=sinks,
+                   extra=backward_extras(q, v, dout, out, lse), sinks=sinks,
                    check=lambda: _check(q, comm.size, ulysses_size, method),
                    ulysses_size=ulysses_size)
     group, ring = groups(comm, ulysses_size)

@@ -46,6 +46,7 @@ from ..namespace import accumulated, accumulator_dtype, detached, device, framew
 from ..ring.exchange import RingExchange
 from ..sequence.attention_call import agree_on_inputs, check_qkv, kernel_of, scale_of
 from ..sequence.blockwise import attend, finish
+from ..sequence.kv import joined, split
 from ..sequence.options import AttentionOptions
 from ..sequence.visibility import band_blocks, bounds
 
@@ -98,13 +99,13 @@ def decode_attention_with(options: AttentionOptions, q: Any, k: Any, v: Any, com
                                        k_positions, sinks, replicated=True)
     xp = namespace(q)
     state = attend(kernel, q, k, v, band_blocks(q_positions, k_positions, lo, hi), scale)
-    out, lse = finish(state, q) if state is None else state
-    b, t, h, d = q.shape
+    out, lse = finish(state, q, value_dim=v.shape[-1]) if state is None else state
+    (b, t, h, _), d = q.shape, v.shape[-1]
     packed = xp.concat([xp.reshape(accumulated(out, q), (-1,)), xp.reshape(lse, (-1,))])
     gathered = xp.reshape(comm.allgather(packed), (comm.size, -1))
     merged = merge_all(xp.reshape(gathered[:, :b * t * h * d], (comm.size, b, t, h, d)),
                        xp.reshape(gathered[:, b * t * h * d:], (comm.size, b, h, t)))
-    return finish(merged, q, sinks)
+    return finish(merged, q, sinks, v.shape[-1])
 
 
 def _device_positions(q: Any, positions: Any) -> bool:
@@ -149,7 +150,7 @@ def _decode_on_device(options: AttentionOptions, q: Any, k: Any, v: Any, comm,
     agree_on_inputs(comm, "decode_attention", q, k, problem, shared_axes=(0, 2, 3), **shared)
     lo, hi = band
     wide = accumulator_dtype(q)
-    b, t, h, d = q.shape
+    (b, t, h, _), d = q.shape, v.shape[-1]
     if k.shape[1]:
         apart = q_positions[:, None] - k_positions[None, :]
         visible = (k_positions >= 0)[None, :] & (apart >= lo) & (apart <= hi)
@@ -159,7 +160,7 @@ def _decode_on_device(options: AttentionOptions, q: Any, k: Any, v: Any, comm,
         # a row that saw no key: out 0 (a kernel may leave NaN there), lse -inf
         out = xp.where(xp.permute_dims(lse, (0, 2, 1))[..., None] == -math.inf, 0.0, out)
     else:
-        out, lse = finish(None, q)
+        out, lse = finish(None, q, value_dim=d)
         out = accumulated(out)
     packed = xp.concat([xp.reshape(out, (-1,)), xp.reshape(lse, (-1,)),
                         xp.astype(q_positions, wide)])
@@ -223,25 +224,30 @@ def chunk_attention_with(options: AttentionOptions, q: Any, k: Any, v: Any, comm
     method = options.method
     if method == "auto":
         costs = prefill_bytes([len(p) for p in queries], [len(p) for p in keys], q.shape[0],
-                              q.shape[2], k.shape[2], q.shape[3], q.dtype.itemsize)
+                              q.shape[2], k.shape[2], q.shape[3], q.dtype.itemsize,
+                              value_dim=v.shape[3])
         method = min(costs, key=lambda name: (costs[name], name != "pass_kv"))
     run = _pass_q if method == "pass_q" else _pass_kv
-    return finish(run(comm, kernel, scale, band, q, k, v, queries, keys), q, sinks)
+    return finish(run(comm, kernel, scale, band, q, k, v, queries, keys), q, sinks, v.shape[-1])
 
 
 def prefill_bytes(queries: Sequence[int], keys: Sequence[int], batch: int, num_heads: int,
-                  num_kv_heads: int, head_dim: int, itemsize: int) -> Dict[str, int]:
+                  num_kv_heads: int, head_dim: int, itemsize: int, *,
+                  value_dim: Optional[int] = None) -> Dict[str, int]:
     """Bytes each rank sends to attend a chunk whose queries sit ``queries[r]``
     on rank r, over a cache of ``keys[r]`` keys on rank r. pass-KV: every
     rank's K and V, padded to the largest shard, around the ring (P-1 hops);
     pass-Q: every rank's queries to everyone (padded alike), and each
     query's partial (out and lse, float32; float64 for float64 inputs) back
-    to its rank."""
+    to its rank. ``value_dim``: v's head size where it differs from q's and
+    k's ``head_dim`` (multi-head latent attention)."""
     size = len(queries)
     hops = size - 1
-    return {"pass_kv": hops * 2 * max(keys) * batch * num_kv_heads * head_dim * itemsize,
+    value_dim = head_dim if value_dim is None else value_dim
+    return {"pass_kv": hops * max(keys) * batch * num_kv_heads * (head_dim + value_dim)
+            * itemsize,
             "pass_q": hops * max(queries) * batch * num_heads * (head_dim * itemsize
-                                                           + max(4, itemsize) * (head_dim + 1))}
+                                                           + max(4, itemsize) * (value_dim + 1))}
 
 
 def _prepare(comm, op: str, q: Any, k: Any, v: Any, options: AttentionOptions,
@@ -319,14 +325,14 @@ def _padded(x: Any, length: int) -> Any:
 def _pass_kv(comm, kernel, scale, band, q, k, v, queries, keys):
     """The merged state (``blockwise.attend``'s) of the cache's K and V
     around the ring, against this rank's queries."""
-    xp = namespace(q)
     longest = max(len(p) for p in keys)
-    block = xp.stack([_padded(k, longest), _padded(v, longest)])
+    block = joined(_padded(k, longest), _padded(v, longest))
     mine = queries[comm.rank]
     state = None
     for source, arrived in RingExchange(comm).rotate(block):
         count = len(keys[source])
-        state = attend(kernel, q, arrived[0][:, :count], arrived[1][:, :count],
+        arrived_k, arrived_v = split(arrived[:, :, :count], k.shape[-1])
+        state = attend(kernel, q, arrived_k, arrived_v,
                        band_blocks(mine, keys[source], *band), scale, state)
     return state
 
@@ -336,6 +342,7 @@ def _pass_q(comm, kernel, scale, band, q, k, v, queries, keys):
     the merged state, as ``_pass_kv``'s."""
     xp = namespace(q)
     b, _, h, d = q.shape
+    value_dim = v.shape[-1]
     longest = max(len(p) for p in queries)
     everyone = xp.reshape(comm.allgather(_padded(q, longest)), (comm.size, b, longest, h, d))
     partials = []
@@ -343,13 +350,14 @@ def _pass_q(comm, kernel, scale, band, q, k, v, queries, keys):
         asked = everyone[source][:, :len(positions)]
         state = attend(kernel, asked, k, v, band_blocks(positions, keys[comm.rank], *band),
                        scale)
-        out, lse = finish(state, asked) if state is None else state
+        out, lse = finish(state, asked, value_dim=value_dim) if state is None else state
         out = _padded(accumulated(out, q), longest)
         lse = xp.permute_dims(_padded(xp.permute_dims(lse, (0, 2, 1)), longest), (0, 2, 1))
         partials.append(xp.concat([xp.reshape(out, (-1,)), xp.reshape(lse, (-1,))]))
     received = comm.alltoall(xp.stack(partials))  # row r: rank r's partial for my queries
     count = len(queries[comm.rank])
     size = comm.size
+    values = b * longest * h * value_dim
     return merge_all(
-        xp.reshape(received[:, :b * longest * h * d], (size, b, longest, h, d))[:, :, :count],
-        xp.reshape(received[:, b * longest * h * d:], (size, b, h, longest))[..., :count])
+        xp.reshape(received[:, :values], (size, b, longest, h, value_dim))[:, :, :count],
+        xp.reshape(received[:, values:], (size, b, h, longest))[..., :count])

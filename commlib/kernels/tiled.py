@@ -173,9 +173,9 @@ def attention_forward(q: Any, k: Any, v: Any, causal: bool,
                       softmax_scale: Optional[float] = None, tile: Optional[int] = None,
                       cuda: Optional[bool] = None, mask: Any = None,
                       softcap: Optional[float] = None) -> Tuple[Any, Any]:
-    """softmax(scale * q k^T) v for q [b, sq, h, d], k and v [b, sk, hk, d]
-    (each score capped at ``softcap`` first, where given), in q's framework.
-    Returns ``(out, lse)``: out [b, sq, h, d] and lse [b, h, sq], both in
+    """softmax(scale * q k^T) v for q [b, sq, h, d], k [b, sk, hk, d] and
+    v [b, sk, hk, dv] (each score capped at ``softcap`` first, where given),
+    in q's framework. Returns ``(out, lse)``: out [b, sq, h, dv] and lse [b, h, sq], both in
     the accumulator dtype. ``cuda`` says where q lives when it cannot
     be asked (inside ``jax.jit``)."""
     xp, cuda, b, sq, heads, d, kv_heads, group, scale, tile = _setup(
@@ -190,7 +190,7 @@ def attention_forward(q: Any, k: Any, v: Any, causal: bool,
         rows = qt.shape[2]
         top = xp.full((b, kv_heads, rows), -math.inf, dtype=wide, device=device(q))
         total = xp.zeros((b, kv_heads, rows), dtype=wide, device=device(q))
-        acc = xp.zeros((b, kv_heads, rows, d), dtype=wide, device=device(q))
+        acc = xp.zeros((b, kv_heads, rows, v.shape[-1]), dtype=wide, device=device(q))
         for k0, k1, masked in _key_tiles(q0, q1, k.shape[1], causal, tile):
             scores = _product(qt, xp.permute_dims(keys[:, :, k0:k1], (0, 1, 3, 2)),
                               score_dtype, wide, xp)
@@ -215,7 +215,7 @@ def attention_forward(q: Any, k: Any, v: Any, causal: bool,
         lses.append(_rows_to_heads(xp.where(empty, -math.inf, base + xp.log(denominator)),
                                    q1 - q0, xp))
     if not outs:
-        return (xp.zeros((b, 0, heads, d), dtype=wide, device=device(q)),
+        return (xp.zeros((b, 0, heads, v.shape[-1]), dtype=wide, device=device(q)),
                 xp.zeros((b, heads, 0), dtype=wide, device=device(q)))
     return xp.concat(outs, axis=1), xp.concat(lses, axis=2)
 
@@ -277,7 +277,7 @@ def attention_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
 
     def assemble(parts, like):
         full = [p if p is not None else
-                xp.zeros((b, kv_heads, min(start + tile, k.shape[1]) - start, d),
+                xp.zeros((b, kv_heads, min(start + tile, k.shape[1]) - start, like.shape[-1]),
                          dtype=wide, device=device(q))
                 for p, start in zip(parts, key_tiles)]
         if not full:

@@ -72,11 +72,28 @@ def _bias(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         ~mask, float("-inf"))
 
 
+def _padded(x: torch.Tensor, width: int) -> torch.Tensor:
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
             scale: float, mask: Optional[torch.Tensor] = None
             ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(out [b, s, h, d] in q's dtype, lse [b, h, s] in its accumulator
-    dtype: float32, float64 for float64)."""
+    """(out [b, s, h, dv] in q's dtype, lse [b, h, s] in its accumulator
+    dtype: float32, float64 for float64). PyTorch's fused kernels take one
+    head size for q, k and v: where v's differs (multi-head latent
+    attention: 192 against 128), the narrower side is padded with zero
+    columns, which change neither a score (the scale is explicit) nor a real
+    output column."""
+    if v.shape[-1] != q.shape[-1]:
+        width = max(q.shape[-1], v.shape[-1])
+        out, lse = _forward(*(_padded(x, width) for x in (q, k, v)), causal, scale, mask)
+        return out[..., :v.shape[-1]], lse
+    return _forward(q, k, v, causal, scale, mask)
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+             scale: float, mask: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     if q.device.type == "cpu":
         bias = None if mask is None else _bias(mask, q)
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
@@ -107,7 +124,19 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              mask: Optional[torch.Tensor] = None
              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in the inputs' dtype; ``out`` and ``lse`` may be the
-    global ones (over more keys than ``k`` holds)."""
+    global ones (over more keys than ``k`` holds). Unequal head sizes are
+    padded as in ``forward`` (a zero column of dout or out adds nothing)."""
+    if v.shape[-1] != q.shape[-1]:
+        width = max(q.shape[-1], v.shape[-1])
+        dq, dk, dv = _backward(*(_padded(x, width) for x in (dout, q, k, v, out)), lse,
+                               causal, scale, mask)
+        return dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]]
+    return _backward(dout, q, k, v, out, lse, causal, scale, mask)
+
+
+def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+              mask: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out = out.to(q.dtype)
     lse = lse.contiguous()
     if q.device.type == "cpu":  # it reads lse in its accumulation type

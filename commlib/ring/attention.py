@@ -34,6 +34,7 @@ from ..kernels.sinks import with_sink_gradient
 from ..namespace import contiguous, detached, device, namespace
 from ..sequence.attention_call import AttentionCall, backward_extras, prepare
 from ..sequence.blockwise import attend, attend_backward, finish
+from ..sequence.kv import joined, split
 from ..sequence.options import AttentionOptions
 from .exchange import RingExchange
 from .sparse import SPARSE_SHARE, routes, sparse_backward, sparse_forward
@@ -114,7 +115,7 @@ def ring_attention_backward_with(options: AttentionOptions, dout: Any, q: Any, k
     """``ring_attention_backward`` with its options as one value."""
     dout, q, k, v, out, lse, sinks = detached(dout, q, k, v, out, lse, sinks)
     call = prepare(comm, "ring_attention_backward", q, k, v, options, layout=layout,
-                   extra=backward_extras(q, dout, out, lse), sinks=sinks,
+                   extra=backward_extras(q, v, dout, out, lse), sinks=sinks,
                    check=lambda: check_method(options.method))
     grads = ring_backward(call, dout, q, k, v, out, lse, comm, options.method)
     return with_sink_gradient(grads, dout, out, lse, sinks)
@@ -137,21 +138,22 @@ def ring_forward(call: AttentionCall, q: Any, k: Any, v: Any, comm, method: str,
     """(out, lse) of checked and agreed inputs: the ring over ``comm``, whose
     ranks hold ``call.placement``'s shards; ``sinks`` those of q's heads,
     applied once every block is merged."""
-    xp, placement = call.xp, call.placement
+    placement = call.placement
     mine = placement.spans(comm.rank)
     method = resolved(call, comm, method)
     if method == "sparse":
-        return finish(sparse_forward(call, q, k, v, comm), q, sinks)
+        return finish(sparse_forward(call, q, k, v, comm), q, sinks, v.shape[-1])
     if method == "allgather":
         order, spans = placement.in_order()
-        kv = _take(comm.allgather(xp.stack([k, v]), axis=2), order)
-        state = attend(call.kernel, q, kv[0], kv[1], call.blocks(mine, spans), call.scale)
+        kv = _take(comm.allgather(joined(k, v), axis=2), order)
+        state = attend(call.kernel, q, *split(kv, k.shape[-1]), call.blocks(mine, spans),
+                       call.scale)
     else:
         state = None
-        for source, block in RingExchange(comm).rotate(xp.stack([k, v])):
-            state = attend(call.kernel, q, block[0], block[1],
+        for source, block in RingExchange(comm).rotate(joined(k, v)):
+            state = attend(call.kernel, q, *split(block, k.shape[-1]),
                            call.blocks(mine, placement.spans(source)), call.scale, state)
-    return finish(state, q, sinks)
+    return finish(state, q, sinks, v.shape[-1])
 
 
 def ring_backward(call: AttentionCall, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
@@ -165,31 +167,32 @@ def ring_backward(call: AttentionCall, dout: Any, q: Any, k: Any, v: Any, out: A
         dq, own = sparse_backward(call, dout, q, k, v, out, lse, comm)
     elif method == "allgather":
         order, spans = placement.in_order()
-        kv = _take(comm.allgather(xp.stack([k, v]), axis=2), order)
-        dq, dkv = attend_backward(kernel, dout, q, kv[0], kv[1], out, lse,
+        kv = _take(comm.allgather(joined(k, v), axis=2), order)
+        dq, dkv = attend_backward(kernel, dout, q, *split(kv, k.shape[-1]), out, lse,
                                   call.blocks(mine, spans), scale)
         own = _reduce_scatter(_take(dkv, np.argsort(order)), comm)
     else:
         carried = None  # dK and dV of the block one hop ahead, on their way around
-        for source, block in RingExchange(comm).rotate(xp.stack([k, v])):
-            dq, grads = attend_backward(kernel, dout, q, block[0], block[1], out, lse,
+        for source, block in RingExchange(comm).rotate(joined(k, v)):
+            dq, grads = attend_backward(kernel, dout, q, *split(block, k.shape[-1]), out, lse,
                                         call.blocks(mine, placement.spans(source)), scale, dq)
             if carried is not None:
                 grads += carried.wait()
             carried = comm.ring_shift_async(grads, lane=1)  # overlaps the next K/V hop
         own = carried.wait()  # this rank's own block, every rank's part added
-    return xp.astype(dq, q.dtype), xp.astype(own[0], k.dtype), xp.astype(own[1], v.dtype)
+    dk, dv = split(own, k.shape[-1])
+    return xp.astype(dq, q.dtype), xp.astype(dk, k.dtype), xp.astype(dv, v.dtype)
 
 
 def _take(kv: Any, order: np.ndarray) -> Any:
-    """``kv`` [2, b, s, hk, d] with its sequence axis permuted by ``order``."""
+    """``kv`` [n, b, s, hk, w] (``kv.joined``) with its sequence axis permuted by ``order``."""
     xp = namespace(kv)
     return xp.take(kv, xp.asarray(order, device=device(kv)), axis=2)
 
 
 def _reduce_scatter(dkv: Any, comm) -> Any:
-    """[2, b, P*s, hk, d] partial sums on every rank -> this rank's
-    [2, b, s, hk, d] summed over ranks (an all-to-all, then a local sum)."""
+    """[n, b, P*s, hk, w] partial sums on every rank -> this rank's
+    [n, b, s, hk, w] summed over ranks (an all-to-all, then a local sum)."""
     xp = namespace(dkv)
     two, b, total, hk, d = dkv.shape
     per_rank = xp.reshape(dkv, (two, b, comm.size, total // comm.size, hk, d))

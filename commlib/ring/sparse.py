@@ -33,6 +33,7 @@ from ..namespace import accumulator_dtype, contiguous, device, namespace, sum_ro
 from ..sequence.balanced import held_ranges
 from ..sequence.blockwise import attend, attend_backward
 from ..sequence.documents import Span, local_index
+from ..sequence.kv import joined, split
 from ..sequence.visibility import mask_blocks
 
 __all__ = ["Routes", "routes", "sparse_forward", "sparse_backward", "SPARSE_SHARE"]
@@ -101,11 +102,12 @@ def _spans_of(positions: np.ndarray) -> Tuple[Span, ...]:
 
 
 def _exchange(comm, k: Any, v: Any, plan: Routes) -> List[Any]:
-    """This rank's needed rows of every rank's K and V: [2, b, n, hk, d]
-    per sender, rank order (one all-to-all, rows along its first axis)."""
+    """This rank's needed rows of every rank's K and V: [n, b, rows, hk, w]
+    (``kv.joined``) per sender, rank order (one all-to-all, rows along its
+    first axis)."""
     xp = namespace(k)
     me = comm.rank
-    rows_major = contiguous(xp.permute_dims(xp.stack([k, v]), (2, 0, 1, 3, 4)))
+    rows_major = contiguous(xp.permute_dims(joined(k, v), (2, 0, 1, 3, 4)))
     picks = [plan.rows[me][dst] for dst in range(comm.size)]
     index = xp.asarray(np.concatenate(picks), device=device(k))
     arrived, counts = comm.alltoallv(xp.take(rows_major, index, axis=0), *plan.counts(me))
@@ -120,14 +122,14 @@ def sparse_forward(call: Any, q: Any, k: Any, v: Any, comm) -> Any:
     plan, mine = routes(mask, call.placement), call.placement.spans(comm.rank)
     state = None
     for src, kv in enumerate(_exchange(comm, k, v, plan)):
-        state = attend(call.kernel, q, kv[0], kv[1],
+        state = attend(call.kernel, q, *split(kv, k.shape[-1]),
                        mask_blocks(mask, mine, plan.spans[src][comm.rank]), call.scale, state)
     return state
 
 
 def sparse_backward(call: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
                     comm) -> Tuple[Any, Any]:
-    """(dq, dK and dV [2, b, s, hk, d], accumulator dtype) of this rank's shard:
+    """(dq, dK and dV ``kv.joined``, accumulator dtype) of this rank's shard:
     its queries' gradient over every key they see, and its keys' partials
     from every rank, summed."""
     xp = namespace(q)
@@ -135,7 +137,7 @@ def sparse_backward(call: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse:
     plan, mine = routes(mask, call.placement), call.placement.spans(comm.rank)
     dq, partials = None, []
     for src, kv in enumerate(_exchange(comm, k, v, plan)):
-        dq, dkv = attend_backward(call.kernel, dout, q, kv[0], kv[1], out, lse,
+        dq, dkv = attend_backward(call.kernel, dout, q, *split(kv, k.shape[-1]), out, lse,
                                   mask_blocks(mask, mine, plan.spans[src][comm.rank]),
                                   call.scale, dq)
         partials.append(xp.permute_dims(dkv, (2, 0, 1, 3, 4)))

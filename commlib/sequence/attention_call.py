@@ -29,7 +29,7 @@ TokenPlacement = Union[Packing, Assigned, Grouped]
 
 
 def check_qkv(q: Any, k: Any, v: Any, extra: Extra = (), same_length: bool = True) -> None:
-    """q [b, s, h, d], k and v [b, s, hk, d] with h % hk == 0 (k and v of
+    """q [b, s, h, d], k [b, s, hk, d] and v [b, s, hk, dv] with h % hk == 0 (k and v of
     any length where not ``same_length``: a cache), one framework, one
     dtype, one side (host or CUDA), and the ``extra`` (name, array, shape)
     triples."""
@@ -44,9 +44,10 @@ def check_qkv(q: Any, k: Any, v: Any, extra: Extra = (), same_length: bool = Tru
             raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape "
                              f"{tuple(x.shape)}")
     (b, s, h, d), (kb, ks, hk, kd) = q.shape, k.shape
-    if tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
-                         f"{tuple(v.shape)}")
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on batch, "
+                         f"sequence length and kv heads (their head sizes may differ: "
+                         f"multi-head latent attention)")
     if (kb, ks if same_length else s, kd) != (b, s, d):
         what = "batch, local sequence length and head_dim" if same_length \
             else "batch and head_dim"
@@ -64,12 +65,12 @@ def check_qkv(q: Any, k: Any, v: Any, extra: Extra = (), same_length: bool = Tru
             raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
 
 
-def backward_extras(q: Any, dout: Any, out: Any, lse: Any) -> Extra:
+def backward_extras(q: Any, v: Any, dout: Any, out: Any, lse: Any) -> Extra:
     """What a backward pass checks beyond q, k, v: dout and out shaped like
-    q, lse [b, h, s]."""
+    q with v's head size, lse [b, h, s]."""
     b, s, h = tuple(q.shape[:3]) if len(q.shape) == 4 else (0, 0, 0)
-    return (("dout", dout, tuple(q.shape)), ("out", out, tuple(q.shape)),
-            ("lse", lse, (b, h, s)))
+    shape = (b, s, h, v.shape[-1]) if len(v.shape) == 4 else tuple(q.shape)
+    return (("dout", dout, shape), ("out", out, shape), ("lse", lse, (b, h, s)))
 
 
 def scale_of(q: Any, softmax_scale: Optional[float]) -> float:

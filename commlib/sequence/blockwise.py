@@ -20,6 +20,7 @@ from ..kernels import Kernel
 from ..kernels.merge import merge
 from ..kernels.sinks import apply_sinks
 from ..namespace import accumulator_dtype, device, namespace
+from .kv import joined, joined_shape
 from .visibility import Block
 
 State = Optional[Tuple[Any, Any]]
@@ -51,7 +52,7 @@ def attend(kernel: Kernel, q: Any, k: Any, v: Any, blocks: Sequence[Block], scal
             state = (part_out, part_lse)
             continue
         if state is None:
-            state = _unseen(q, wide)
+            state = _unseen(q, wide, v.shape[-1])
         out, lse = state
         if whole:
             state = merge(out, lse, part_out, part_lse)
@@ -62,21 +63,25 @@ def attend(kernel: Kernel, q: Any, k: Any, v: Any, blocks: Sequence[Block], scal
     return state
 
 
-def finish(state: State, q: Any, sinks: Optional[Any] = None) -> Tuple[Any, Any]:
+def finish(state: State, q: Any, sinks: Optional[Any] = None,
+           value_dim: Optional[int] = None) -> Tuple[Any, Any]:
     """(out in q's dtype, lse in its accumulator dtype) of a finished ``state``
     (every key merged in), with q's heads' ``sinks`` in its softmax
     (``sinks.apply_sinks``: once, here, at the end); a shard that saw no
-    key at all (all padding) gets zeros and -inf (the sink, with sinks)."""
+    key at all (all padding) gets zeros of v's head size ``value_dim``
+    (default q's) and -inf (the sink, with sinks)."""
+    width = q.shape[-1] if value_dim is None else value_dim
     if state is None and sinks is None:
-        return _unseen(q, q.dtype)
-    out, lse = apply_sinks(*(state or _unseen(q, accumulator_dtype(q))), sinks)
+        return _unseen(q, q.dtype, width)
+    out, lse = apply_sinks(*(state or _unseen(q, accumulator_dtype(q), width)), sinks)
     return namespace(q).astype(out, q.dtype), lse
 
 
-def _unseen(q: Any, dtype: Any) -> Tuple[Any, Any]:
-    """(out, lse) of rows that saw no key: zeros in ``dtype``, -inf."""
+def _unseen(q: Any, dtype: Any, width: int) -> Tuple[Any, Any]:
+    """(out, lse) of rows that saw no key: zeros in ``dtype`` (``width``
+    wide), -inf."""
     xp = namespace(q)
-    return (xp.zeros(q.shape, dtype=dtype, device=device(q)),
+    return (xp.zeros((*q.shape[:-1], width), dtype=dtype, device=device(q)),
             xp.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf,
                     dtype=accumulator_dtype(q), device=device(q)))
 
@@ -84,10 +89,11 @@ def _unseen(q: Any, dtype: Any) -> Tuple[Any, Any]:
 def attend_backward(kernel: Kernel, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
                     blocks: Sequence[Block], scale: float, dq: Any = None,
                     dkv: Any = None) -> Tuple[Any, Any]:
-    """``dq`` (like q) and ``dkv`` ([2, b, s_k, hk, d]: dK and dV), in q's
-    accumulator dtype, with these blocks' shares added (None: zeros);
-    ``out``/``lse`` are the global ones."""
+    """``dq`` (like q) and ``dkv`` (dK and dV as ``kv.joined`` lays them
+    out), in q's accumulator dtype, with these blocks' shares added (None:
+    zeros); ``out``/``lse`` are the global ones."""
     xp, wide = namespace(q), accumulator_dtype(q)
+    dkv_shape = joined_shape(k.shape, v.shape)
     for block in blocks:
         rows, cols = block.row_slice, block.col_slice
         arrays = (dout[:, rows], q[:, rows], k[:, cols], v[:, cols], out[:, rows],
@@ -95,10 +101,9 @@ def attend_backward(kernel: Kernel, dout: Any, q: Any, k: Any, v: Any, out: Any,
         dq_part, dk_part, dv_part = (xp.astype(g, wide, copy=False)
                                      for g in _run(kernel.backward, block, q, arrays, scale))
         dq = _added(dq, dq_part, (slice(None), rows), block.rows == (0, q.shape[1]), q.shape, q)
-        dkv = _added(dkv, xp.stack([dk_part, dv_part]), (slice(None), slice(None), cols),
-                     block.cols == (0, k.shape[1]), (2,) + tuple(k.shape), q)
-    return (_added(dq, None, (), True, q.shape, q),
-            _added(dkv, None, (), True, (2,) + tuple(k.shape), q))
+        dkv = _added(dkv, joined(dk_part, dv_part), (slice(None), slice(None), cols),
+                     block.cols == (0, k.shape[1]), dkv_shape, q)
+    return (_added(dq, None, (), True, q.shape, q), _added(dkv, None, (), True, dkv_shape, q))
 
 
 def _added(total: Any, part: Any, where: tuple, whole: bool, shape: tuple, like: Any) -> Any:

@@ -21,6 +21,7 @@ from ..kernels.sinks import with_sink_gradient
 from ..namespace import detached, device
 from ..sequence.attention_call import AttentionCall, backward_extras, prepare
 from ..sequence.blockwise import attend, attend_backward, finish
+from ..sequence.kv import split
 from ..sequence.options import AttentionOptions
 from .relayout import (
     check_heads,
@@ -92,7 +93,7 @@ def ulysses_attention_backward_with(options: AttentionOptions, dout: Any, q: Any
     backward moves q's dtype: no ``wire``)."""
     dout, q, k, v, out, lse, sinks = detached(dout, q, k, v, out, lse, sinks)
     call = prepare(comm, "ulysses_attention_backward", q, k, v, options, layout=layout,
-                   extra=backward_extras(q, dout, out, lse), sinks=sinks,
+                   extra=backward_extras(q, v, dout, out, lse), sinks=sinks,
                    check=lambda: check_heads(q.shape[2], comm.size))
     qh, kh, vh, dh, oh = seq_to_head_many([q, k, v, dout, out], comm)
     dq, dk, dv = ulysses_backward(call, dh, qh, kh, vh, oh, lse_to_heads(lse, comm))
@@ -110,7 +111,7 @@ def ulysses_forward(call: AttentionCall, q: Any, k: Any, v: Any, sinks: Any = No
     order, spans = call.placement.in_order()
     q, k, v = _permuted(call, order, (q, k, v), axis=1)
     whole = call.blocks(spans, spans)
-    out, lse = finish(attend(call.kernel, q, k, v, whole, call.scale), q, sinks)
+    out, lse = finish(attend(call.kernel, q, k, v, whole, call.scale), q, sinks, v.shape[-1])
     back = np.argsort(order)
     return _permuted(call, back, (out,), axis=1)[0], _permuted(call, back, (lse,), axis=2)[0]
 
@@ -123,7 +124,7 @@ def ulysses_backward(call: AttentionCall, dout: Any, q: Any, k: Any, v: Any, out
     (lse,) = _permuted(call, order, (lse,), axis=2)
     dq, dkv = attend_backward(call.kernel, dout, q, k, v, out, lse, call.blocks(spans, spans),
                               call.scale)
-    return _permuted(call, np.argsort(order), (dq, dkv[0], dkv[1]), axis=1)
+    return _permuted(call, np.argsort(order), (dq, *split(dkv, k.shape[-1])), axis=1)
 
 
 def _cast(call: AttentionCall, x: Any, like: Any) -> Any:

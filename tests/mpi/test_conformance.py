@@ -63,7 +63,8 @@ def test_inference_case_is_sdpa_over_the_whole_cache(comm, case):
     got, asked = conformance.run_inference_case(case, comm, full, sinks)
     mask = position_mask(asked, np.arange(length), **conformance.inference_visibility(case))
     q, k, v, _ = full
-    want = conformance.reference([q[:, asked], k, v, np.zeros_like(q[:, asked])], mask,
+    no_gradient = np.zeros(q[:, asked].shape[:-1] + v.shape[-1:])
+    want = conformance.reference([q[:, asked], k, v, no_gradient], mask,
                                  sinks, conformance.softcap_of(case))[0]
     error = relative_error(got, want)
     assert all_ranks(error <= conformance.TOLERANCE[case["dtype"]][0]), error
