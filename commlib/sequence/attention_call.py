@@ -121,18 +121,19 @@ class AttentionCall:
 
 def prepare(comm, op: str, q: Any, k: Any, v: Any, options: AttentionOptions, *, layout: str,
             extra: Extra = (), sinks: Any = None, check: Callable[[], None] = lambda: None,
-            **settings: Any) -> AttentionCall:
-    """Check the inputs on this rank (q, k, v, ``extra``, ``sinks`` and the
-    ``options``; then ``check()``, the algorithm's own checks, raising
-    ValueError), agree on them, on the options' facts and on every setting
-    with every rank (any problem raises on all), and return the call's
-    facts."""
+            check_inputs: Optional[Callable[[], None]] = None, **settings: Any) -> AttentionCall:
+    """Check the inputs on this rank (q, k, v and ``extra``, or
+    ``check_inputs()`` where K and V come in another form, a latent; then
+    ``sinks``, the ``options`` and ``check()``, the algorithm's own checks,
+    each raising ValueError), agree on them, on the options' facts and on
+    every setting with every rank (any problem raises on all), and return
+    the call's facts."""
     packing = visible = kernel = None
     problem = None
     mask, causal, cu_seqlens, window = (options.mask, options.causal, options.cu_seqlens,
                                         options.window)
     try:
-        check_qkv(q, k, v, extra)
+        check_inputs() if check_inputs is not None else check_qkv(q, k, v, extra)
         check_sinks(sinks, q)
         options.check()
         check()

@@ -1,0 +1,155 @@
+"""Ring and all-gather attention over a latent (``commlib.ring.latent``,
+multi-head latent attention): output and every gradient (q, the latent,
+the rotary key, both up-projections) equal the unsharded attention of the
+expanded K and V, in float64, within 1e-12, under every layout and mask
+family the ring takes, with q/k's head size unlike v's; each rank's
+share of the weights' gradients adds up to the whole; only the latent
+travels; and what the latent path does not take is refused on every rank."""
+
+import numpy as np
+import pytest
+
+from commlib.errors import CollectiveMismatchError
+from commlib.ring import shard_sequence, unshard_sequence
+from commlib.ring.latent import latent_ring_attention, latent_ring_attention_backward
+
+import arrayimpl
+import conformance
+import requires
+from attention_reference import relative_error
+from conftest import all_ranks, raises_everywhere
+
+torch = requires.module("torch")
+
+WORLD_SIZES = (2, 3, 4)
+# DeepSeek-V3's proportions, scaled down: 4 heads, nope 12 + rope 4 = 16 for q and k, v 8
+HEADS, NOPE, ROPE, VALUE, RANK = 4, 12, 4, 8, 10
+SCALE = 0.3
+TOL = 1e-12
+MASKINGS = ("none", "causal", "cu_seqlens", "window", "prefix_lm")
+
+
+def full_inputs(length, seed=0):
+    """q, latent, rope_k, w_uk, w_uv and dout of the whole sequence, float64."""
+    rng = np.random.default_rng(seed)
+    return {"q": rng.standard_normal((1, length, HEADS, NOPE + ROPE)),
+            "latent": rng.standard_normal((1, length, RANK)),
+            "rope_k": rng.standard_normal((1, length, ROPE)),
+            "w_uk": rng.standard_normal((RANK, HEADS, NOPE)) / np.sqrt(RANK),
+            "w_uv": rng.standard_normal((RANK, HEADS, VALUE)) / np.sqrt(RANK),
+            "dout": rng.standard_normal((1, length, HEADS, VALUE))}
+
+
+def reference(full, dense):
+    """(out, dq, dlatent, drope_k, dw_uk, dw_uv): torch SDPA in float64 on the
+    unsharded sequence, K and V expanded by autograd-tracked einsums."""
+    t = {name: torch.tensor(x, requires_grad=name != "dout") for name, x in full.items()}
+    k_nope = torch.einsum("bsr,rhn->bshn", t["latent"], t["w_uk"])
+    rope = t["rope_k"][:, :, None, :].expand(-1, -1, HEADS, -1)
+    k = torch.cat([k_nope, rope], dim=-1)
+    v = torch.einsum("bsr,rhv->bshv", t["latent"], t["w_uv"])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        t["q"].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=torch.tensor(dense), scale=SCALE).transpose(1, 2)
+    out.backward(t["dout"])
+    return [out.detach().numpy()] + [t[name].grad.numpy()
+                                      for name in ("q", "latent", "rope_k", "w_uk", "w_uv")]
+
+
+def sharded(comm, impl, full, options, layout, method):
+    """The same six through latent_ring_attention on this rank's shards,
+    gathered back to the whole sequence (weights' shares summed)."""
+    keys = {key: options[key] for key in ("cu_seqlens", "mask") if key in options}
+    mine = {name: impl.asarray(shard_sequence(full[name], comm, layout=layout, **keys)
+                               if name not in ("w_uk", "w_uv") else full[name], "float64")
+            for name in full}
+    call = dict(options, layout=layout, method=method, softmax_scale=SCALE)
+    call.setdefault("causal", False)
+    args = [mine[name] for name in ("q", "latent", "rope_k", "w_uk", "w_uv")]
+    out, lse = latent_ring_attention(*args, comm, return_lse=True, **call)
+    grads = latent_ring_attention_backward(mine["dout"], *args, out, lse, comm, **call)
+    assert all(impl.is_native(x) for x in (out, *grads))
+    length = full["q"].shape[1] if not keys else None
+    whole = [unshard_sequence(impl.to_numpy(x).astype(np.float64), comm, layout=layout,
+                              length=length, **keys) for x in (out, *grads[:3])]
+    return whole + [comm.allreduce(np.ascontiguousarray(impl.to_numpy(g), np.float64))
+                    for g in grads[3:]]
+
+
+CASES = [pytest.param(impl, layout, masking, method, id=f"{impl}-{layout}-{masking}-{method}",
+                      marks=[] if impl == "numpy" else [pytest.mark.full])
+         for impl in ("numpy", "torch", "jax")
+         for layout in ("contiguous", "zigzag")
+         for masking in MASKINGS
+         for method in ("ring", "allgather")
+         if masking != "prefix_lm" or layout == "zigzag"]
+
+
+@pytest.mark.parametrize("impl, layout, masking, method", CASES)
+def test_latent_attention_equals_the_expanded_attention(comm, impl, layout, masking, method):
+    if impl == "jax":
+        requires.module("jax")
+        import jax
+        jax.config.update("jax_enable_x64", True)
+    length = conformance.length_of({"length": "divisible"}, comm.size)
+    options, dense = conformance.visibility({"masking": masking, "length": "divisible"}, length)
+    full = full_inputs(length, seed=len(masking) + comm.size)
+    got = sharded(comm, arrayimpl.IMPLS[impl], full, options, layout, method)
+    errors = [relative_error(g, w) for g, w in zip(got, reference(full, dense))]
+    assert all_ranks(max(errors) <= TOL), f"errors (out, dq, dlatent, drope, dw_uk, dw_uv) {errors}"
+
+
+def test_the_latent_is_all_that_travels(comm):
+    """The ring's forward sends the latent and the rotary key, (r + d_rope)
+    values a token, P - 1 hops: against the expanded K and V's
+    h (d_nope + d_rope + d_v) values."""
+    length = 4 * comm.size
+    full = full_inputs(length)
+    mine = {name: shard_sequence(full[name], comm, layout="zigzag")
+            if name not in ("w_uk", "w_uv") else full[name] for name in full}
+    sent = []
+    shift = comm.ring_shift_async
+
+    def counting(x, *args, **kwargs):
+        sent.append(x.nbytes)
+        return shift(x, *args, **kwargs)
+    comm.ring_shift_async = counting
+    try:
+        latent_ring_attention(*(mine[n] for n in ("q", "latent", "rope_k", "w_uk", "w_uv")),
+                              comm, layout="zigzag", causal=True, method="ring")
+    finally:
+        del comm.ring_shift_async
+    per_hop = (length // comm.size) * (RANK + ROPE) * 8
+    assert sent == [per_hop] * (comm.size - 1)
+
+
+@pytest.mark.parametrize("name, shape, named", [
+    ("method", "sparse", "latent attention takes method"),
+    ("w_uv", (RANK + 1, HEADS, VALUE), "latent size (kv_lora_rank)"),
+    ("w_uk", (RANK, HEADS, NOPE + 1), "nope"),
+    ("w_uk", (RANK, HEADS + 1, NOPE), "heads"),
+    ("rope_k", (1, 3, ROPE), "agree on batch and local sequence length"),
+])
+def test_bad_input_is_refused_everywhere(comm, name, shape, named):
+    length = 4 * comm.size
+    full = full_inputs(length)
+    mine = {name: shard_sequence(full[name], comm, layout="contiguous")
+            if name not in ("w_uk", "w_uv") else full[name] for name in full}
+    call = {"method": shape if name == "method" else "ring"}
+    if name != "method":
+        mine[name] = np.zeros(shape)
+    raises_everywhere(ValueError, lambda: latent_ring_attention(
+        *(mine[n] for n in ("q", "latent", "rope_k", "w_uk", "w_uv")), comm,
+        layout="contiguous", causal=True, **call), named)
+
+
+def test_one_rank_with_other_weights_shapes_is_refused_everywhere(comm):
+    length = 4 * comm.size
+    full = full_inputs(length)
+    mine = {name: shard_sequence(full[name], comm, layout="contiguous")
+            if name not in ("w_uk", "w_uv") else full[name] for name in full}
+    if comm.rank == comm.size - 1:  # a consistent model of its own: a narrower v
+        mine["w_uv"] = np.ascontiguousarray(mine["w_uv"][:, :, :VALUE - 1])
+    raises_everywhere(CollectiveMismatchError, lambda: latent_ring_attention(
+        *(mine[n] for n in ("q", "latent", "rope_k", "w_uk", "w_uv")), comm,
+        layout="contiguous", causal=True), "weights")
