@@ -32,16 +32,8 @@ import numpy as np
 
 from ..kernels import Kernel
 from ..kernels.sinks import with_sink_gradient
-from ..namespace import (
-    accumulator_dtype,
-    contiguous,
-    detached,
-    device,
-    dtype_name,
-    framework_of,
-    namespace,
-)
-from ..sequence.attention_call import ATTENTION_DTYPES, AttentionCall, prepare
+from ..namespace import accumulator_dtype, contiguous, detached, device, namespace
+from ..sequence.attention_call import AttentionCall, check_dtype, check_together, prepare
 from ..sequence.blockwise import attend, attend_backward, finish
 from ..sequence.kv import split
 from ..sequence.options import AttentionOptions
@@ -175,17 +167,9 @@ def check_latent(q: Any, latent: Any, rope_k: Any, w_uk: Any, w_uv: Any,
     the ``extra`` (name, array, shape) triples; else a ValueError naming
     what is off."""
     named = (("q", q), ("latent", latent), ("rope_k", rope_k), ("w_uk", w_uk), ("w_uv", w_uv))
-    kinds = {name: framework_of(name, x) for name, x in named}
-    if len(set(kinds.values())) != 1:
-        raise ValueError("q, latent, rope_k, w_uk and w_uv must come from one framework, got "
-                         + ", ".join(f"{n}: {f}" for n, f in kinds.items()))
-    for (name, x), rank, what in zip(named, (4, 3, 3, 3, 3),
-                                     ("[batch, seq, heads, qk_head_dim]",
-                                      "[batch, seq, kv_lora_rank]", "[batch, seq, rope_dim]",
-                                      "[kv_lora_rank, heads, nope_dim]",
-                                      "[kv_lora_rank, heads, v_head_dim]")):
-        if len(x.shape) != rank:
-            raise ValueError(f"{name} must be {what}, got shape {tuple(x.shape)}")
+    check_together(named, ("[batch, seq, heads, qk_head_dim]", "[batch, seq, kv_lora_rank]",
+                           "[batch, seq, rope_dim]", "[kv_lora_rank, heads, nope_dim]",
+                           "[kv_lora_rank, heads, v_head_dim]"))
     (b, s, h, d), (r, uk_heads, nope) = q.shape, w_uk.shape
     if tuple(latent.shape[:2]) != (b, s) or tuple(rope_k.shape[:2]) != (b, s):
         raise ValueError(f"q {tuple(q.shape)}, latent {tuple(latent.shape)} and rope_k "
@@ -199,16 +183,7 @@ def check_latent(q: Any, latent: Any, rope_k: Any, w_uk: Any, w_uv: Any,
     if nope + rope_k.shape[2] != d:
         raise ValueError(f"q's head size {d} must be w_uk's {nope} (nope) plus rope_k's "
                          f"{rope_k.shape[2]} (rope)")
-    names = [dtype_name(x) for _, x in named]
-    if len(set(names)) != 1:
-        raise ValueError(f"q, latent, rope_k, w_uk and w_uv must have one dtype, got "
-                         f"{', '.join(names)}")
-    if names[0] not in ATTENTION_DTYPES:
-        raise ValueError(f"latent attention takes {', '.join(ATTENTION_DTYPES)}, got "
-                         f"{names[0]}; cast first")
-    for name, x, shape in extra:
-        if tuple(x.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+    check_dtype(named, extra)
 
 
 def _joined(latent: Any, rope_k: Any) -> Any:

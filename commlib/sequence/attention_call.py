@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 from ..kernels import Kernel, capped, kernel_for
 from ..kernels.sinks import check_sinks, sinks_fact
@@ -33,16 +33,8 @@ def check_qkv(q: Any, k: Any, v: Any, extra: Extra = (), same_length: bool = Tru
     any length where not ``same_length``: a cache), one framework, one
     dtype, one side (host or CUDA), and the ``extra`` (name, array, shape)
     triples."""
-    kinds = {name: framework_of(name, x) for name, x in (("q", q), ("k", k), ("v", v))}
-    if len(set(kinds.values())) != 1:
-        raise ValueError(f"q, k and v must come from one framework, got "
-                         f"{', '.join(f'{n}: {f}' for n, f in kinds.items())}")
-    if len({on_cuda(q), on_cuda(k), on_cuda(v)}) != 1:
-        raise ValueError("q, k and v must all be host arrays or all CUDA arrays")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if len(x.shape) != 4:
-            raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape "
-                             f"{tuple(x.shape)}")
+    named = (("q", q), ("k", k), ("v", v))
+    check_together(named, ("[batch, seq, heads, head_dim]",) * 3)
     (b, s, h, d), (kb, ks, hk, kd) = q.shape, k.shape
     if tuple(v.shape[:3]) != tuple(k.shape[:3]):
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on batch, "
@@ -54,12 +46,38 @@ def check_qkv(q: Any, k: Any, v: Any, extra: Extra = (), same_length: bool = Tru
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on {what}")
     if hk == 0 or h % hk:
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hk}) for GQA/MQA")
-    names = [dtype_name(x) for x in (q, k, v)]
+    check_dtype(named, extra)
+
+
+def _listed(named: Sequence[Tuple[str, Any]]) -> str:
+    names = [name for name, _ in named]
+    return ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def check_together(named: Sequence[Tuple[str, Any]], layouts: Sequence[str]) -> None:
+    """The (name, array) pairs come from one framework and one side (host
+    or CUDA), each with the axes its entry of ``layouts`` names
+    ("[batch, seq, heads, head_dim]")."""
+    kinds = {name: framework_of(name, x) for name, x in named}
+    if len(set(kinds.values())) != 1:
+        raise ValueError(f"{_listed(named)} must come from one framework, got "
+                         f"{', '.join(f'{n}: {f}' for n, f in kinds.items())}")
+    if len({on_cuda(x) for _, x in named}) != 1:
+        raise ValueError(f"{_listed(named)} must all be host arrays or all CUDA arrays")
+    for (name, x), layout in zip(named, layouts):
+        if len(x.shape) != layout.count(",") + 1:
+            raise ValueError(f"{name} must be {layout}, got shape {tuple(x.shape)}")
+
+
+def check_dtype(named: Sequence[Tuple[str, Any]], extra: Extra = ()) -> None:
+    """The (name, array) pairs have one dtype that attention takes, and the
+    ``extra`` (name, array, shape) triples their shapes."""
+    names = [dtype_name(x) for _, x in named]
     if len(set(names)) != 1:
-        raise ValueError(f"q, k and v must have one dtype, got {', '.join(names)}")
+        raise ValueError(f"{_listed(named)} must have one dtype, got {', '.join(names)}")
     if names[0] not in ATTENTION_DTYPES:
-        raise ValueError(f"attention takes q, k and v of {', '.join(ATTENTION_DTYPES)}, got "
-                         f"{names[0]}; cast them first")
+        raise ValueError(f"attention takes {_listed(named)} of {', '.join(ATTENTION_DTYPES)}, "
+                         f"got {names[0]}; cast them first")
     for name, x, shape in extra:
         if tuple(x.shape) != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
