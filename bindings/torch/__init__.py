@@ -28,6 +28,7 @@ from . import _attention_ops as _ops
 from . import _wire_ops
 from ._direct import runs_directly
 from ._inference import DecodeCache, chunk_attention, decode_attention
+from ._latent_ops import latent_call
 from ._moe import Dispatcher, TorchHandle
 from ._overlapped import ulysses_attention_overlapped
 from ._recurrent import SummedOverRanks as SummedOverRanks  # shared with the transformers binding
@@ -36,7 +37,8 @@ from ._recurrent_state import halo as halo  # shared with the transformers bindi
 
 __all__ = ["ring_attention", "ulysses_attention", "hybrid_attention", "seq_to_head",
            "head_to_seq", "Dispatcher", "TorchHandle", "decode_attention", "chunk_attention",
-           "DecodeCache", "gated_delta_rule", "mamba2_scan", "ulysses_attention_overlapped"]
+           "DecodeCache", "gated_delta_rule", "mamba2_scan", "ulysses_attention_overlapped",
+           "latent_ring_attention"]
 
 
 def _attention(q, k, v, comm, algorithm: str, options: AttentionOptions, *, layout: str,
@@ -78,6 +80,24 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *, l
                                softmax_scale=softmax_scale, softcap=softcap, kernel=kernel,
                                method=method)
     return _attention(q, k, v, comm, "ring", options, layout=layout, sinks=sinks)
+
+
+def latent_ring_attention(q: torch.Tensor, latent: torch.Tensor, rope_k: torch.Tensor,
+                          w_uk: torch.Tensor, w_uv: torch.Tensor, comm, *, layout: str,
+                          causal: bool, softmax_scale: Optional[float] = None,
+                          cu_seqlens: Any = None, window: Any = None, mask: Any = None,
+                          method: str = "auto", kernel: Optional[Kernel] = None,
+                          sinks: Optional[torch.Tensor] = None,
+                          softcap: Optional[float] = None) -> torch.Tensor:
+    """Differentiable ``commlib.ring.latent_ring_attention`` (multi-head
+    latent attention: the latent and the rotary key travel, K and V are
+    expanded by ``w_uk`` and ``w_uv`` where they arrive); the weights and
+    ``sinks`` get this rank's share of their gradients (sum them over the
+    ranks: ``allreduce_gradients``)."""
+    options = AttentionOptions(causal=causal, window=window, cu_seqlens=cu_seqlens, mask=mask,
+                               softmax_scale=softmax_scale, softcap=softcap, kernel=kernel,
+                               method=method)
+    return latent_call(q, latent, rope_k, w_uk, w_uv, comm, options, layout, sinks)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, *, layout: str,

@@ -56,9 +56,10 @@ def reference(full, dense):
                                       for name in ("q", "latent", "rope_k", "w_uk", "w_uv")]
 
 
-def sharded(comm, impl, full, options, layout, method):
-    """The same six through latent_ring_attention on this rank's shards,
-    gathered back to the whole sequence (weights' shares summed)."""
+def sharded(comm, impl, full, options, layout, method, binding=False):
+    """The same six through latent_ring_attention on this rank's shards (the
+    torch binding's where ``binding``), gathered back to the whole sequence
+    (weights' shares summed)."""
     keys = {key: options[key] for key in ("cu_seqlens", "mask") if key in options}
     mine = {name: impl.asarray(shard_sequence(full[name], comm, layout=layout, **keys)
                                if name not in ("w_uk", "w_uv") else full[name], "float64")
@@ -66,8 +67,16 @@ def sharded(comm, impl, full, options, layout, method):
     call = dict(options, layout=layout, method=method, softmax_scale=SCALE)
     call.setdefault("causal", False)
     args = [mine[name] for name in ("q", "latent", "rope_k", "w_uk", "w_uv")]
-    out, lse = latent_ring_attention(*args, comm, return_lse=True, **call)
-    grads = latent_ring_attention_backward(mine["dout"], *args, out, lse, comm, **call)
+    if binding:  # through autograd: the custom op and its backward op
+        from commlib.bindings import torch as ct
+        for x in args:
+            x.requires_grad_()
+        out = ct.latent_ring_attention(*args, comm, **call)
+        out.backward(mine["dout"])
+        grads = [x.grad for x in args]
+    else:
+        out, lse = latent_ring_attention(*args, comm, return_lse=True, **call)
+        grads = latent_ring_attention_backward(mine["dout"], *args, out, lse, comm, **call)
     assert all(impl.is_native(x) for x in (out, *grads))
     length = full["q"].shape[1] if not keys else None
     whole = [unshard_sequence(impl.to_numpy(x).astype(np.float64), comm, layout=layout,
@@ -77,8 +86,8 @@ def sharded(comm, impl, full, options, layout, method):
 
 
 CASES = [pytest.param(impl, layout, masking, method, id=f"{impl}-{layout}-{masking}-{method}",
-                      marks=[] if impl == "numpy" else [pytest.mark.full])
-         for impl in ("numpy", "torch", "jax")
+                      marks=[] if impl in ("numpy", "torch-binding") else [pytest.mark.full])
+         for impl in ("numpy", "torch", "torch-binding", "jax")
          for layout in ("contiguous", "zigzag")
          for masking in MASKINGS
          for method in ("ring", "allgather")
@@ -94,7 +103,8 @@ def test_latent_attention_equals_the_expanded_attention(comm, impl, layout, mask
     length = conformance.length_of({"length": "divisible"}, comm.size)
     options, dense = conformance.visibility({"masking": masking, "length": "divisible"}, length)
     full = full_inputs(length, seed=len(masking) + comm.size)
-    got = sharded(comm, arrayimpl.IMPLS[impl], full, options, layout, method)
+    got = sharded(comm, arrayimpl.IMPLS[impl.split("-")[0]], full, options, layout, method,
+                  binding=impl == "torch-binding")
     errors = [relative_error(g, w) for g, w in zip(got, reference(full, dense))]
     assert all_ranks(max(errors) <= TOL), f"errors (out, dq, dlatent, drope, dw_uk, dw_uv) {errors}"
 
