@@ -56,6 +56,7 @@ MODELS = ("test_compile.py", "test_compile_inference.py", "test_compile_models.p
           "test_generate_recurrent.py", "test_model_axis.py", "test_trainer.py",
           "test_transformers_changes.py", "test_transformers_dense.py",
           "test_transformers_encoders.py", "test_transformers_gpt_oss.py",
+          "test_transformers_mla.py",
           "test_transformers_moe.py", "test_transformers_placement.py",
           "test_transformers_recurrent.py")
 

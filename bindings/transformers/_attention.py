@@ -36,7 +36,8 @@ from commlib.hybrid.attention import check_degree
 from commlib.sequence.documents import packing_for, positions_of
 from commlib.ulysses.relayout import check_heads
 
-from ..torch import hybrid_attention, ring_attention, ulysses_attention
+from ..torch import hybrid_attention, latent_ring_attention, ring_attention, ulysses_attention
+from . import _latent
 
 __all__ = ["register_attention", "layout_of", "LAYOUTS", "PositionCheck", "mark_checked",
            "model_check", "forget_checked", "is_checked"]
@@ -196,11 +197,18 @@ def _attention_function(name: str, attend: Attend, comm) -> Callable:
         checked(kwargs.get("position_ids"), cu_seqlens, query.shape[2])
         _check_lengths(name, module, cu_seqlens, query.shape[2] * world_size)
         # the shards' (padded) length: a window as long covers every document too
-        out = attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                     causal=causal, softmax_scale=scaling, cu_seqlens=cu_seqlens,
-                     window=window_of(name, sliding_window, query.shape[2] * world_size,
-                                      causal, getattr(module, "config", None)),
-                     sinks=kwargs.get(SINKS), softcap=kwargs.get(SOFTCAP))
+        settings = dict(causal=causal, softmax_scale=scaling, cu_seqlens=cu_seqlens,
+                        window=window_of(name, sliding_window, query.shape[2] * world_size,
+                                         causal, getattr(module, "config", None)),
+                        sinks=kwargs.get(SINKS), softcap=kwargs.get(SOFTCAP))
+        latent = _latent.take(module, key)
+        if latent is not None:  # multi-head latent attention: the latent travels
+            out = latent_ring_attention(query.transpose(1, 2), *latent,
+                                        *_latent.up_projections(module), comm,
+                                        layout=LAYOUTS[name], **settings)
+        else:
+            out = attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                         **settings)
         return out, None
 
     attention.__name__ = attention.__qualname__ = name

@@ -12,6 +12,7 @@ from typing import Callable, List, Optional
 from torch import nn
 
 from ._attention import LAYOUTS, forget_checked, mark_checked, model_check
+from ._latent import install as install_latent_path
 from ._recurrent import FAMILIES, is_parallel_mixer
 from ._token_mixers import Mixer, probed, structure
 
@@ -56,6 +57,7 @@ def model_problem(model: nn.Module, comm, *, before: str, attention_replaced: bo
     for module in attending:
         if problem is None:
             mark_checked(module, check)
+            install_latent_path(module)
         else:
             forget_checked(module)
     return problem

@@ -1,0 +1,97 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, GLM-4-MoE-lite,
+LongCat-Flash) with the latent moved, not the heads.
+
+transformers' MLA layers compute each token's latent (``kv_nope`` [b, 1, s,
+r], normed) and shared rotary key (``k_rot`` [b, 1, s, d_rope]) and hand
+them to ``self.expand_kv``, which up-projects them by ``kv_b_proj`` into K
+and V of every head, right before the attention call. On a layer
+``shard_batch`` checked, commlib's ``expand_kv`` keeps the two for the
+attention function instead, and gives it zero-stride stand-ins of the
+expanded shapes (no memory, no compute); the ring implementations then run
+``latent_ring_attention`` on the latent, with W_UK and W_UV read as views
+of ``kv_b_proj.weight`` (its gradient flows through them). Ulysses and the
+hybrid split the heads, so they need them expanded: under those the
+layer expands as transformers does, and the model's plan says so
+(``moves``)."""
+
+from __future__ import annotations
+
+import types
+import weakref
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+__all__ = ["is_latent_attention", "install", "take", "up_projections", "LATENT_IMPLEMENTATIONS",
+           "moves"]
+
+# the implementations that move the latent: the ring's (K and V are whole heads to Ulysses)
+LATENT_IMPLEMENTATIONS = ("commlib_ring", "commlib_ring_docs")
+
+_kept: "weakref.WeakKeyDictionary[nn.Module, Tuple[torch.Tensor, torch.Tensor]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def is_latent_attention(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers MLA layer: an ``expand_kv`` of
+    its class over a ``kv_b_proj`` up-projection (bias-free)."""
+    projection = getattr(module, "kv_b_proj", None)
+    return (callable(getattr(type(module), "expand_kv", None))
+            and isinstance(projection, nn.Linear) and projection.bias is None
+            and all(hasattr(module, name) for name in ("kv_lora_rank", "qk_nope_head_dim",
+                                                         "qk_rope_head_dim", "v_head_dim")))
+
+
+def moves(module: nn.Module, implementation: Optional[str]) -> str:
+    """What an MLA layer's attention moves under ``implementation``, for the
+    plan: "latent" or "expanded heads"."""
+    return "latent" if implementation in LATENT_IMPLEMENTATIONS else "expanded heads"
+
+
+def install(module: nn.Module) -> None:
+    """Give the MLA layer ``module`` commlib's ``expand_kv`` (once)."""
+    if is_latent_attention(module) and "expand_kv" not in module.__dict__:
+        module.expand_kv = types.MethodType(_expand_or_keep, module)
+
+
+def _expand_or_keep(module: nn.Module, kv_nope: torch.Tensor,
+                    k_rot: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """transformers' expansion, or, under a latent implementation, the
+    latent kept for the attention call that follows and zero-stride
+    stand-ins of K's and V's shapes."""
+    if getattr(module.config, "_attn_implementation", None) not in LATENT_IMPLEMENTATIONS:
+        return type(module).expand_kv(module, kv_nope, k_rot)
+    _kept[module] = (kv_nope, k_rot)
+    b, _, s, _ = kv_nope.shape
+    heads = module.kv_b_proj.out_features // (module.qk_nope_head_dim + module.v_head_dim)
+    zero = kv_nope.new_zeros(())
+    return (zero.expand(b, heads, s, module.qk_nope_head_dim + module.qk_rope_head_dim),
+            zero.expand(b, heads, s, module.v_head_dim))
+
+
+def take(module: nn.Module, key: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """The (latent [b, s, r], rope_k [b, s, d_rope]) ``module``'s
+    ``expand_kv`` kept for this call with ``key``, or None (it expanded); a
+    stand-in ``key`` with nothing kept (the layer's forward is not
+    transformers' order of expansion then attention) is an error, never
+    attention over zeros."""
+    kept = _kept.pop(module, None)
+    if kept is None:
+        if key.numel() and not any(key.stride()):
+            raise RuntimeError(f"{type(module).__name__}: commlib's expand_kv gave this "
+                               f"attention call stand-ins for K and V, but kept no latent for "
+                               f"it: the layer's forward does not call expand_kv right before "
+                               f"its attention; report it with the model's class")
+        return None
+    kv_nope, k_rot = kept
+    return kv_nope[:, 0], k_rot[:, 0]
+
+
+def up_projections(module: nn.Module) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(W_UK [r, h, d_nope], W_UV [r, h, d_v]): views of ``kv_b_proj.weight``
+    [h (d_nope + d_v), r], as ``expand_kv`` splits its output."""
+    nope, value = module.qk_nope_head_dim, module.v_head_dim
+    weight = module.kv_b_proj.weight
+    per_head = weight.view(-1, nope + value, weight.shape[1])
+    return per_head[:, :nope].permute(2, 0, 1), per_head[:, nope:].permute(2, 0, 1)

@@ -1,0 +1,143 @@
+"""transformers' multi-head latent attention models over commlib: tiny
+DeepSeek-V3 (MLA, MoE and first_k_dense_replace; Kimi-K2 is this
+architecture), DeepSeek-V2, GLM-4-MoE-lite and LongCat-Flash configs, with
+v's head size below q's and k's as every released one has it. Under the
+ring the latent travels (``latent_ring_attention``, once a layer), under
+Ulysses the expanded heads; either way loss and gradients equal the
+unsharded model's, also with the experts split by ``expert_parallel``."""
+
+import copy
+
+import numpy as np
+import pytest
+
+import requires
+from conftest import all_ranks
+
+torch = requires.module("torch")
+transformers = requires.module("transformers")
+hf = requires.module("commlib.bindings.transformers")
+from commlib.bindings.transformers import _attention  # noqa: E402
+from commlib.bindings.transformers._experts import EXPERT_PARALLEL  # noqa: E402
+
+WORLD_SIZES = (2, 3)
+SEQ, BATCH, VOCAB = 24, 2, 128
+TOL = 1e-5  # of each tensor's largest reference magnitude
+# DeepSeek-V3's shape of attention, scaled down: q/k 12 + 4, v 8, latent 16 (+4 rope)
+MLA = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, vocab_size=VOCAB,
+           max_position_embeddings=2 * SEQ, q_lora_rank=32, kv_lora_rank=16,
+           qk_rope_head_dim=4, qk_nope_head_dim=12, v_head_dim=8, initializer_range=0.1)
+MOE = dict(n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=32)
+FAMILIES = {
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **MLA, **MOE, num_hidden_layers=2, intermediate_size=96, first_k_dense_replace=1,
+        n_group=1, topk_group=1),
+    "deepseek_v2": lambda: transformers.DeepseekV2Config(
+        **MLA, **MOE, num_hidden_layers=2, intermediate_size=96, first_k_dense_replace=1),
+    "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(
+        **MLA, **MOE, num_hidden_layers=2, intermediate_size=96, n_group=1, topk_group=1),
+    "longcat_flash": lambda: transformers.LongcatFlashConfig(
+        **MLA, num_layers=1, head_dim=4, qk_head_dim=16, ffn_hidden_size=96, n_routed_experts=6,
+        moe_topk=2,
+        expert_ffn_hidden_size=32, zero_expert_num=1),
+}
+IMPLEMENTATIONS = ("commlib_ring", "commlib_ulysses")
+
+
+def reference_of(family):
+    """The unsharded model (eager), its loss and gradients on the batch."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family](),
+                                                          attn_implementation="eager")
+    initial = copy.deepcopy(model)
+    loss = model(**batch()).loss
+    loss.backward()
+    return {"model": initial, "loss": loss.item(),
+            "grads": {name: p.grad.clone() for name, p in model.named_parameters()
+                      if p.grad is not None}}
+
+
+def batch():
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(5))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def close(got, want):
+    return bool((got - want).abs().max() <= TOL * max(float(want.abs().max()), 1e-3))
+
+
+@pytest.fixture
+def latent_calls(monkeypatch):
+    """How many attention calls moved the latent."""
+    calls = []
+    moving = _attention.latent_ring_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return moving(*args, **kwargs)
+    monkeypatch.setattr(_attention, "latent_ring_attention", counted)
+    return calls
+
+
+def sharded_step(comm, model):
+    shard = hf.shard_batch(batch(), comm, attn_implementation=model)
+    loss = model(**shard).loss
+    loss.backward()
+    hf.allreduce_gradients(model, comm)
+    return float(comm.allreduce(np.array([loss.item()]))[0])
+
+
+def mismatched(comm, model, want):
+    """Names of the parameters whose gradient differs from the reference's
+    (this rank's experts' slice where they are split)."""
+    wrong = []
+    for name, parameter in model.named_parameters():
+        wanted = want["grads"].get(name)
+        if wanted is None:
+            continue
+        if getattr(parameter, EXPERT_PARALLEL, False):
+            local = wanted.shape[0] // comm.size
+            wanted = wanted[comm.rank * local:(comm.rank + 1) * local]
+        if parameter.grad is None or not close(parameter.grad, wanted):
+            wrong.append(name)
+    return wrong
+
+
+def layers(model):
+    return sum(1 for m in model.modules() if _is_mla(m))
+
+
+def _is_mla(module):
+    from commlib.bindings.transformers._latent import is_latent_attention
+    return is_latent_attention(module)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_loss_and_gradients_match_the_unsharded_model(comm, family, implementation,
+                                                      latent_calls):
+    hf.register(comm)
+    want = reference_of(family)
+    model = transformers.AutoModelForCausalLM.from_config(
+        copy.deepcopy(want["model"].config), attn_implementation=implementation)
+    model.load_state_dict(want["model"].state_dict())
+    loss = sharded_step(comm, model)
+    wrong = mismatched(comm, model, want)
+    moved = len(latent_calls) == (layers(model) if implementation == "commlib_ring" else 0)
+    assert all_ranks(abs(loss - want["loss"]) <= TOL * want["loss"] and not wrong and moved), \
+        (loss, want["loss"], wrong, len(latent_calls))
+
+
+@pytest.mark.full
+def test_deepseek_v3_with_its_experts_split(comm, latent_calls):
+    """The latent around the ring and the experts split over the same ranks
+    (``expert_parallel``): loss and every gradient as the unsharded model's."""
+    hf.register(comm)
+    want = reference_of("deepseek_v3")
+    model = hf.expert_parallel(copy.deepcopy(want["model"]), comm)
+    model.set_attn_implementation("commlib_ring")
+    loss = sharded_step(comm, model)
+    wrong = mismatched(comm, model, want)
+    split = any(getattr(p, EXPERT_PARALLEL, False) for p in model.parameters())
+    assert all_ranks(abs(loss - want["loss"]) <= TOL * want["loss"] and not wrong and split
+                     and len(latent_calls) == layers(model)), (loss, want["loss"], wrong)
