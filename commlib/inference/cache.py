@@ -15,7 +15,8 @@ sequence order, and every later token is past all of them. So the keys a
 query sees (causal, or inside a window) are one index range of the shard
 (``commlib.sequence.visibility.band_blocks``).
 
-Storage: per layer, K and V [batch, capacity, kv_heads, head_dim] in the
+Storage: per layer, K and V [batch, capacity, kv_heads, head_dim] (V's head
+size may differ: multi-head latent attention) in the
 framework, device and dtype of the first K/V stored, grown by doubling (so
 adding a token is amortised O(1)); ``keys(layer)`` / ``values(layer)`` are
 views of the filled part. JAX arrays are immutable: each write makes a new
@@ -95,22 +96,24 @@ class ShardedKVCache:
                 if count < k.shape[1] else None
             new_k = k if index is None else xp.take(k, index, axis=1)
             new_v = v if index is None else xp.take(v, index, axis=1)
-            self._grow(layer, new_k, self._filled[layer] + count)
+            self._grow(layer, new_k, new_v, self._filled[layer] + count)
             start, stop = self._filled[layer], self._filled[layer] + count
             self._keys[layer] = xpx.at(self._keys[layer])[:, start:stop].set(new_k)
             self._values[layer] = xpx.at(self._values[layer])[:, start:stop].set(new_v)
             self._filled[layer] = stop
         return self.keys(layer, like=k), self.values(layer, like=v)
 
-    def _grow(self, layer: int, like: Any, needed: int) -> None:
-        """Capacity for ``needed`` tokens in ``layer``: doubled when short."""
+    def _grow(self, layer: int, k: Any, v: Any, needed: int) -> None:
+        """Capacity for ``needed`` tokens in ``layer``: doubled when short
+        (K and V each in its own head size)."""
         held = self._keys[layer]
         capacity = 0 if held is None else held.shape[1]
         if needed <= capacity:
             return
-        xp = namespace(like)
-        shape = (like.shape[0], max(needed, 2 * capacity)) + tuple(like.shape[2:])
-        fresh = [xp.zeros(shape, dtype=like.dtype, device=device(like)) for _ in range(2)]
+        xp = namespace(k)
+        length = max(needed, 2 * capacity)
+        fresh = [xp.zeros((like.shape[0], length) + tuple(like.shape[2:]), dtype=like.dtype,
+                          device=device(like)) for like in (k, v)]
         if held is not None:
             filled = self._filled[layer]
             fresh = [xpx.at(new)[:, :filled].set(old[:, :filled])

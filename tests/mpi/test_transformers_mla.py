@@ -141,3 +141,25 @@ def test_deepseek_v3_with_its_experts_split(comm, latent_calls):
     split = any(getattr(p, EXPERT_PARALLEL, False) for p in model.parameters())
     assert all_ranks(abs(loss - want["loss"]) <= TOL * want["loss"] and not wrong and split
                      and len(latent_calls) == layers(model)), (loss, want["loss"], wrong)
+
+
+def cache_of(out):
+    """The cache of a generate output (``cache`` in transformers 5.25,
+    ``past_key_values`` in 5.17)."""
+    return out.cache if "cache" in type(out).__dataclass_fields__ else out.past_key_values
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_generate_is_model_generate_over_two_turns(comm, family):
+    """A prompt of odd length, then a second turn over the sharded cache
+    (K and V of unequal head sizes): the tokens of ``model.generate``."""
+    hf.register(comm)
+    model = reference_of(family)["model"]
+    first = torch.randint(0, VOCAB, (1, 13), generator=torch.Generator().manual_seed(3))
+    out = hf.generate(model, first, comm, max_new_tokens=4, return_dict_in_generate=True)
+    same = [torch.equal(out.sequences, model.generate(first, max_new_tokens=4, do_sample=False))]
+    more = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
+    ids = torch.cat([out.sequences, more], dim=1)
+    again = hf.generate(model, ids, comm, max_new_tokens=3, past_key_values=cache_of(out))
+    same.append(torch.equal(again, model.generate(ids, max_new_tokens=3, do_sample=False)))
+    assert all_ranks(all(same)), same
