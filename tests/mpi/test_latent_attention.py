@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from commlib.errors import CollectiveMismatchError
+from commlib.inference.latent import latent_decode_attention
 from commlib.ring import shard_sequence, unshard_sequence
 from commlib.ring.latent import latent_ring_attention, latent_ring_attention_backward
 
@@ -163,3 +164,44 @@ def test_one_rank_with_other_weights_shapes_is_refused_everywhere(comm):
     raises_everywhere(CollectiveMismatchError, lambda: latent_ring_attention(
         *(mine[n] for n in ("q", "latent", "rope_k", "w_uk", "w_uv")), comm,
         layout="contiguous", causal=True), "weights")
+
+
+def expanded_decode_reference(q, latent, rope_k, w_uk, w_uv, visible):
+    """Softmax attention of q [1, t, h, d] over the expanded K and V of the
+    whole cache, ``visible`` [t, n], float64, written out."""
+    k = np.concatenate([np.einsum("bnr,rhk->bnhk", latent, w_uk),
+                        np.broadcast_to(rope_k[:, :, None], latent.shape[:2] + (HEADS, ROPE))],
+                       axis=-1)
+    v = np.einsum("bnr,rhv->bnhv", latent, w_uv)
+    scores = np.einsum("bthd,bnhd->bhtn", q, k) * SCALE
+    scores = np.where(visible[None, None], scores, -np.inf)
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    weights /= weights.sum(axis=-1, keepdims=True)
+    return np.einsum("bhtn,bnhv->bthv", weights, v)
+
+
+@pytest.mark.parametrize("window", [None, (5, 0)])
+@pytest.mark.parametrize("impl", ["numpy", "torch"])
+def test_absorbed_decode_over_the_latent_cache_is_the_expanded_attention(comm, impl, window):
+    """Two new tokens over a 23-token cache striped by position: each rank
+    holds only its positions' latents and rotary keys, attends in the
+    latent space (the query multiplied into W_UK), and the merged output
+    equals attention over the whole cache's expanded K and V."""
+    cached, new = 23, 2
+    full = full_inputs(cached + new, seed=7)
+    positions = np.arange(cached + new)
+    mine = positions[positions % comm.size == comm.rank]
+    array = arrayimpl.IMPLS[impl]
+    take = {name: array.asarray(full[name][:, mine], "float64") for name in ("latent", "rope_k")}
+    q = full["q"][:, cached:]
+    got = latent_decode_attention(
+        array.asarray(q, "float64"), take["latent"], take["rope_k"],
+        array.asarray(full["w_uk"], "float64"), array.asarray(full["w_uv"], "float64"), comm,
+        q_positions=positions[cached:], k_positions=mine, causal=True, window=window,
+        softmax_scale=SCALE)
+    gap = positions[cached:, None] - positions[None, :]
+    visible = (gap >= 0) & ((gap <= window[0]) if window else True)
+    want = expanded_decode_reference(q, full["latent"], full["rope_k"], full["w_uk"],
+                                     full["w_uv"], visible)
+    assert array.is_native(got)
+    assert all_ranks(relative_error(array.to_numpy(got), want) <= TOL)
