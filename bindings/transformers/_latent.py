@@ -11,23 +11,25 @@ expanded shapes (no memory, no compute); the ring implementations then run
 ``latent_ring_attention`` on the latent, with W_UK and W_UV read as views
 of ``kv_b_proj.weight`` (its gradient flows through them). Ulysses and the
 hybrid split the heads, so they need them expanded: under those the
-layer expands as transformers does, and the model's plan says so
-(``moves``)."""
+layer expands as transformers does, and says so in a warning that names
+the bytes each way."""
 
 from __future__ import annotations
 
 import types
+import warnings
 import weakref
 from typing import Optional, Tuple
 
 import torch
 from torch import nn
 
-__all__ = ["is_latent_attention", "install", "take", "up_projections", "LATENT_IMPLEMENTATIONS",
-           "moves"]
+__all__ = ["is_latent_attention", "install", "take", "up_projections", "LATENT_IMPLEMENTATIONS"]
 
 # the implementations that move the latent: the ring's (K and V are whole heads to Ulysses)
 LATENT_IMPLEMENTATIONS = ("commlib_ring", "commlib_ring_docs")
+# the ones that split heads, and so move them expanded
+EXPANDING_IMPLEMENTATIONS = ("commlib_ulysses", "commlib_hybrid")
 
 _kept: "weakref.WeakKeyDictionary[nn.Module, Tuple[torch.Tensor, torch.Tensor]]" = \
     weakref.WeakKeyDictionary()
@@ -43,12 +45,6 @@ def is_latent_attention(module: nn.Module) -> bool:
                                                          "qk_rope_head_dim", "v_head_dim")))
 
 
-def moves(module: nn.Module, implementation: Optional[str]) -> str:
-    """What an MLA layer's attention moves under ``implementation``, for the
-    plan: "latent" or "expanded heads"."""
-    return "latent" if implementation in LATENT_IMPLEMENTATIONS else "expanded heads"
-
-
 def install(module: nn.Module) -> None:
     """Give the MLA layer ``module`` commlib's ``expand_kv`` (once)."""
     if is_latent_attention(module) and "expand_kv" not in module.__dict__:
@@ -60,7 +56,10 @@ def _expand_or_keep(module: nn.Module, kv_nope: torch.Tensor,
     """transformers' expansion, or, under a latent implementation, the
     latent kept for the attention call that follows and zero-stride
     stand-ins of K's and V's shapes."""
-    if getattr(module.config, "_attn_implementation", None) not in LATENT_IMPLEMENTATIONS:
+    implementation = getattr(module.config, "_attn_implementation", None)
+    if implementation not in LATENT_IMPLEMENTATIONS:
+        if implementation in EXPANDING_IMPLEMENTATIONS:
+            _say_expanded(module, implementation)
         return type(module).expand_kv(module, kv_nope, k_rot)
     _kept[module] = (kv_nope, k_rot)
     b, _, s, _ = kv_nope.shape
@@ -68,6 +67,17 @@ def _expand_or_keep(module: nn.Module, kv_nope: torch.Tensor,
     zero = kv_nope.new_zeros(())
     return (zero.expand(b, heads, s, module.qk_nope_head_dim + module.qk_rope_head_dim),
             zero.expand(b, heads, s, module.v_head_dim))
+
+
+def _say_expanded(module: nn.Module, implementation: str) -> None:
+    """The warning that this MLA layer moves expanded heads (once a place)."""
+    heads = module.kv_b_proj.out_features // (module.qk_nope_head_dim + module.v_head_dim)
+    expanded = heads * (module.qk_nope_head_dim + module.qk_rope_head_dim + module.v_head_dim)
+    latent = module.kv_lora_rank + module.qk_rope_head_dim
+    warnings.warn(f"{type(module).__name__}: {implementation} splits the heads, so this "
+                  f"multi-head latent attention layer moves them expanded, {expanded} values a "
+                  f"token; commlib_ring moves its latent, {latent} ({expanded / latent:.0f}x "
+                  f"fewer bytes)", stacklevel=3)
 
 
 def take(module: nn.Module, key: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
