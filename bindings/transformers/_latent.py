@@ -24,7 +24,8 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-__all__ = ["is_latent_attention", "install", "take", "up_projections", "LATENT_IMPLEMENTATIONS"]
+__all__ = ["is_latent_attention", "install", "take", "up_projections", "LATENT_IMPLEMENTATIONS",
+           "sparse_indexer_problem"]
 
 # the implementations that move the latent: the ring's (K and V are whole heads to Ulysses)
 LATENT_IMPLEMENTATIONS = ("commlib_ring", "commlib_ring_docs")
@@ -43,6 +44,21 @@ def is_latent_attention(module: nn.Module) -> bool:
             and isinstance(projection, nn.Linear) and projection.bias is None
             and all(hasattr(module, name) for name in ("kv_lora_rank", "qk_nope_head_dim",
                                                          "qk_rope_head_dim", "v_head_dim")))
+
+
+def sparse_indexer_problem(model: nn.Module) -> Optional[ValueError]:
+    """DeepSeek-V3.2's sparse attention, refused by name: its indexer scores
+    every key of the whole sequence for each query and keeps the top k,
+    a choice no rank can make from its shard."""
+    for name, module in model.named_modules():
+        if is_latent_attention(module) and isinstance(getattr(module, "indexer", None),
+                                                      nn.Module):
+            return ValueError(
+                f"{name} ({type(module).__name__}): DeepSeek sparse attention's indexer picks "
+                f"each query's top-k keys across the whole sequence, which no rank sees from "
+                f"its shard; commlib does not shard it. Run this model on one rank per "
+                f"sequence, or a dense-attention MLA model (DeepSeek-V3) with commlib")
+    return None
 
 
 def install(module: nn.Module) -> None:

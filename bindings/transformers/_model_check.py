@@ -13,6 +13,7 @@ from torch import nn
 
 from ._attention import LAYOUTS, forget_checked, mark_checked, model_check
 from ._latent import install as install_latent_path
+from ._latent import sparse_indexer_problem
 from ._recurrent import FAMILIES, is_parallel_mixer
 from ._token_mixers import Mixer, probed, structure
 
@@ -43,6 +44,9 @@ def model_problem(model: nn.Module, comm, *, before: str, attention_replaced: bo
     if comm.size == 1:
         return None
     try:
+        indexer = sparse_indexer_problem(model)
+        if indexer is not None:
+            return indexer
         mixers = probed(model, is_parallel_mixer)
         problem = _refusal(type(model).__name__, mixers, before, attention_replaced) or \
             _rope_problem(model, longest, before) or \

@@ -12,8 +12,10 @@ import copy
 import numpy as np
 import pytest
 
+from commlib.errors import CollectiveMismatchError
+
 import requires
-from conftest import all_ranks
+from conftest import all_ranks, raises_everywhere
 
 torch = requires.module("torch")
 transformers = requires.module("transformers")
@@ -168,3 +170,17 @@ def test_generate_is_model_generate_over_two_turns(comm, family):
     again = hf.generate(model, ids, comm, max_new_tokens=3, past_key_values=cache_of(out))
     same.append(torch.equal(again, model.generate(ids, max_new_tokens=3, do_sample=False)))
     assert all_ranks(all(same)), same
+
+
+def test_deepseek_v32_sparse_attention_is_refused_by_name(comm):
+    """DeepSeek-V3.2's indexer picks keys across the whole sequence: refused
+    at shard_batch, naming the layer, on every rank."""
+    hf.register(comm)
+    config = transformers.DeepseekV32Config(
+        **MLA, **MOE, num_hidden_layers=2, intermediate_size=96, first_k_dense_replace=1,
+        n_group=1, topk_group=1, index_topk=8, index_head_dim=8, index_n_heads=2, head_dim=4)
+    model = transformers.AutoModelForCausalLM.from_config(config,
+                                                          attn_implementation="commlib_ring")
+    raises_everywhere(CollectiveMismatchError,
+                      lambda: hf.shard_batch(batch(), comm, attn_implementation=model),
+                      match="self_attn (DeepseekV32Attention): DeepSeek sparse attention's indexer")
