@@ -52,6 +52,7 @@ PAGES = {
     "inference.md": ["commlib.inference", "commlib.bindings.transformers"],
     "moe.md": ["commlib.moe"],
     "diffusers.md": ["commlib.bindings.diffusers"],
+    "latent.md": ["commlib.ring", "commlib.inference", "commlib.bindings.torch"],
 }
 ALIASES = {"ring": "commlib.ring", "ulysses": "commlib.ulysses", "hybrid": "commlib.hybrid",
            "moe": "commlib.moe", "ct": "commlib.bindings.torch", "cj": "commlib.bindings.jax"}
