@@ -92,7 +92,7 @@ _shards: ShardRecords[_Shard] = ShardRecords()
 
 
 @dataclass(frozen=True)
-class _Plan:
+class _HeadHooks:
     """Where the hooks on one model go (compared, to keep them while the
     model stays as it is: the model check's answer depends on them)."""
 
@@ -111,7 +111,7 @@ class EncoderHead:
 
     def __init__(self, model: nn.Module, comm) -> None:
         self.model, self.comm = model, comm
-        self.plan: Optional[_Plan] = None
+        self.plan: Optional[_HeadHooks] = None
         self.handles: List[Any] = []
         self.active: Optional[_Shard] = None  # the shard whose forward runs
         self.loss_inputs: Optional[Tuple[torch.Tensor, Any]] = None  # its labels and count
@@ -161,7 +161,7 @@ class EncoderHead:
         return entries
 
     # ---- the hooks ---------------------------------------------------------------------------
-    def install(self, plan: _Plan) -> None:
+    def install(self, plan: _HeadHooks) -> None:
         """The hooks for ``plan``, kept while it is the same (new handles
         would make the model look changed to its check)."""
         if plan == self.plan:
@@ -325,7 +325,7 @@ def encoder_head(model: nn.Module, comm) -> Optional[EncoderHead]:
     if head is None:
         head = _heads[model] = EncoderHead(model, comm)
     head.comm = comm  # a later register(comm) replaces the communicator
-    head.install(_Plan(kind, pooling, tuple(
+    head.install(_HeadHooks(kind, pooling, tuple(
         module for module in model.modules()
         if callable(getattr(module, "create_position_ids_from_input_ids", None))
         and isinstance(getattr(module, "padding_idx", None), int)), comm.size))

@@ -22,7 +22,7 @@ import numpy as np
 from ..namespace import as_bytes, bincount, compact, device, from_bytes, namespace, to_host
 from . import contract, pipeline
 from .expand import Expansion
-from .experts import Experts, Plan
+from .experts import DispatchPlan, Experts
 from .hops import Hop, copy_keys, lookup
 from .pipeline import TwoHopRoute
 from .routed import DispatchHandle, RoutedPath
@@ -95,7 +95,7 @@ class CountedPath(RoutedPath):
         meta = as_bytes(xp.concat([xp.astype(plan.ids, xp.float32), plan.gate], axis=1))
         return self._exchange(plan, counts, meta, wire, total)
 
-    def _exchange(self, plan: Plan, counts: Counts, meta: Any, wire: Wire,
+    def _exchange(self, plan: DispatchPlan, counts: Counts, meta: Any, wire: Wire,
                   total: Optional[np.ndarray]) -> Tuple[PendingMoE, DispatchStats]:
         """Counts known on the host: each hop's rows are exactly the copies,
         and each chunk's rows are placed in expert_x as the chunk lands."""
@@ -154,7 +154,7 @@ class CountedPath(RoutedPath):
             return wire.deliver(tuple(expansion.parts)), handle
         return PendingMoE(finish), stats
 
-    def _host_counts(self, plan: Plan) -> Counts:
+    def _host_counts(self, plan: DispatchPlan) -> Counts:
         """The dispatch's one copy to the host: [rows per (chunk, rank) on
         hop 1 | (two hops) rows and assignments per (chunk, owner) after
         forwarding | assignments per expert | (capacity) drops per expert |

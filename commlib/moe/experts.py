@@ -1,7 +1,7 @@
 """Where a Dispatcher's experts live, and what every dispatch path reads of
 it: the options every rank agreed on, each hop's destination map, the
 capacity rule, the slots of a placement, and the small tables kept beside
-the data on each device. Also the plan of a routed dispatch (``Plan``): the
+the data on each device. Also the plan of a routed dispatch (``DispatchPlan``): the
 capacity and hop 1's copies, worked out on the device before anything
 moves (the counted and the per-destination fixed paths start from it)."""
 
@@ -19,11 +19,11 @@ from . import contract
 from .hops import copy_keys, lookup
 from .placement import Placement
 
-__all__ = ["Experts", "Plan"]
+__all__ = ["Experts", "DispatchPlan"]
 
 
 @dataclass
-class Plan:
+class DispatchPlan:
     """This rank's side of a dispatch, worked out on its device before
     anything moves; the host parts come from the dispatch's one copy (none
     under a fixed capacity)."""
@@ -94,13 +94,13 @@ class Experts:
         lost = xpx.at(xp.zeros(flat.shape, dtype=xp.bool, device=device(ids)))[order].set(loses)
         return xp.reshape(lost, ids.shape)
 
-    def plan(self, x: Any, experts: Any, weights: Any) -> Plan:
+    def plan(self, x: Any, experts: Any, weights: Any) -> DispatchPlan:
         """Capacity and hop 1's copies, on the device. Ids outside [-1, E)
         are treated as -1 here (counted in ``invalid``), so that no gather
         reads out of bounds before they are refused (or, under a fixed
         capacity, reported). Under a placement the capacity is applied to
         the logical ids, so the same assignments are dropped as without one,
-        and then the kept ones become slots (``Plan.ids`` are slots)."""
+        and then the kept ones become slots (``DispatchPlan.ids`` are slots)."""
         xp = namespace(x)
         kind, where = index_dtype(x), device(x)
         maps = self.device_maps(x)
@@ -123,7 +123,7 @@ class Experts:
             dropped = bincount(xp.where(lost, ids, -1), self.num_slots)
             ids = xp.where(lost, -1, ids)
         keys, first = copy_keys(lookup(maps[0], ids))
-        return Plan(ids, gate, keys, first, dropped, invalid, extremes)
+        return DispatchPlan(ids, gate, keys, first, dropped, invalid, extremes)
 
     def slots_of(self, ids: Any) -> Any:
         """[T, k] logical ids -> the slots this rank sends them to: token t

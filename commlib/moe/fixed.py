@@ -28,7 +28,7 @@ from ..namespace import (
 )
 from . import pipeline
 from .expand import GatheredRows, ScatteredRows
-from .experts import Experts, Plan
+from .experts import DispatchPlan, Experts
 from .hops import Hop, copy_keys, lookup, take_sent
 from .pipeline import TwoHopRoute
 from .routed import DispatchHandle, RoutedPath
@@ -93,7 +93,7 @@ class FixedPath(RoutedPath):
         meta = as_bytes(xp.concat([xp.astype(plan.ids, xp.float32), plan.gate], axis=1))
         return self._exchange(plan, meta, wire), None
 
-    def _exchange(self, plan: Plan, meta: Any, wire: Wire) -> PendingMoE:
+    def _exchange(self, plan: DispatchPlan, meta: Any, wire: Wire) -> PendingMoE:
         """Capacity known in advance: every hop's blocks have a fixed number
         of rows per destination (empty slots carry the id -1), so no count
         crosses the host and the device is never read."""
@@ -250,7 +250,7 @@ class FixedPath(RoutedPath):
                 xp.where(padding, 0, pair % max(k, 1)), pair, slot_rows,
                 both[:local], both[local:])
 
-    def _overflowed(self, plan: Plan, lost: Any, destination: Any) -> Any:
+    def _overflowed(self, plan: DispatchPlan, lost: Any, destination: Any) -> Any:
         """[T, k]: the assignments whose (destination, token) copy found no
         slot on hop 1 (more than ``max_tokens_per_rank`` tokens here)."""
         xp = namespace(plan.ids)

@@ -222,7 +222,7 @@ def rebalance(load: Any, *, ranks: int, nodes: int = 1, redundant: int = 0,
         raise ValueError(f"load must be 1-D (one value per logical expert) or 2-D (a row per "
                          f"layer), got shape {load.shape}")
     load = _load(load, load.size)
-    plan = _Plan(load, checked_integer("ranks", ranks), checked_integer("nodes", nodes),
+    plan = _Rebalancing(load, checked_integer("ranks", ranks), checked_integer("nodes", nodes),
                  redundant, groups, drain)
     candidates = plan.candidates()
     best = min(candidates, key=plan.imbalance)
@@ -239,7 +239,7 @@ def rebalance(load: Any, *, ranks: int, nodes: int = 1, redundant: int = 0,
     return min(options, key=lambda p: (len(moves(current, p)), p.imbalance(load)))
 
 
-class _Plan:
+class _Rebalancing:
     """One layer's rebalancing problem; placements in the making are
     [ranks, slots] tables of logical ids."""
 
