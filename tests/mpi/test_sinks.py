@@ -3,7 +3,8 @@ softmax) in every attention: ring, all-gather, sparse, Ulysses (heads split
 unevenly too) and the hybrid, forward and backward, against gpt-oss's
 eager softmax with the sink column on the unsharded sequence (float64,
 autograd); the lse returned includes the sink; each rank's dsinks is its
-own queries' share; decode and chunk attention over the sharded cache;
+own queries' share; decode and chunk attention over the sharded cache (with
+Gemma2's cap and without);
 bad sinks refused on every rank. The conformance matrix
 (test_conformance.py) crosses sinks with every other option pairwise."""
 
@@ -17,7 +18,13 @@ from commlib.inference import chunk_attention, decode_attention
 
 import arrayimpl
 import requires
-from attention_reference import document_mask, position_mask, relative_error, sink_reference
+from attention_reference import (
+    document_mask,
+    eager_reference,
+    position_mask,
+    relative_error,
+    sink_reference,
+)
 from conftest import all_ranks, raises_everywhere
 
 # odd sizes change the layouts' cuts and the head splits; 4 makes the
@@ -197,18 +204,24 @@ CACHED, NEW = 13, 5
 
 # decode with positions on the device: an array of q's framework other than
 # NumPy (the torch binding always takes that path)
-INFERENCE_CASES = [(impl, entry) for impl in ("numpy", "torch", "torch-binding", "jax")
+# JAX's eager kernel compiles per shape (seconds a case): its cases run in the full tier
+INFERENCE_CASES = [pytest.param(impl, entry, marks=[pytest.mark.full] if impl == "jax" else [])
+                   for impl in ("numpy", "torch", "torch-binding", "jax")
                    for entry in ("decode", "decode-on-device", "chunk-pass_q", "chunk-pass_kv")
                    if entry != "decode-on-device" or impl in ("torch", "jax")]
 
 
 @pytest.mark.quick_sample(4)
+@pytest.mark.parametrize("softcap", [None, 2.0])
 @pytest.mark.parametrize("impl, entry", INFERENCE_CASES)
-def test_inference_over_the_sharded_cache_takes_the_sinks(comm, impl, entry):
+def test_inference_over_the_sharded_cache_takes_the_sinks(comm, impl, entry, softcap):
     """decode_attention and chunk_attention (core in each framework, and the
-    torch binding's ops) with sinks, a window and GQA, against the eager
-    softmax with the sink column over the whole cache."""
+    torch binding's ops) with sinks, a window and GQA, and Gemma2's cap or
+    none, against the eager softmax with the sink column (of the capped
+    scores) over the whole cache."""
     full, sinks = _global(6, 2, seed=9, length=CACHED + NEW)
+    if softcap is not None:  # scores large enough for the cap to bend them
+        full = [x * 2 for x in full]
     q, k, v, _ = full
     keys = np.arange(comm.rank, CACHED + NEW, comm.size)
     new = np.arange(CACHED, CACHED + NEW)
@@ -219,7 +232,7 @@ def test_inference_over_the_sharded_cache_takes_the_sinks(comm, impl, entry):
         positions = (array.asarray(asked), array.asarray(keys)) \
             if entry == "decode-on-device" else (asked, keys)
         options = dict(q_positions=positions[0], k_positions=positions[1], causal=True,
-                       window=(6, 0), sinks=arrays[3])
+                       window=(6, 0), sinks=arrays[3], softcap=softcap)
         if entry.startswith("chunk"):
             options["method"] = entry.removeprefix("chunk-")
         if impl == "torch-binding":
@@ -230,8 +243,9 @@ def test_inference_over_the_sharded_cache_takes_the_sinks(comm, impl, entry):
             attention = decode_attention if entry.startswith("decode") else chunk_attention
         out = array.to_numpy(attention(*arrays[:3], comm, **options))
     mask = position_mask(asked, np.arange(CACHED + NEW), causal=True, window=(6, 0))
-    want = sink_reference(q[:, asked], k, v, np.zeros_like(q[:, asked]), mask, sinks)[0]
-    assert all_ranks(relative_error(out, want) <= 1e-12)
+    want = eager_reference(q[:, asked], k, v, np.zeros_like(q[:, asked]), mask, sinks=sinks,
+                           softcap=softcap)[0]
+    assert all_ranks(relative_error(out, want) <= 1e-10)
 
 
 def test_a_decode_cache_step_takes_the_sinks(comm):

@@ -3,8 +3,8 @@ before the softmax) in every attention: ring, all-gather, sparse, Ulysses
 and the hybrid, forward and backward, with sinks, windows and packed
 documents, against the eager float64 reference written out step by step
 (tests/attention_reference.py's ``eager_reference``); the torch and JAX
-bindings; Ulysses overlapped with the projection; decode and chunk
-attention over the sharded cache; a bad cap (not
+bindings; Ulysses overlapped with the projection (decode and chunk
+attention over the sharded cache, capped: test_sinks.py); a bad cap (not
 positive, not finite, not a number, different across ranks) and a kernel
 that cannot cap refused on every rank. The conformance matrix
 (test_conformance.py) crosses softcap with every other option pairwise."""
@@ -20,7 +20,7 @@ from commlib.kernels import TILED, Kernel
 
 import arrayimpl
 import requires
-from attention_reference import document_mask, eager_reference, position_mask, relative_error
+from attention_reference import document_mask, eager_reference, relative_error
 from conftest import all_ranks, raises_everywhere
 
 WORLD_SIZES = (2, 3)
@@ -143,49 +143,6 @@ def test_ulysses_overlapped_with_the_projection_caps(comm):
     want = eager_reference(*full, document_mask(SEQ, None, True), softcap=CAP)[0]
     got = ring.unshard_sequence(out, comm, layout="zigzag")
     assert all_ranks(relative_error(got, want) <= 1e-10)
-
-
-# -- inference: decode and a chunk over the sharded cache --------------------
-
-CACHED, NEW = 13, 5
-# JAX's eager kernel compiles per shape (seconds a case): its cases run in the full tier
-INFERENCE_CASES = [pytest.param(impl, entry, marks=[pytest.mark.full] if impl == "jax" else [])
-                   for impl in ("numpy", "torch", "torch-binding", "jax")
-                   for entry in ("decode", "decode-on-device", "chunk-pass_q", "chunk-pass_kv")
-                   if entry != "decode-on-device" or impl in ("torch", "jax")]
-
-
-@pytest.mark.quick_sample(4)
-@pytest.mark.parametrize("impl, entry", INFERENCE_CASES)
-def test_inference_over_the_sharded_cache_caps_the_scores(comm, impl, entry):
-    """decode_attention and chunk_attention (core in each framework, and the
-    torch binding's ops) with a cap, sinks, a window and GQA, against the
-    eager capped softmax over the whole cache."""
-    full, sinks = _global(6, 2, seed=9, length=CACHED + NEW)
-    q, k, v, _ = full
-    keys = np.arange(comm.rank, CACHED + NEW, comm.size)
-    new = np.arange(CACHED, CACHED + NEW)
-    asked = new if entry.startswith("decode") else np.array_split(new, comm.size)[comm.rank]
-    array = arrayimpl.IMPLS["torch" if impl == "torch-binding" else impl]
-    with jax.enable_x64(True):
-        arrays = [array.asarray(x) for x in (q[:, asked], k[:, keys], v[:, keys], sinks)]
-        positions = (array.asarray(asked), array.asarray(keys)) \
-            if entry == "decode-on-device" else (asked, keys)
-        options = dict(q_positions=positions[0], k_positions=positions[1], causal=True,
-                       window=(6, 0), sinks=arrays[3], softcap=CAP)
-        if entry.startswith("chunk"):
-            options["method"] = entry.removeprefix("chunk-")
-        if impl == "torch-binding":
-            from commlib.bindings import torch as ct
-            attention = ct.decode_attention if entry.startswith("decode") else \
-                ct.chunk_attention
-        else:
-            attention = decode_attention if entry.startswith("decode") else chunk_attention
-        out = array.to_numpy(attention(*arrays[:3], comm, **options))
-    mask = position_mask(asked, np.arange(CACHED + NEW), causal=True, window=(6, 0))
-    want = eager_reference(q[:, asked], k, v, np.zeros_like(q[:, asked]), mask, sinks=sinks,
-                           softcap=CAP)[0]
-    assert all_ranks(relative_error(out, want) <= 1e-10)
 
 
 # -- a bad cap: one clear error on every rank, before anything moves ---------
