@@ -10,7 +10,7 @@ bad sinks refused on every rank. The conformance matrix
 
 import numpy as np
 import pytest
-from binding_calls import through_binding
+from binding_calls import entry_call, through_binding
 
 import commlib
 from commlib import hybrid, ring, ulysses
@@ -301,22 +301,7 @@ def test_bad_sinks_are_refused_on_every_rank(comm, kind, entry):
     rng = np.random.default_rng(0)
     q, k, v = (make(rng.standard_normal((1, 4, h, DIM))) for h in (4, 2, 2))
     sinks = _bad_sinks(kind, comm, framework)
-    options = dict(layout="contiguous", causal=True, sinks=sinks)
-    positions = dict(q_positions=[8, 9, 10, 11], k_positions=[0, 1, 2, 3], causal=True,
-                     sinks=sinks)
-    calls = {"ring": lambda: ring.ring_attention(q, k, v, comm, **options),
-             "ulysses": lambda: ulysses.ulysses_attention(q, k, v, comm, **options),
-             "hybrid": lambda: hybrid.hybrid_attention(q, k, v, comm, 1, **options),
-             "decode": lambda: decode_attention(q, k, v, comm, **positions),
-             "chunk": lambda: chunk_attention(q, k, v, comm, **positions)}
-    if entry == "torch-ring":
-        from commlib.bindings import torch as ct
-        calls[entry] = lambda: ct.ring_attention(q, k, v, comm, **options)
-    if entry == "jax-ulysses":
-        from commlib.bindings import jax as cj
-        calls[entry] = lambda: jax.jit(lambda q, k, v: cj.ulysses_attention(
-            q, k, v, comm, **options))(q, k, v)
-    raises_everywhere(ValueError, calls[entry], match=BAD[kind])
+    raises_everywhere(ValueError, entry_call(entry, q, k, v, comm, sinks=sinks), match=BAD[kind])
 
 
 def test_a_bad_sinks_backward_is_refused_on_every_rank(comm):

@@ -11,11 +11,10 @@ that cannot cap refused on every rank. The conformance matrix
 
 import numpy as np
 import pytest
-from binding_calls import through_binding
+from binding_calls import entry_call, through_binding
 
 import commlib
 from commlib import hybrid, ring, ulysses
-from commlib.inference import chunk_attention, decode_attention
 from commlib.kernels import TILED, Kernel
 
 import arrayimpl
@@ -171,24 +170,8 @@ def test_a_bad_cap_is_refused_on_every_rank(comm, kind, entry):
     bad, message = BAD[kind]
     wrong = comm.rank == comm.size - 1
     softcap = (30.0 + wrong) if kind == "differs" else (bad if wrong else 30.0)
-    options = dict(layout="contiguous", causal=True, softcap=softcap)
-    positions = dict(q_positions=[8, 9, 10, 11], k_positions=[0, 1, 2, 3], causal=True,
-                     softcap=softcap)
-    calls = {"ring": lambda: ring.ring_attention(q, k, v, comm, **options),
-             "allgather": lambda: ring.ring_attention(q, k, v, comm, method="allgather",
-                                                      **options),
-             "ulysses": lambda: ulysses.ulysses_attention(q, k, v, comm, **options),
-             "hybrid": lambda: hybrid.hybrid_attention(q, k, v, comm, 1, **options),
-             "decode": lambda: decode_attention(q, k, v, comm, **positions),
-             "chunk": lambda: chunk_attention(q, k, v, comm, **positions)}
-    if entry == "torch-ring":
-        from commlib.bindings import torch as ct
-        calls[entry] = lambda: ct.ring_attention(q, k, v, comm, **options)
-    if entry == "jax-ulysses":
-        from commlib.bindings import jax as cj
-        calls[entry] = lambda: jax.jit(lambda q, k, v: cj.ulysses_attention(
-            q, k, v, comm, **options))(q, k, v)
-    raises_everywhere(ValueError, calls[entry], match=message)
+    raises_everywhere(ValueError, entry_call(entry, q, k, v, comm, softcap=softcap),
+                      match=message)
 
 
 def test_a_kernel_that_cannot_cap_is_refused_on_every_rank(comm):
