@@ -34,7 +34,7 @@ import arrayimpl
 import covering
 from attention_reference import document_mask, eager_reference, masked_torch_reference
 
-TIER = os.environ.get("COMMLIB_TEST_TIER", "quick")
+TIER = os.environ.get("COMMLIB_TEST_TIER", "quick")  # quick and sampled sample the matrices
 QUICK_CASES = int(os.environ.get("COMMLIB_MATRIX_QUICK_CASES", "24"))
 
 NUMPY = arrayimpl.IMPLS["numpy"]

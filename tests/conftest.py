@@ -25,18 +25,20 @@ def pytest_terminal_summary(terminalreporter, config):
 
 
 def pytest_report_header(config):
-    left = "" if tiers.full() else f" (tests marked full left out: {tiers.TIER_ENV}=full runs them)"
+    left = {"quick": f" (tests marked full left out: {tiers.TIER_ENV}=full runs them)",
+            "sampled": " (parametrized cases and matrices sampled)"}.get(tiers.tier(), "")
     return f"commlib test tier: {tiers.tier()}{left}"
 
 
 def pytest_collection_modifyitems(config, items):
-    """The quick tier deselects the tests marked ``full``, and of a test
-    marked ``quick_sample(n)`` keeps n of its parametrized cases, spread
-    evenly over them (the same ones on every rank); pytest counts the rest
-    as deselected in its summary line."""
-    if tiers.full():
+    """The quick tier deselects the tests marked ``full``; it and the
+    sampled tier keep, of a test marked ``quick_sample(n)``, n of its
+    parametrized cases, spread evenly over them (the same ones on every
+    rank); pytest counts the rest as deselected in its summary line."""
+    if not tiers.samples():
         return
-    kept = [item for item in items if item.get_closest_marker("full") is None]
+    kept = items if tiers.tier() == "sampled" else \
+        [item for item in items if item.get_closest_marker("full") is None]
     kept = tiers.sampled(kept)
     if len(kept) < len(items):
         chosen = set(map(id, kept))

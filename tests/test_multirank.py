@@ -5,9 +5,11 @@ should have run, or having run nothing, fails too.
 Each file of tests/mpi names the world sizes at which it tests something
 (``WORLD_SIZES``: 1 where the degenerate case is the point, odd sizes where
 layouts care, 4 where two hosts or a Ulysses x Ring grid do). The full tier
-launches every file at each of its sizes; the quick tier (tests/tiers.py)
-launches every file once at 2 ranks and the files that name 3 at 3, leaving
-out their tests marked ``full``."""
+launches every file at each of its sizes, the whole matrices at 2 and 3 ranks
+and their samples where a launch repeats a world (the ``sampled`` tier:
+1 rank, 4 ranks on two hosts, the checked rerun); the quick tier
+(tests/tiers.py) launches every file once at 2 ranks and the files that name
+3 at 3, leaving out their tests marked ``full``."""
 
 import ast
 import subprocess
@@ -88,11 +90,12 @@ def _files(nprocs, names=None, exclude=()):
     return sorted((found if names is None else found & set(names)) - set(exclude))
 
 
-def _launch(nprocs, files, check, name):
-    """A launch of ``files`` at ``nprocs`` ranks, across ``COMMLIB_TEST_HOSTS``
-    emulated hosts where they divide it (CI: the 4-rank launches on 2 hosts x 2)."""
+def _launch(nprocs, files, check, name, tier=None):
+    """A launch of ``files`` at ``nprocs`` ranks in ``tier`` (default: this
+    run's), across ``COMMLIB_TEST_HOSTS`` emulated hosts where they divide it
+    (CI: the 4-rank launches on 2 hosts x 2)."""
     hosts = hosts_for(nprocs)
-    return pytest.param(nprocs, hosts, files, check,
+    return pytest.param(nprocs, hosts, files, check, tier or tiers.tier(),
                         id=name + (f"-on-{hosts}-hosts" if hosts > 1 else ""))
 
 
@@ -107,28 +110,32 @@ def _launches():
     if not tiers.full():
         return [_launch(2, _quick_files(2), "0", "2-quick"),
                 _launch(3, _quick_files(3), "0", "3-quick")]
-    return [_launch(1, _files(1), "0", "1"),
-            _launch(2, _files(2, exclude=MODELS), "0", "2"),
+    # the whole matrices where layouts differ (2 and 3 ranks); sampled where a
+    # launch repeats a world for another reason (tests/tiers.py)
+    return [_launch(1, _files(1), "0", "1", "sampled"),
+            _launch(2, _files(2, exclude=MODELS + SERVING), "0", "2"),
+            _launch(2, _files(2, SERVING, exclude=MODELS), "0", "2-serving"),
             _launch(2, _files(2, MODELS), "0", "2-models"),
-            _launch(3, _files(3, exclude=MODELS), "0", "3"),
+            _launch(3, _files(3, exclude=MODELS + SERVING), "0", "3"),
+            _launch(3, _files(3, SERVING, exclude=MODELS), "0", "3-serving"),
             _launch(3, _files(3, MODELS), "0", "3-models"),
-            _launch(4, _files(4, MPI_LAYER), "0", "4-mpi-layer"),
-            _launch(4, _files(4, exclude=MPI_LAYER + SERVING), "0", "4-frameworks"),
-            _launch(4, _files(4, SERVING), "0", "4-serving"),
-            _launch(3, _files(3, CHECKED), "1", "3-checked")]
+            _launch(4, _files(4, MPI_LAYER), "0", "4-mpi-layer", "sampled"),
+            _launch(4, _files(4, exclude=MPI_LAYER + SERVING), "0", "4-frameworks", "sampled"),
+            _launch(4, _files(4, SERVING), "0", "4-serving", "sampled"),
+            _launch(3, _files(3, CHECKED), "1", "3-checked", "sampled")]
 
 
 LAUNCHES = _launches()
 
 
-@pytest.mark.parametrize("nprocs, hosts, files, check", LAUNCHES)
-def test_mpi_suite(nprocs, hosts, files, check, tmp_path, request):
+@pytest.mark.parametrize("nprocs, hosts, files, check, tier", LAUNCHES)
+def test_mpi_suite(nprocs, hosts, files, check, tier, tmp_path, request):
     """tests/mpi at each world size (4 ranks in two launches, so that a second
     MPI can rerun the MPI layer alone); some of it once more with
     COMMLIB_CHECK=1."""
     argv = [sys.executable, str(TESTS / "mpi_pytest.py"), str(tmp_path),
             *(str(MPI_TESTS / name) for name in files)]
-    env = {"COMMLIB_CHECK": check, "COMMLIB_TIMEOUT": "120"}
+    env = {"COMMLIB_CHECK": check, "COMMLIB_TIMEOUT": "120", tiers.TIER_ENV: tier}
     try:
         result = run(nprocs, argv, timeout=TIMEOUT_S, env=env, hosts=hosts)
     except subprocess.TimeoutExpired:

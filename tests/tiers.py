@@ -1,8 +1,14 @@
-"""The two tiers of the suite. ``quick`` (the default: the README's
+"""The tiers of the suite. ``quick`` (the default: the README's
 ``python -m pytest``) runs every public feature at least once, multi-rank
 at 2 and 3 ranks, the conformance matrices sampled; ``full``
 (``COMMLIB_TEST_TIER=full``, what CI runs) runs everything: every test, every
-world size each multi-rank file names, the whole matrices.
+world size each multi-rank file names, the whole matrices at 2 and 3 ranks.
+``sampled`` is the full tier's tests with the quick tier's samples of the
+parametrized cases and matrices: what the full tier runs in the launches that
+repeat a world's coverage for another reason (one rank, the degenerate
+world; 4 ranks on two hosts, for the transport and the 2 x 2 grids; the
+rerun with ``COMMLIB_CHECK=1``), so that the whole matrices run where their
+layouts differ, at 2 and 3 ranks, and once.
 
 A test that only the full tier runs carries ``@pytest.mark.full`` (a file:
 ``pytestmark = pytest.mark.full``); a parametrized test marked
@@ -17,7 +23,7 @@ import os
 from typing import Dict, List, Tuple
 
 TIER_ENV = "COMMLIB_TEST_TIER"
-TIERS = ("quick", "full")
+TIERS = ("quick", "sampled", "full")
 
 
 def tier() -> str:
@@ -30,6 +36,12 @@ def tier() -> str:
 
 def full() -> bool:
     return tier() == "full"
+
+
+def samples() -> bool:
+    """Whether this tier runs samples of the parametrized cases (quick,
+    sampled) or all of them (full)."""
+    return tier() != "full"
 
 
 # XLA's CPU backend without LLVM's optimization passes: JAX programs compile
