@@ -88,3 +88,33 @@ def test_layouts_it_cannot_price_are_refused():
     with pytest.raises(ValueError, match="contiguous and zigzag"):
         price_recurrent(2, 64, DELTANET, Fabric(0.0, 1e9, 0.0, 1e9, 1e12, math.inf),
                         layout="balanced")
+
+
+# DeepSeek-V3's attention: 128 heads of 192 (the planner prices V at K's size), latent 512 + 64
+DEEPSEEK = dict(attention_layers=61, num_heads=128, num_kv_heads=128, head_dim=192)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_a_latent_ring_is_priced_by_the_latent_it_moves(size):
+    """Multi-head latent attention: the pure ring moves r + d_rope values a
+    token, not 2 h d; its expansion is priced as compute; a split with
+    Ulysses moves heads, expanded, as before."""
+    fabric = Fabric(1e-5, 2e8, 1e-5, 2e8, 1e12, 1e10)
+    from commlib.hybrid.planner import price
+    args = (size, 1, 4096 * size, 128, 128, 192, 2, fabric)
+    expanded = price(*args, causal=True, layout="zigzag")
+    latent = price(*args, causal=True, layout="zigzag", latent_width=576)
+    assert expanded.ring_bytes / latent.ring_bytes == pytest.approx(2 * 128 * 192 / 576)
+    assert latent.compute_s > expanded.compute_s and latent.ring_s < expanded.ring_s
+    if size % 2 == 0:
+        split = (size, 2, 4096 * size, 128, 128, 192, 2, fabric)
+        assert price(*split, causal=True, layout="zigzag", latent_width=576).ring_bytes == \
+            price(*split, causal=True, layout="zigzag").ring_bytes
+
+
+def test_plan_model_picks_the_latent_ring_over_a_slow_link():
+    """On a 200 MB/s link the latent's 71x fewer bytes make the pure ring
+    the pick, where expanded heads would take Ulysses."""
+    plan = plan_model(one_host(4), 16384, backward=True, latent_width=576,
+                      fabric=Fabric(1e-5, 2e8, 1e-5, 2e8, 1e12, 1e10), **DEEPSEEK)
+    assert plan.plan.ulysses_size == 1 and plan.plan.ring_size == 4

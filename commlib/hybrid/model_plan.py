@@ -132,17 +132,20 @@ class ModelPlan:
 def plan_model(comm: Any, seq_len: int, *, attention_layers: int, num_heads: int,
                num_kv_heads: int, head_dim: int, recurrent: Optional[RecurrentLayers] = None,
                itemsize: int = 2, layouts: Sequence[str] = ("zigzag", "contiguous"),
-               backward: bool = False, fabric: Optional[Fabric] = None) -> ModelPlan:
+               backward: bool = False, fabric: Optional[Fabric] = None,
+               latent_width: Optional[int] = None) -> ModelPlan:
     """The cheapest layout for a causal model of ``attention_layers``
     attention layers (priced by ``commlib.hybrid.plan``, which picks their
-    Ulysses x Ring split) and ``recurrent`` mixers, over the probed (or
-    given) fabric of ``comm``."""
+    Ulysses x Ring split; ``latent_width``: r + d_rope of multi-head latent
+    attention, whose pure ring moves the latent) and ``recurrent`` mixers,
+    over the probed (or given) fabric of ``comm``."""
     fabric = fabric or probe(comm)
     padded = -(-seq_len // comm.size) * comm.size
     options = []
     for layout in layouts:
         picked = plan(comm, seq_len, num_heads, num_kv_heads, head_dim, itemsize, causal=True,
-                      layout=layout, backward=backward, fabric=fabric)
+                      layout=layout, backward=backward, fabric=fabric,
+                      latent_width=latent_width)
         cost = None if recurrent is None else price_recurrent(
             comm.size, padded, recurrent, fabric, layout=layout, itemsize=itemsize,
             topology=comm.topology, backward=backward)

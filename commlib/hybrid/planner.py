@@ -429,13 +429,18 @@ def _pairs(mask: Mask, placement: Any, ring: int) -> float:
 def price(size: int, degree: int, seq_len: int, num_heads: int, num_kv_heads: int,
           head_dim: int, itemsize: int, fabric: Fabric, method: str = "ring", *,
           causal: bool, layout: str, mask: Optional[Mask] = None,
-          topology: Optional[Topology] = None, backward: bool = False) -> Candidate:
+          topology: Optional[Topology] = None, backward: bool = False,
+          latent_width: Optional[int] = None) -> Candidate:
     """The cost model of Ulysses ``degree`` x Ring ``size // degree``, the
     ring run as ``method`` over shards in ``layout``, its groups placed as
     ``hybrid_attention`` places them on ``topology`` (None: one host); per
     forward, or per forward and backward where ``backward``. With ``mask``
     (of ``seq_len`` tokens, or of fewer that ``seq_len`` pads to a multiple
-    of ``size``) the compute is its busiest ring rank's visible pairs."""
+    of ``size``) the compute is its busiest ring rank's visible pairs. With
+    ``latent_width`` (r + d_rope of multi-head latent attention) a pure ring
+    moves each token's latent instead of its K and V and expands every block
+    it receives (``commlib.ring.latent``); Ulysses splits heads, so a split
+    with Ulysses moves them expanded."""
     _check_masked(mask, causal, (method,))
     if mask is not None and seq_len not in (mask.length, -(-mask.length // size) * size):
         raise ValueError(f"the mask covers {mask.length} tokens but seq_len is {seq_len}: make "
@@ -458,6 +463,10 @@ def price(size: int, degree: int, seq_len: int, num_heads: int, num_kv_heads: in
     # ring: K and V of each of the other ring ranks' spans, kv heads of this group
     hop_bytes = 2 * (seq_len / ring) * local_kv * token
     gradient_bytes = hop_bytes * _GRADIENT_BYTES / itemsize
+    latent = latent_width is not None and degree == 1 and method in ("ring", "allgather")
+    if latent:  # the latent travels; each rank expands the whole sequence's K and V
+        hop_bytes = (seq_len / ring) * latent_width * itemsize
+        gradient_bytes = hop_bytes * _GRADIENT_BYTES / itemsize
     ring_bytes = hop_bytes * (ring - 1)
     # an exchange's bytes to each peer: a shard, or the busiest rank's needed rows among them
     per_peer = hop_bytes
@@ -472,6 +481,8 @@ def price(size: int, degree: int, seq_len: int, num_heads: int, num_kv_heads: in
     if causal:  # Ulysses and zigzag rings are balanced; a contiguous ring's last rank
         # does R - 1/2 of R blocks
         work *= 0.5 if ring == 1 or layout != "contiguous" else (ring - 0.5) / ring
+    if latent:  # K and V of every head, from the latent: two products over the sequence
+        work += 2 * 2 * seq_len * latent_width * local * head_dim / fabric.flops
     passes = 1 + _BACKWARD_WORK if backward else 1
     # each merge reads and writes the float32 running output a few times
     output = (seq_len / ring) * local * head_dim * 4
@@ -506,7 +517,7 @@ def price(size: int, degree: int, seq_len: int, num_heads: int, num_kv_heads: in
 def plan(comm, seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
          itemsize: int = 2, *, causal: bool, layout: str, mask: Optional[Mask] = None,
          methods: Optional[Sequence[str]] = None, backward: bool = False,
-         fabric: Optional[Fabric] = None) -> SplitPlan:
+         fabric: Optional[Fabric] = None, latent_width: Optional[int] = None) -> SplitPlan:
     """The cheapest allowed Ulysses x Ring split of ``comm`` for this shape,
     and the cheapest of ``methods`` for its ring (None: "ring" and
     "allgather", and "sparse" with a mask), by the cost model over the
@@ -515,7 +526,8 @@ def plan(comm, seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
     a ring balanced unless ``layout`` is "contiguous"; with ``mask`` (of
     ``seq_len`` tokens, instead of ``causal``), its visible pairs. A
     ``seq_len`` the world size does not divide is priced padded
-    (``cu_seqlens`` pads it)."""
+    (``cu_seqlens`` pads it). ``latent_width``: r + d_rope of multi-head
+    latent attention, whose pure ring moves the latent (``price``)."""
     if methods is None:
         methods = ("ring", "allgather") if mask is None else ("ring", "allgather", "sparse")
     _check_masked(mask, causal, methods)
@@ -532,7 +544,7 @@ def plan(comm, seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
             candidates.append(price(comm.size, degree, padded, num_heads, num_kv_heads,
                                     head_dim, itemsize, fabric, method, causal=causal,
                                     layout=layout, mask=mask, topology=comm.topology,
-                                    backward=backward))
+                                    backward=backward, latent_width=latent_width))
     if not candidates:
         raise ValueError("no Ulysses x Ring split fits: " + "; ".join(rejected))
     best = min(candidates, key=lambda c: c.seconds)
