@@ -34,16 +34,19 @@ With ``compile_decode=True`` the decode step (the model on one token) is
 ``torch.compile(fullgraph=True)``'d once: the cache's new tokens go to a
 ``bindings.torch._inference.DecodeCache`` (fixed buffers, positions and
 count on the device), so no step changes a shape or reads the device, and
-the step compiles once for the whole call; the tokens are eager's.
+the step compiles once for the whole call; the tokens are eager's
+(``_generation_attention.CompiledDecode``).
 
 The cache keeps a layer per attention call of a forward, in the order
-the forward makes them (``_Step.slot``): a layer that attends twice
-(DiffLlama's two softmaxes over the same keys) or a module that serves
-several layers (HRM-text's stacks, run in cycles) gets a cache layer per
-call, which transformers' ``layer_idx`` would not give it.
+the forward makes them (``_generation_attention.ForwardStep.slot``): a
+layer that attends twice (DiffLlama's two softmaxes over the same keys) or
+a module that serves several layers (HRM-text's stacks, run in cycles) gets
+a cache layer per call, which transformers' ``layer_idx`` would not give it.
 
 The model runs under an attention implementation of its own for the call
-(``"commlib_generate"``); its configured one is restored afterwards.
+(``"commlib_generate"``, ``_generation_attention``); its configured one is
+restored afterwards. What generate refuses, and why, is
+``_generation_checks``.
 """
 
 from __future__ import annotations
@@ -60,15 +63,15 @@ from commlib.sequence.documents import local_index, packing_for
 from ._attention import LAYOUTS
 from ._batch import sharded_batch
 from ._expert_rebalance import Rebalancer
-from ._generation_attention import _CompiledDecode, _forward, _generation_attention, _Step
+from ._generation_attention import CompiledDecode, ForwardStep, forward_step, generation_attention
 from ._generation_checks import (
-    _compile_problem,
-    _history,
-    _input_problem,
-    _Plan,
-    _plan,
-    _rebalance_problem,
-    _recurrent_states_of,
+    GenerationPlan,
+    compile_problem,
+    input_problem,
+    plan_generation,
+    rebalance_problem,
+    recurrent_states_of,
+    token_history,
 )
 from ._recurrent import has_parallel_recurrent_layers
 from ._recurrent_generation import recurrent_states
@@ -112,12 +115,12 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, comm, *,
     changes the picked tokens (beams, penalties, masked tokens, ...) is
     refused on every rank."""
     name = prefill or _model_layout_name(model)
-    plan, problem = _plan(model, input_ids, generate_kwargs)
+    plan, problem = plan_generation(model, input_ids, generate_kwargs)
     if problem is None:
-        problem = _input_problem(model, input_ids, past_key_values, plan, name, comm,
-                                 prefill_method, compile_decode) or \
-            _rebalance_problem(model, rebalance_every, redundant_experts, compile_decode)
-    comm.agree("transformers.generate", tuple(input_ids.shape), _history(input_ids),
+        problem = input_problem(model, input_ids, past_key_values, plan, name, comm,
+                                prefill_method, compile_decode) or \
+            rebalance_problem(model, rebalance_every, redundant_experts, compile_decode)
+    comm.agree("transformers.generate", tuple(input_ids.shape), token_history(input_ids),
                None if plan is None else plan.digest, seed, name, prefill_method,
                None if past_key_values is None else past_key_values.digest(),
                bool(compile_decode), rebalance_every, redundant_experts, problem=problem)
@@ -125,20 +128,20 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor, comm, *,
     sampler = _Sampler(plan.processors, _generator(plan, seed, comm, input_ids.device))
     rebalancer = None if rebalance_every is None else \
         Rebalancer(model, comm, rebalance_every, redundant_experts)
-    with _generation_attention(model, comm, name) as decoding:
+    with generation_attention(model, comm, name) as decoding:
         if cache is None:
             logits, cache = _first_prefill(model, input_ids, comm, name)
         else:
             logits = _prefill(model, input_ids, cache, comm, prefill_method)
-        unrolled = _compile_problem(cache.callers) if compile_decode else None
+        unrolled = compile_problem(cache.callers) if compile_decode else None
         if unrolled is not None:  # known once a forward ran; the same on every rank
             raise unrolled
-        stepper = _CompiledDecode(model, cache, comm, decoding, plan.max_length,
-                                  input_ids.shape[0], input_ids.device) \
+        stepper = CompiledDecode(model, cache, comm, decoding, plan.max_length,
+                                 input_ids.shape[0], input_ids.device) \
             if compile_decode else None
         sequences, scores = _decode(model, input_ids, cache, comm, logits, sampler, plan,
                                     stepper, rebalancer)
-    cache.history = _history(sequences[:, :cache.length])
+    cache.history = token_history(sequences[:, :cache.length])
     if not plan.config.return_dict_in_generate:
         return sequences
     fields = GenerateDecoderOnlyOutput.__dataclass_fields__
@@ -161,12 +164,12 @@ def _prefill(model, input_ids: torch.Tensor, cache: ShardedKVCache, comm,
     start, length = cache.length, input_ids.shape[1]
     new = np.arange(start, length)
     # too few to shard, or a recurrence to read in order: every rank runs them all
-    if new.size < comm.size or _recurrent_states_of(cache) is not None:
+    if new.size < comm.size or recurrent_states_of(cache) is not None:
         return _replicated(model, input_ids[:, start:], new, cache, comm)
     mine = new[striped(new, comm.size, comm.rank)]
     cache.admit(mine, np.arange(mine.size), length)
     holder = (length - 1) % comm.size
-    step = _Step(cache, mine, replicated=False, method=method)
+    step = ForwardStep(cache, mine, replicated=False, method=method)
     return _from(comm, _last_logits(model, step, input_ids[:, mine], mine), holder)
 
 
@@ -187,9 +190,9 @@ def _first_prefill(model, input_ids: torch.Tensor, comm,
     inputs = {key: shard[key] for key in ("input_ids", "position_ids", "cu_seq_lens_q",
                                           "cu_seq_lens_k", "max_length_q", "max_length_k")}
     states = recurrent_states(model.config) if has_parallel_recurrent_layers(model) else None
-    step = _Step(None, index[rows], replicated=False, offsets=offsets, layout=LAYOUTS[name],
-                 states=states)
-    logits = _forward(model, step, torch.tensor([last]), **inputs)
+    step = ForwardStep(None, index[rows], replicated=False, offsets=offsets,
+                       layout=LAYOUTS[name], states=states)
+    logits = forward_step(model, step, torch.tensor([last]), **inputs)
     # a model without attention (its recurrent states carry the prompt) keeps an empty layer
     cache = ShardedKVCache(max(len(step.kept), 1), comm.size, comm.rank)
     cache.admit(index[rows], rows, length)
@@ -205,16 +208,16 @@ def _replicated(model, tokens: torch.Tensor, positions: np.ndarray, cache: Shard
     by every rank; each keeps the K and V of its positions."""
     kept = striped(positions, comm.size, comm.rank)
     cache.admit(positions[kept], kept, int(positions[-1]) + 1)
-    step = _Step(cache, positions, replicated=True, states=_recurrent_states_of(cache))
+    step = ForwardStep(cache, positions, replicated=True, states=recurrent_states_of(cache))
     return _last_logits(model, step, tokens, positions).float()
 
 
-def _last_logits(model, step: _Step, tokens: torch.Tensor,
+def _last_logits(model, step: ForwardStep, tokens: torch.Tensor,
                  positions: np.ndarray) -> torch.Tensor:
     """The model on ``tokens`` [batch, t] at global ``positions``: the last
     token's logits [batch, vocab]."""
     position_ids = torch.as_tensor(positions)[None].expand(tokens.shape[0], -1)
-    logits = _forward(model, step, torch.tensor([positions.size - 1]), input_ids=tokens,
+    logits = forward_step(model, step, torch.tensor([positions.size - 1]), input_ids=tokens,
                       position_ids=position_ids)
     return logits[:, -1]
 
@@ -225,8 +228,8 @@ def _from(comm, logits: torch.Tensor, holder: int) -> torch.Tensor:
 
 
 def _decode(model, input_ids: torch.Tensor, cache: ShardedKVCache, comm,
-            logits: torch.Tensor, sampler: "_Sampler", plan: _Plan,
-            stepper: Optional[_CompiledDecode] = None,
+            logits: torch.Tensor, sampler: "_Sampler", plan: GenerationPlan,
+            stepper: Optional[CompiledDecode] = None,
             rebalancer: Optional[Rebalancer] = None
             ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """New tokens, one a step, as model.generate picks them: a finished row
@@ -260,7 +263,7 @@ def _decode(model, input_ids: torch.Tensor, cache: ShardedKVCache, comm,
     return sequences, scores
 
 
-def _generator(plan: _Plan, seed: Optional[int], comm,
+def _generator(plan: GenerationPlan, seed: Optional[int], comm,
                device: torch.device) -> Optional[torch.Generator]:
     """What sampling draws from: nothing for greedy; a generator seeded
     ``seed``; else torch's global generator of ``device``, set on every

@@ -30,7 +30,7 @@ Caller = Tuple[str, Optional[int]]
 
 
 @dataclass
-class _Step:
+class ForwardStep:
     """What the model's current forward is, for the attention: its tokens'
     positions (this rank's, or everyone's when ``replicated``), the cache
     they go to (None in the first prefill, whose K and V are ``kept`` for
@@ -52,12 +52,12 @@ class _Step:
         forward's calls, which must be those of the first prefill's forward
         (the same modules in the same order: each keeps its K and V in its
         own layer)."""
-        slot, caller = len(self.calls), _caller(module)
+        slot, caller = len(self.calls), caller_of(module)
         self.calls.append(caller)
         callers = [] if self.cache is None else self.cache.callers
         if self.cache is not None and (slot >= len(callers) or callers[slot] != caller):
-            made = _describe(callers[slot]) if slot < len(callers) else "no such call"
-            raise ValueError(f"{_describe(caller)} makes attention call {slot} of this "
+            made = describe_caller(callers[slot]) if slot < len(callers) else "no such call"
+            raise ValueError(f"{describe_caller(caller)} makes attention call {slot} of this "
                              f"forward, where the first prefill's forward had {made}: "
                              f"commlib's generate keeps each call's K and V by its place among "
                              f"the forward's attention calls, so every forward must make the "
@@ -73,17 +73,17 @@ class _Step:
                              f"calls")
 
 
-def _caller(module: torch.nn.Module) -> Caller:
+def caller_of(module: torch.nn.Module) -> Caller:
     return type(module).__name__, getattr(module, "layer_idx", None)
 
 
-def _describe(caller: Caller) -> str:
+def describe_caller(caller: Caller) -> str:
     kind, layer = caller
     return kind if layer is None else f"{kind} (layer {layer})"
 
 
-_ACTIVE: contextvars.ContextVar[Optional[_Step]] = contextvars.ContextVar("commlib_generate",
-                                                                          default=None)
+_ACTIVE: contextvars.ContextVar[Optional[ForwardStep]] = contextvars.ContextVar(
+    "commlib_generate", default=None)
 
 @dataclass
 class _Decoding:
@@ -96,7 +96,7 @@ class _Decoding:
 
 
 @contextlib.contextmanager
-def _generation_attention(model: torch.nn.Module, comm, name: str) -> Iterator[_Decoding]:
+def generation_attention(model: torch.nn.Module, comm, name: str) -> Iterator[_Decoding]:
     """The model switched to ``"commlib_generate"`` over ``comm`` (the first
     prefill by ``name``), and back afterwards."""
     attend = implementations(comm)[name]
@@ -180,7 +180,7 @@ def _expert_parallel(model: torch.nn.Module) -> bool:
                == EXPERTS for module in model.modules())
 
 
-class _CompiledDecode:
+class CompiledDecode:
     """The model on one replicated token, compiled once for the call, over
     a DecodeCache made from the sharded cache (room for every token the
     call may add) and written back into it at the end (``finish``)."""
@@ -224,8 +224,8 @@ class _CompiledDecode:
         self.decoding.cache = self.decoding.positions = None
 
 
-def _forward(model: torch.nn.Module, step: _Step, keep: torch.Tensor,
-             **inputs: Any) -> torch.Tensor:
+def forward_step(model: torch.nn.Module, step: ForwardStep, keep: torch.Tensor,
+                 **inputs: Any) -> torch.Tensor:
     """The model on this step's tokens; the logits of the rows ``keep``
     (indices along the sequence) [batch, len(keep), vocab]."""
     token = _ACTIVE.set(step)

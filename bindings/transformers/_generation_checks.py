@@ -16,7 +16,7 @@ from commlib.inference import ShardedKVCache
 
 from ._attention import LAYOUTS, attention_chunk, temperature_floor
 from ._experts import expert_modules
-from ._generation_attention import Caller, _caller, _describe
+from ._generation_attention import Caller, caller_of, describe_caller
 from ._model_check import model_problem
 from ._recurrent import has_parallel_recurrent_layers
 
@@ -34,7 +34,7 @@ _UNSUPPORTED = {"num_beams": 1, "num_return_sequences": 1, "repetition_penalty":
 
 
 @dataclass
-class _Plan:
+class GenerationPlan:
     """One call's generation, resolved by transformers' own steps as
     ``model.generate`` resolves it: its config, the total length, the
     logits processors (min length, temperature, top-k, top-p, in
@@ -48,8 +48,8 @@ class _Plan:
     digest: str  # the options, to agree on
 
 
-def _plan(model, input_ids: torch.Tensor,
-          kwargs: Dict[str, Any]) -> Tuple[Optional[_Plan], Optional[ValueError]]:
+def plan_generation(model, input_ids: torch.Tensor, kwargs: Dict[str, Any]
+                    ) -> Tuple[Optional[GenerationPlan], Optional[ValueError]]:
     """The call resolved as ``model.generate`` resolves it (transformers'
     own steps, in its order), or what generate refuses of it."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or \
@@ -69,7 +69,7 @@ def _plan(model, input_ids: torch.Tensor,
     except ValueError as error:
         return None, ValueError(f"model.generate refuses these options: {error}")
     digest = repr(sorted((key, repr(value)) for key, value in config.to_dict().items())) + \
-        repr(None if mask is None else (tuple(mask.shape), _history(mask)))
+        repr(None if mask is None else (tuple(mask.shape), token_history(mask)))
     refused = sorted(unknown) + [key for key, neutral in _UNSUPPORTED.items()
                                  if getattr(config, key, None) not in (neutral, None)]
     if refused:
@@ -95,7 +95,7 @@ def _plan(model, input_ids: torch.Tensor,
     if problem is not None:
         return None, problem
     eos, pad = config._eos_token_tensor, config._pad_token_tensor
-    return _Plan(config, int(config.max_length), processors,
+    return GenerationPlan(config, int(config.max_length), processors,
                  [] if eos is None else [int(t) for t in eos.reshape(-1)],
                  None if pad is None else int(pad), digest), None
 
@@ -129,9 +129,9 @@ def _mask_problem(model, input_ids: torch.Tensor, mask: Any,
         f"attention_mask=torch.ones_like(input_ids) to attend them as ordinary tokens")
 
 
-def _input_problem(model, input_ids: torch.Tensor, cache: Optional[ShardedKVCache],
-                   plan: _Plan, name: str, comm, prefill_method: str,
-                   compile_decode: bool) -> Optional[ValueError]:
+def input_problem(model, input_ids: torch.Tensor, cache: Optional[ShardedKVCache],
+                  plan: GenerationPlan, name: str, comm, prefill_method: str,
+                  compile_decode: bool) -> Optional[ValueError]:
     """What is wrong with this call's inputs on this rank (None: nothing)."""
     unparallel = model_problem(model, comm, before="generate", attention_replaced=True,
                                longest=input_ids.shape[1])
@@ -167,9 +167,9 @@ def _input_problem(model, input_ids: torch.Tensor, cache: Optional[ShardedKVCach
              if temperature_floor(module) is not None]
     if tuned and total >= min(floor for _, floor in tuned):
         module, floor = min(tuned, key=lambda pair: pair[1])
-        return ValueError(f"{_describe(_caller(module))} tunes its attention temperature by "
-                          f"each token's index among those it is given (Llama 4's layers "
-                          f"without RoPE: config.attn_temperature_tuning, "
+        return ValueError(f"{describe_caller(caller_of(module))} tunes its attention "
+                          f"temperature by each token's index among those it is given "
+                          f"(Llama 4's layers without RoPE: config.attn_temperature_tuning, "
                           f"floor_scale={floor}), which in commlib's generate counts a "
                           f"shard's tokens or the one decoded, not the sequence's: this call "
                           f"reaches {total} tokens, past {floor - 1}, where it would scale "
@@ -183,7 +183,7 @@ def _input_problem(model, input_ids: torch.Tensor, cache: Optional[ShardedKVCach
     problem = cache.problem(comm.size, comm.rank)
     if problem is not None:
         return problem
-    if recurrent != (_recurrent_states_of(cache) is not None):
+    if recurrent != (recurrent_states_of(cache) is not None):
         return ValueError("past_key_values must come from a generate on this model: a model "
                           "with recurrent layers continues only a cache holding their states, "
                           "and a model without them only a cache without")
@@ -191,15 +191,15 @@ def _input_problem(model, input_ids: torch.Tensor, cache: Optional[ShardedKVCach
     if callers is None:
         return ValueError("past_key_values must be the ShardedKVCache a previous generate "
                           "returned (it knows which attention call keeps each of its layers)")
-    present = {_caller(module) for module in model.modules()}
-    strangers = [_describe(caller) for caller in callers if caller not in present]
+    present = {caller_of(module) for module in model.modules()}
+    strangers = [describe_caller(caller) for caller in callers if caller not in present]
     if strangers:
         return ValueError(f"the cache comes from another model: its layers were kept by "
                           f"attention calls of {', '.join(strangers[:3])}, which this "
                           f"{type(model).__name__} does not have")
     if compile_decode:
-        return _compile_problem(callers)
-    if input_ids.shape[1] <= cache.length or cache.history != _history(
+        return compile_problem(callers)
+    if input_ids.shape[1] <= cache.length or cache.history != token_history(
             input_ids[:, :cache.length]):
         return ValueError(f"the cache holds the first {cache.length} tokens of another "
                           f"conversation: input_ids must start with those tokens and add "
@@ -207,8 +207,8 @@ def _input_problem(model, input_ids: torch.Tensor, cache: Optional[ShardedKVCach
     return None
 
 
-def _rebalance_problem(model, every: Any, redundant: Any,
-                       compile_decode: bool) -> Optional[ValueError]:
+def rebalance_problem(model, every: Any, redundant: Any,
+                      compile_decode: bool) -> Optional[ValueError]:
     """What is wrong with this call's ``rebalance_every`` and
     ``redundant_experts`` (None: nothing)."""
     if every is None:
@@ -231,14 +231,14 @@ def _rebalance_problem(model, every: Any, redundant: Any,
     return None
 
 
-def _compile_problem(callers: List[Caller]) -> Optional[ValueError]:
+def compile_problem(callers: List[Caller]) -> Optional[ValueError]:
     """The compiled decode step keeps each call's K and V in the cache layer
     of its module's ``layer_idx`` (a fixed index: nothing counted while
     traced), which is its place among the forward's calls only when every
     layer attends once, in order."""
     if [layer for _, layer in callers] == list(range(len(callers))):
         return None
-    shown = ", ".join(_describe(caller) for caller in callers[:4])
+    shown = ", ".join(describe_caller(caller) for caller in callers[:4])
     return ValueError(f"compile_decode is not implemented for a model whose attention calls "
                       f"are not one per layer in order (here {len(callers)} calls: {shown}"
                       f"{', ...' if len(callers) > 4 else ''}; a layer that attends twice, "
@@ -246,13 +246,13 @@ def _compile_problem(callers: List[Caller]) -> Optional[ValueError]:
                       f"it without compile_decode")
 
 
-def _history(tokens: torch.Tensor) -> int:
+def token_history(tokens: torch.Tensor) -> int:
     """A fingerprint of the token ids (the same tokens on every rank)."""
     return zlib.crc32(np.ascontiguousarray(tokens.detach().cpu().numpy()).tobytes()) \
         ^ zlib.crc32(repr(tuple(tokens.shape)).encode())
 
 
-def _recurrent_states_of(cache: ShardedKVCache) -> Any:
+def recurrent_states_of(cache: ShardedKVCache) -> Any:
     """The recurrent layers' states a generate left with ``cache`` (None: a
     model without recurrent layers)."""
     return getattr(cache, "recurrent", None)
