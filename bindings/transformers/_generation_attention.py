@@ -85,6 +85,7 @@ def describe_caller(caller: Caller) -> str:
 _ACTIVE: contextvars.ContextVar[Optional[ForwardStep]] = contextvars.ContextVar(
     "commlib_generate", default=None)
 
+
 @dataclass
 class _Decoding:
     """The compiled decode step's state, read by the attention of this
