@@ -23,7 +23,9 @@ found by running the model; whether it may take a sharded batch),
 and ``_recurrent_generation.py`` (recurrent mixers on shards; their states
 in generate), ``_gradients.py`` (summing the gradients of replicated
 parameters), ``_generate.py`` (``generate``: sharded prefill, decode over
-a KV cache sharded by position).
+a KV cache sharded by position), ``_generation_checks.py`` (what generate
+refuses, and why), ``_generation_attention.py`` (the attention generate runs
+the model under; the compiled decode step).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from ._batch import (
     sharded_batch as sharded_batch,  # the batch without the model check (benchmarks of a layer)
 )
 from ._experts import expert_parallel, register_experts
-from ._generate import GENERATION, generate
+from ._generate import generate
+from ._generation_attention import GENERATION
 from ._gradients import allreduce_gradients
 from ._recurrent import recurrent_parallel
 from ._trainer import prepare_trainer
