@@ -51,6 +51,7 @@ from jax.experimental import io_callback
 
 from commlib.errors import CollectiveMismatchError
 from commlib.moe import contract
+from commlib.moe.experts import replica_slots
 from commlib.moe.lowlatency import places
 from commlib.moe.placement import Placement
 from commlib.moe.quantize import dequantize_fp8, quantize_fp8
@@ -269,12 +270,10 @@ class Dispatcher:
         dropped = jnp.maximum(wanted - limit, 0)  # per logical expert
         kept_per_slot = wanted - dropped
         if self.placement is not None:  # logical ids -> this rank's slots, by token row
-            columns = self.placement.columns
             table = jnp.asarray(self.placement.replica_table[self.comm.rank].reshape(-1),
                                 jnp.int32)
-            column = (jnp.arange(flat.shape[0], dtype=jnp.int32)
-                      // max(experts.shape[1], 1)) % columns  # the token's row
-            ids = jnp.where(valid, table[jnp.where(valid, ids, 0) * columns + column], -1)
+            ids = replica_slots(ids.reshape(experts.shape), table,
+                                self.placement.columns).reshape(-1)
             dropped = jnp.zeros(count, jnp.int32).at[self._first_slots].set(dropped)
         if weighed or self.placement is not None:  # slots in token order among the kept
             place, kept_per_slot = places(jnp.where(kept, ids, -1),
