@@ -54,8 +54,8 @@ from commlib.moe import contract
 from commlib.moe.experts import replica_slots
 from commlib.moe.lowlatency import places
 from commlib.moe.placement import Placement
-from commlib.moe.quantize import dequantize_fp8, quantize_fp8
 from commlib.moe.stats import DispatchStats
+from commlib.moe.wire import Wire
 
 from ._traced_comm import traced
 
@@ -332,23 +332,17 @@ class Dispatcher:
                          f"dtype {x.dtype}", f"quantize={quantize}",
                          f"dequantize={bool(dequantize)}")
 
-    def _wire(self, x, quantize: Optional[str]):
-        """x's rows [T, W] as they travel (FP8: the values' and the scales'
-        bytes side by side) and how the owner reads its [L, slots, W] back."""
+    def _wire(self, x, quantize: Optional[str], dequantize: bool):
+        """x's rows [T, W] as they travel (x's dtype, or FP8 as the core's
+        ``Wire`` packs it) and how the owner reads its [L, slots, W] back."""
         if quantize is None:
             return _rows(x, 1), lambda arrived: arrived.reshape(arrived.shape[:2] + x.shape[1:])
-        values, scales = quantize_fp8(x)
-        width = values.shape[1]
-        packed = jnp.concatenate([jax.lax.bitcast_convert_type(values, jnp.uint8),
-                                  _rows(jax.lax.bitcast_convert_type(scales, jnp.uint8), 1)],
-                                 axis=1)
+        wire = Wire.of(x, quantize, dequantize)
 
-        def read(arrived):
-            scale_bytes = arrived[..., width:].reshape(arrived.shape[:2] + scales.shape[1:]
-                                                       + (4,))
-            return (jax.lax.bitcast_convert_type(arrived[..., :width], values.dtype),
-                    jax.lax.bitcast_convert_type(scale_bytes, jnp.float32))
-        return packed, read
+        def read(arrived):  # the core's reading of rows [R, W], then the slots' layout
+            parts = wire.decode(arrived.reshape((-1, arrived.shape[2])))
+            return wire.deliver(tuple(p.reshape(arrived.shape[:2] + p.shape[1:]) for p in parts))
+        return wire.payload, read
 
     def _dispatch_fwd(self, x, experts, weights, quantize, dequantize):
         problem = self._dispatch_problem(x, experts, weights, quantize)
@@ -356,7 +350,7 @@ class Dispatcher:
         self._traced.agree("moe.dispatch", *facts, problem=problem)
         tokens, k = experts.shape
         capacity = self.capacity(tokens, k)
-        rows, read = self._wire(x, quantize)
+        rows, read = self._wire(x, quantize, dequantize)
         key, counts = self._route(experts, weights, capacity)
         send = _take_or_zero(rows, self._sources(key, capacity) // k)
         record = self._record(rows.dtype.itemsize * rows.shape[1], capacity)
@@ -369,8 +363,6 @@ class Dispatcher:
             verdict = io_callback(record, jax.ShapeDtypeStruct((), jnp.uint8), table)
             send, _ = jax.lax.optimization_barrier((send, verdict))  # rows move after it
             expert_x = read(self._to_owners(send, capacity))
-        if quantize is not None and dequantize:
-            expert_x = dequantize_fp8(*expert_x, x.dtype)
         first = self.comm.rank * self.local_experts
         per_expert = table[:, first:first + self.local_experts].sum(axis=0)
         return (expert_x, JaxHandle(key, weights, per_expert)), (key, x[:0])
