@@ -220,8 +220,7 @@ class LowLatencyPath:
         ids = xp.reshape(experts if experts.dtype == kind else xp.astype(experts, kind), (-1,))
         named = (ids >= 0) & (ids < mine.num_experts)
         invalid = xp.sum(named ^ (ids != -1), keepdims=True)
-        # of logical ids: capacities are per logical expert
-        place, wanted = places(ids, shape.experts)
+        place, wanted = places(ids, shape.experts)  # logical: capacities are per logical expert
         kept = named & (place < cap)
         if shape.fits is None:
             dropped = xp.clip(wanted - cap, min=0)
