@@ -19,7 +19,8 @@ is made once per shape and reused: a call runs a few native operations
 beside its two exchanges, and reads nothing back from a device.
 
 A choice's slot among its expert's C is its place among this rank's
-choices of that expert, in token order (one stable sort of the ids): a
+choices of that expert, in token order (``places``: one stable sort of
+the ids, the rule the JAX Dispatcher's slots follow too): a
 token naming an expert twice is two assignments, as in every layout, and
 takes two slots, so expert_x, ``tokens_per_expert`` and the statistics
 count it twice and combine weighs each row by its own weight. What does
