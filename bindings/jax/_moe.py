@@ -10,7 +10,8 @@ rank's send buffer is ``[E * capacity, H]``: slot ``(e, s)`` at row
 ``e * capacity + s``. Its i-th chunk of ``L * capacity`` rows goes to rank i,
 and the owner lays what arrives out as ``expert_x [L, P * capacity, H]``:
 row ``(l, r * capacity + s)`` is the s-th kept assignment of source rank r
-to local expert l (in token order; zero rows where a source sent fewer).
+to local expert l (in token order, by the core's slot rule,
+``commlib.moe.lowlatency.places``; zero rows where a source sent fewer).
 Combine sends the same rows back and gathers each (token, choice) from its
 slot. The routing state is the handle (``JaxHandle``, a pytree): the traced
 ``key`` [T, k] (int32 row of the send buffer, -1 for a dropped or absent
@@ -50,9 +51,11 @@ from jax.experimental import io_callback
 
 from commlib.errors import CollectiveMismatchError
 from commlib.moe import contract
+from commlib.moe.experts import replica_slots
+from commlib.moe.lowlatency import places
 from commlib.moe.placement import Placement
-from commlib.moe.quantize import dequantize_fp8, quantize_fp8
 from commlib.moe.stats import DispatchStats
+from commlib.moe.wire import Wire
 
 from ._traced_comm import traced
 
@@ -70,25 +73,6 @@ class _Summed:
     @staticmethod
     def allreduce(local: np.ndarray) -> np.ndarray:
         return local
-
-
-def _order_by(group, count: int):
-    """The stable permutation that sorts ``group`` (values 0..count): one
-    sort of a packed int32 key (group * n + position) where it fits, as XLA
-    sorts one operand much faster than a key with a payload."""
-    n = group.shape[0]
-    iota = jnp.arange(n, dtype=jnp.int32)
-    if (count + 1) * max(n, 1) < 2 ** 31:
-        return jnp.sort(group * n + iota) % max(n, 1)
-    return jax.lax.sort((group, iota), num_keys=1, is_stable=True)[1]
-
-
-def _place_in_group(grouped, iota):
-    """Each element's index within its run of equal values in the sorted
-    ``grouped`` (a running max of the runs' starts: no search loop)."""
-    starts = jnp.concatenate([jnp.ones(min(1, grouped.shape[0]), bool),
-                              grouped[1:] != grouped[:-1]])
-    return iota - jax.lax.cummax(jnp.where(starts, iota, 0))
 
 
 @jax.tree_util.register_dataclass
@@ -189,6 +173,9 @@ class Dispatcher:
         self.num_slots = contract.slot_count(num_experts, placement)
         self.local_experts = self.num_slots // comm.size  # slots on each rank
         self._slot_experts = None if placement is None else placement.physical_to_logical
+        # each logical expert's first slot: its drops are counted there (stats sum per expert)
+        self._first_slots = None if placement is None else np.array(
+            [slots[0] for slots in placement.logical_to_physical], np.int32)
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         self.hierarchical, self.max_tokens_per_rank = hierarchical, max_tokens_per_rank
         self._traced = traced(comm)
@@ -255,53 +242,48 @@ class Dispatcher:
     # -- routing: slots, drops and counts, in jnp -----------------------------------
     def _route(self, experts, weights, capacity: int):
         """(key [T, k] int32, counts [2E + 2] int32: kept per expert, dropped
-        per expert, smallest and largest id; E the experts laid out, a
-        placement's slots). Each expert keeps the core's capacity (from T,
-        at most C, per logical expert) of the ``capacity`` slots the layout
-        has: by ``drop_policy`` under a capacity factor; without one only a
-        token naming an expert more than once can fill the slots, and the
-        latest are dropped, as in the core's fixed capacity. Fixed sizes, no
-        host reads."""
+        per expert (a logical expert's on its first slot), smallest and
+        largest id; E the experts laid out, a placement's slots). Each
+        expert keeps the core's capacity (from T, at most C, per logical
+        expert) of the ``capacity`` slots the layout has: by
+        ``drop_policy`` under a capacity factor; without one only a token
+        naming an expert more than once can fill the slots, and the latest
+        are dropped, as in the core's fixed capacity. A kept choice's
+        slot is its place among the kept choices of its expert in token
+        order, by the core's rule (``commlib.moe.lowlatency.places``).
+        Fixed sizes, no host reads."""
         count = self.num_slots
         flat = experts.reshape(-1).astype(jnp.int32)
-        n = flat.shape[0]
-        iota = jnp.arange(n, dtype=jnp.int32)
         valid = (flat >= 0) & (flat < self.num_experts)
-        group = jnp.where(valid, flat, self.num_experts)  # absent and bad ids sort last
+        ids = jnp.where(valid, flat, -1)  # bad ids: none (refused when the program runs)
+        logical = jnp.arange(self.num_experts, dtype=jnp.int32)
+        limit = min(contract.capacity(*experts.shape, self.num_experts, self.capacity_factor,
+                                      self.max_tokens_per_rank) or capacity, capacity)
         weighed = self.drop_policy == "probs" and self.capacity_factor is not None
         if weighed:  # within an expert heaviest first, ties by position
-            by_weight = jax.lax.sort((-weights.reshape(-1).astype(jnp.float32), iota),
-                                     num_keys=1, is_stable=True)[1]
-            order = by_weight[_order_by(group[by_weight], self.num_experts)]
+            by_weight = jnp.argsort(-weights.reshape(-1).astype(jnp.float32), stable=True)
+            place, wanted = places(ids[by_weight], logical)
+            place = jnp.zeros_like(place).at[by_weight].set(place, unique_indices=True)
         else:
-            order = _order_by(group, self.num_experts)
-        grouped = group[order]
-        place = _place_in_group(grouped, iota)
-        limit = contract.capacity(*experts.shape, self.num_experts, self.capacity_factor,
-                                  self.max_tokens_per_rank) or capacity
-        kept = jnp.zeros(n, bool).at[order].set((place < min(limit, capacity))
-                                                & (grouped < self.num_experts))
+            place, wanted = places(ids, logical)
+        kept = valid & (place < limit)
+        dropped = jnp.maximum(wanted - limit, 0)  # per logical expert
+        kept_per_slot = wanted - dropped
         if self.placement is not None:  # logical ids -> this rank's slots, by token row
-            columns = self.placement.columns
             table = jnp.asarray(self.placement.replica_table[self.comm.rank].reshape(-1),
                                 jnp.int32)
-            column = (iota // max(experts.shape[1], 1)) % columns  # the token's row
-            flat = jnp.where(valid, table[jnp.where(valid, flat, 0) * columns + column], -1)
-        if weighed or self.placement is not None:
-            group = jnp.where(kept, flat, count)  # slots in token order among the kept
-            order = _order_by(group, count)
-            place = _place_in_group(group[order], iota)
-        slot = jnp.zeros(n, jnp.int32).at[order].set(place)
-        key = jnp.where(kept, flat * capacity + slot, -1).reshape(experts.shape)
-        tally = jnp.zeros(2 * count + 2, jnp.int32)
-        nowhere = 2 * count + 2  # past the end: mode="drop" skips it
-        tally = tally.at[jnp.where(kept, flat, nowhere)].add(1, mode="drop")
-        tally = tally.at[jnp.where(valid & ~kept, flat + count, nowhere)].add(1, mode="drop")
-        if n:
+            ids = replica_slots(ids.reshape(experts.shape), table,
+                                self.placement.columns).reshape(-1)
+            dropped = jnp.zeros(count, jnp.int32).at[self._first_slots].set(dropped)
+        if weighed or self.placement is not None:  # slots in token order among the kept
+            place, kept_per_slot = places(jnp.where(kept, ids, -1),
+                                          jnp.arange(count, dtype=jnp.int32))
+        key = jnp.where(kept, ids * capacity + place, -1).reshape(experts.shape)
+        if flat.shape[0]:
             extremes = jnp.stack([jnp.min(experts), jnp.max(experts)]).astype(jnp.int32)
         else:
             extremes = jnp.array([-1, -1], jnp.int32)
-        return key, tally.at[2 * count:].set(extremes)
+        return key, jnp.concatenate([kept_per_slot, dropped, extremes])
 
     def _record(self, row_bytes: int, capacity: int):
         """The host side of a dispatch: every rank's counts [P, 2E + 2] in,
@@ -350,23 +332,17 @@ class Dispatcher:
                          f"dtype {x.dtype}", f"quantize={quantize}",
                          f"dequantize={bool(dequantize)}")
 
-    def _wire(self, x, quantize: Optional[str]):
-        """x's rows [T, W] as they travel (FP8: the values' and the scales'
-        bytes side by side) and how the owner reads its [L, slots, W] back."""
+    def _wire(self, x, quantize: Optional[str], dequantize: bool):
+        """x's rows [T, W] as they travel (x's dtype, or FP8 as the core's
+        ``Wire`` packs it) and how the owner reads its [L, slots, W] back."""
         if quantize is None:
             return _rows(x, 1), lambda arrived: arrived.reshape(arrived.shape[:2] + x.shape[1:])
-        values, scales = quantize_fp8(x)
-        width = values.shape[1]
-        packed = jnp.concatenate([jax.lax.bitcast_convert_type(values, jnp.uint8),
-                                  _rows(jax.lax.bitcast_convert_type(scales, jnp.uint8), 1)],
-                                 axis=1)
+        wire = Wire.of(x, quantize, dequantize)
 
-        def read(arrived):
-            scale_bytes = arrived[..., width:].reshape(arrived.shape[:2] + scales.shape[1:]
-                                                       + (4,))
-            return (jax.lax.bitcast_convert_type(arrived[..., :width], values.dtype),
-                    jax.lax.bitcast_convert_type(scale_bytes, jnp.float32))
-        return packed, read
+        def read(arrived):  # the core's reading of rows [R, W], then the slots' layout
+            parts = wire.decode(arrived.reshape((-1, arrived.shape[2])))
+            return wire.deliver(tuple(p.reshape(arrived.shape[:2] + p.shape[1:]) for p in parts))
+        return wire.payload, read
 
     def _dispatch_fwd(self, x, experts, weights, quantize, dequantize):
         problem = self._dispatch_problem(x, experts, weights, quantize)
@@ -374,7 +350,7 @@ class Dispatcher:
         self._traced.agree("moe.dispatch", *facts, problem=problem)
         tokens, k = experts.shape
         capacity = self.capacity(tokens, k)
-        rows, read = self._wire(x, quantize)
+        rows, read = self._wire(x, quantize, dequantize)
         key, counts = self._route(experts, weights, capacity)
         send = _take_or_zero(rows, self._sources(key, capacity) // k)
         record = self._record(rows.dtype.itemsize * rows.shape[1], capacity)
@@ -387,8 +363,6 @@ class Dispatcher:
             verdict = io_callback(record, jax.ShapeDtypeStruct((), jnp.uint8), table)
             send, _ = jax.lax.optimization_barrier((send, verdict))  # rows move after it
             expert_x = read(self._to_owners(send, capacity))
-        if quantize is not None and dequantize:
-            expert_x = dequantize_fp8(*expert_x, x.dtype)
         first = self.comm.rank * self.local_experts
         per_expert = table[:, first:first + self.local_experts].sum(axis=0)
         return (expert_x, JaxHandle(key, weights, per_expert)), (key, x[:0])

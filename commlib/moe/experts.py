@@ -19,7 +19,7 @@ from . import contract
 from .hops import copy_keys, lookup
 from .placement import Placement
 
-__all__ = ["Experts", "DispatchPlan"]
+__all__ = ["Experts", "DispatchPlan", "replica_slots"]
 
 
 @dataclass
@@ -126,15 +126,11 @@ class Experts:
         return DispatchPlan(ids, gate, keys, first, dropped, invalid, extremes)
 
     def slots_of(self, ids: Any) -> Any:
-        """[T, k] logical ids -> the slots this rank sends them to: token t
-        takes column ``t % columns`` of ``placement.replica_table[rank]``
-        (one gather)."""
-        xp = namespace(ids)
-        columns = self.placement.columns
+        """[T, k] logical ids -> the slots this rank sends them to
+        (``replica_slots`` of this rank's replica table)."""
         table = self.beside(ids, ("replicas",), lambda put: put(
             np.array(self.placement.replica_table[self.comm.rank]).reshape(-1)))  # writable
-        row = xp.arange(ids.shape[0], dtype=ids.dtype, device=device(ids))[:, None] % columns
-        return lookup(table, xp.where(ids >= 0, ids * columns + row, -1))
+        return replica_slots(ids, table, self.placement.columns)
 
     def _destination_maps(self) -> List[np.ndarray]:
         """Per hop, expert (slot) -> destination rank (host int64 [E]): the
@@ -184,3 +180,13 @@ class Experts:
         ids = xp.astype(from_bytes(message[:, :4 * k], xp.float32, (k,)),
                         destination.dtype)
         return xp.where(lookup(destination, ids) == self.comm.rank, ids, -1)
+
+
+def replica_slots(ids: Any, table: Any, columns: int) -> Any:
+    """[T, k] logical ids -> the slots a sender sends them to: token t takes
+    column ``t % columns`` of ``table`` (its row of
+    ``Placement.replica_table``, flattened), -1 stays -1 (one gather). Fixed
+    sizes: the JAX Dispatcher traces it under ``jax.jit``."""
+    xp = namespace(ids)
+    row = xp.arange(ids.shape[0], dtype=ids.dtype, device=device(ids))[:, None] % columns
+    return lookup(table, xp.where(ids >= 0, ids * columns + row, -1))
