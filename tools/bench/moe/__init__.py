@@ -193,7 +193,7 @@ def throughput(tokens: int, hidden: int, num_experts: int, topk: int,
     comm.free()
 
 
-def _torch_routing(comm, tokens: int, hidden: int, num_experts: int, topk: int, seed: int = 0):
+def torch_routing(comm, tokens: int, hidden: int, num_experts: int, topk: int, seed: int = 0):
     """bf16 torch rows and a top-k softmax routing, this rank's own."""
     import torch
 
@@ -205,7 +205,7 @@ def _torch_routing(comm, tokens: int, hidden: int, num_experts: int, topk: int, 
     return x, experts, weights
 
 
-def _pair(d: moe.Dispatcher, x, experts, weights, quantize: Optional[str] = None):
+def dispatch_combine(d: moe.Dispatcher, x, experts, weights, quantize: Optional[str] = None):
     """Dispatch + combine with identity experts (FP8 rows dequantized)."""
     def run():
         expert_x, handle = d.dispatch(x, experts, weights, quantize=quantize,
@@ -237,7 +237,7 @@ def modes(tokens: int, small_tokens: int, hidden: int, num_experts: int, topk: i
         f"experts, top-{topk}, capacity factor {capacity_factor}; identity experts; torch")
     rows = []
     for count in (tokens, small_tokens):
-        x, experts, weights = _torch_routing(comm, count, hidden, num_experts, topk)
+        x, experts, weights = torch_routing(comm, count, hidden, num_experts, topk)
         counted = moe.Dispatcher(comm, num_experts, capacity_factor=capacity_factor)
         fixed = moe.Dispatcher(comm, num_experts, capacity_factor=capacity_factor,
                                max_tokens_per_rank=count)
@@ -247,7 +247,7 @@ def modes(tokens: int, small_tokens: int, hidden: int, num_experts: int, topk: i
                 name = f"{mode} {'fp8' if quantize else 'bf16'}"
                 contenders[f"{name} dispatch"] = functools.partial(
                     d.dispatch, x, experts, weights, quantize=quantize)
-                contenders[f"{name} pair"] = _pair(d, x, experts, weights, quantize)
+                contenders[f"{name} pair"] = dispatch_combine(d, x, experts, weights, quantize)
         times = interleaved(world, contenders, iters)
         counted.stats = moe.DispatchStats.zeros(num_experts, comm.size)
         counted.dispatch(x, experts, weights)
@@ -289,7 +289,7 @@ def _alltoallv_bytes(raw, rows: np.ndarray, send: List[int], recv: List[int]) ->
     return result
 
 
-def _counted_exchange(raw, x: np.ndarray, counts: np.ndarray) -> Callable[[], np.ndarray]:
+def counted_exchange(raw, x: np.ndarray, counts: np.ndarray) -> Callable[[], np.ndarray]:
     """What a careful mpi4py caller writes for a variable all-to-all: the
     count exchange (typed, into a buffer kept across calls), the output,
     ``Alltoallv``."""
@@ -301,8 +301,8 @@ def _counted_exchange(raw, x: np.ndarray, counts: np.ndarray) -> Callable[[], np
     return run
 
 
-def _there_and_back(raw, rows: np.ndarray, counts: np.ndarray,
-                    back_bytes: Optional[int] = None) -> Callable[[], None]:
+def there_and_back(raw, rows: np.ndarray, counts: np.ndarray,
+                   back_bytes: Optional[int] = None) -> Callable[[], None]:
     """The bare exchange of a dispatch + combine's bytes: the count
     exchange, ``rows`` out, and back (its counts known) what arrived, or
     rows of ``back_bytes`` each (combine returns sums without the ids and
@@ -404,8 +404,8 @@ def frameworks(tokens: int, hidden: int, num_experts: int, topk: int, iters: int
     _, handle = moe.Dispatcher(comm, num_experts).dispatch(x, experts, weights)
     there = np.asarray(handle.route.send_counts, np.int64)
     row_bytes = hidden * 4 + 8 * topk
-    counted = _there_and_back(raw, np.zeros((int(there.sum()), row_bytes), np.uint8), there,
-                              back_bytes=hidden * 4)
+    counted = there_and_back(raw, np.zeros((int(there.sum()), row_bytes), np.uint8), there,
+                             back_bytes=hidden * 4)
     padded = np.zeros((padded_rows, hidden * 4), np.uint8)
     padded_back = np.empty_like(padded)
 
@@ -465,7 +465,7 @@ def latency(sizes: str, repeat: int, iters: int, json_path: Optional[str]) -> No
         contenders = {
             "mpi4py Alltoall": repeated(functools.partial(raw.Alltoall, x, out), repeat),
             "commlib alltoall": repeated(functools.partial(comm.alltoall, x), repeat),
-            "mpi4py counts + Alltoallv": repeated(_counted_exchange(raw, x, counts), repeat),
+            "mpi4py counts + Alltoallv": repeated(counted_exchange(raw, x, counts), repeat),
             "commlib alltoallv": repeated(functools.partial(comm.alltoallv, x, counts), repeat),
             "commlib alltoallv (recv counts given)":
                 repeated(functools.partial(comm.alltoallv, x, counts, counts), repeat),
@@ -520,7 +520,7 @@ def decode(tokens: str, hidden: int, num_experts: int, topk: int, repeat: int, i
         f"torch pairs' top-level aten ops")
     rows = []
     for count in (int(t) for t in tokens.split(",")):
-        x, experts, weights = _torch_routing(comm, count, hidden, num_experts, topk, seed=1)
+        x, experts, weights = torch_routing(comm, count, hidden, num_experts, topk, seed=1)
         nx = x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
         ne, nw = experts.numpy(), weights.numpy()
         made = {"torch": lambda **kw: TorchDispatcher(comm, num_experts, **kw),
@@ -529,8 +529,8 @@ def decode(tokens: str, hidden: int, num_experts: int, topk: int, repeat: int, i
         _, handle = moe.Dispatcher(comm, num_experts).dispatch(nx, ne, nw)
         there = handle.route.send_counts.astype(np.int64)  # flat: one hop
         row_bytes = hidden * 2 + 8 * topk
-        bare = _there_and_back(raw, np.zeros((int(there.sum()), row_bytes), np.uint8), there,
-                               back_bytes=hidden * 2)
+        bare = there_and_back(raw, np.zeros((int(there.sum()), row_bytes), np.uint8), there,
+                              back_bytes=hidden * 2)
         plain = PlainSlots(raw, num_experts, count, hidden)
         contenders = {"mpi4py bare exchange": repeated(bare, repeat),
                       "bare Alltoall (slots)": repeated(plain.bare(), repeat),
@@ -546,7 +546,7 @@ def decode(tokens: str, hidden: int, num_experts: int, topk: int, repeat: int, i
                 d = made[name](**kw)
                 if kw:
                     fixed_ones.append(d)
-                pair = _pair(d, *args[name])
+                pair = dispatch_combine(d, *args[name])
                 contenders[f"{name} {mode}"] = repeated(pair, repeat)
                 if name == "torch":
                     ops[f"{name} {mode}"] = warm_torch_ops(pair)
@@ -597,7 +597,7 @@ def overlap(tokens: int, hidden: int, ffn: int, num_experts: int, topk: int, fix
     w_out = torch.randn(local, ffn, hidden, generator=generator) / ffn ** 0.5
     batches = []
     for seed in (0, 1):
-        x, experts, weights = _torch_routing(comm, tokens, hidden, num_experts, topk, seed)
+        x, experts, weights = torch_routing(comm, tokens, hidden, num_experts, topk, seed)
         batches.append((x.float(), experts, weights))
     d = moe.Dispatcher(comm, num_experts, max_tokens_per_rank=tokens if fixed else None)
 
