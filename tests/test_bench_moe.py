@@ -1,4 +1,4 @@
-"""tools/bench/moe.py frameworks at toy sizes, on two ranks: one line per
+"""tools/bench/moe/frameworks.py at toy sizes, on two ranks: one line per
 framework's MoE path and the bare exchanges, each with its ratio (issue
 37: a change measured in one framework only had slowed another)."""
 

@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 import commlib
 from commlib import moe
-from commlib.tools.bench.moe import PlainSlots
+from commlib.tools.bench.moe.baselines import PlainSlots
 from commlib.tools.bench.ops import warm_torch_ops
 
 import requires
