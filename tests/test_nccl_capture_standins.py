@@ -19,6 +19,7 @@ from test_nccl_stream_order import _backend, _Comm
 
 from commlib import communicator as communicator_module
 from commlib import dlpack
+from commlib import in_flight as in_flight_module
 
 world = test_nccl_stream_order.world
 
@@ -236,6 +237,7 @@ def test_every_collective_and_wait_runs_inside_the_callers_stream(world, monkeyp
         unwrapped_inside.append(bool(inside))
         return unwrap(x)
     monkeypatch.setattr(communicator_module, "callers_stream", Scope)
+    monkeypatch.setattr(in_flight_module, "callers_stream", Scope)  # a transfer's wait
     monkeypatch.setattr(communicator_module, "unwrap", watched_unwrap)
     x = np.arange(4.0)
     calls = {
