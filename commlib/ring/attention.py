@@ -145,7 +145,7 @@ def ring_forward(call: AttentionCall, q: Any, k: Any, v: Any, comm, method: str,
         return finish(sparse_forward(call, q, k, v, comm), q, sinks, v.shape[-1])
     if method == "allgather":
         order, spans = placement.in_order()
-        kv = _take(comm.allgather(joined(k, v), axis=2), order)
+        kv = in_order(comm.allgather(joined(k, v), axis=2), order, axis=2)
         state = attend(call.kernel, q, *split(kv, k.shape[-1]), call.blocks(mine, spans),
                        call.scale)
     else:
@@ -167,10 +167,10 @@ def ring_backward(call: AttentionCall, dout: Any, q: Any, k: Any, v: Any, out: A
         dq, own = sparse_backward(call, dout, q, k, v, out, lse, comm)
     elif method == "allgather":
         order, spans = placement.in_order()
-        kv = _take(comm.allgather(joined(k, v), axis=2), order)
+        kv = in_order(comm.allgather(joined(k, v), axis=2), order, axis=2)
         dq, dkv = attend_backward(kernel, dout, q, *split(kv, k.shape[-1]), out, lse,
                                   call.blocks(mine, spans), scale)
-        own = _reduce_scatter(_take(dkv, np.argsort(order)), comm)
+        own = reduce_scattered(in_order(dkv, np.argsort(order), axis=2), comm, axis=2)
     else:
         carried = None  # dK and dV of the block one hop ahead, on their way around
         for source, block in RingExchange(comm).rotate(joined(k, v)):
@@ -184,17 +184,19 @@ def ring_backward(call: AttentionCall, dout: Any, q: Any, k: Any, v: Any, out: A
     return xp.astype(dq, q.dtype), xp.astype(dk, k.dtype), xp.astype(dv, v.dtype)
 
 
-def _take(kv: Any, order: np.ndarray) -> Any:
-    """``kv`` [n, b, s, hk, w] (``kv.joined``) with its sequence axis permuted by ``order``."""
-    xp = namespace(kv)
-    return xp.take(kv, xp.asarray(order, device=device(kv)), axis=2)
+def in_order(x: Any, order: np.ndarray, axis: int) -> Any:
+    """``x`` with its sequence ``axis`` permuted by ``order`` (gathered shards
+    back in sequence order, or the way back)."""
+    xp = namespace(x)
+    return xp.take(x, xp.asarray(order, device=device(x)), axis=axis)
 
 
-def _reduce_scatter(dkv: Any, comm) -> Any:
-    """[n, b, P*s, hk, w] partial sums on every rank -> this rank's
-    [n, b, s, hk, w] summed over ranks (an all-to-all, then a local sum)."""
-    xp = namespace(dkv)
-    two, b, total, hk, d = dkv.shape
-    per_rank = xp.reshape(dkv, (two, b, comm.size, total // comm.size, hk, d))
-    received = comm.alltoall(contiguous(xp.permute_dims(per_rank, (2, 0, 1, 3, 4, 5))))
-    return xp.sum(received, axis=0)
+def reduce_scattered(x: Any, comm, axis: int) -> Any:
+    """Partial sums over the whole sequence (``axis``: P shards long) on every
+    rank -> this rank's shard summed over ranks (an all-to-all, then a local sum)."""
+    xp = namespace(x)
+    shape = tuple(x.shape)
+    per_rank = xp.reshape(x, shape[:axis] + (comm.size, shape[axis] // comm.size)
+                          + shape[axis + 1:])
+    leading = xp.permute_dims(per_rank, (axis, *range(axis), *range(axis + 1, len(shape) + 1)))
+    return xp.sum(comm.alltoall(contiguous(leading)), axis=0)

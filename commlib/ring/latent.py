@@ -32,11 +32,12 @@ import numpy as np
 
 from ..kernels import Kernel
 from ..kernels.sinks import with_sink_gradient
-from ..namespace import accumulator_dtype, contiguous, detached, device, namespace
+from ..namespace import accumulator_dtype, detached, device, namespace
 from ..sequence.attention_call import AttentionCall, check_dtype, check_together, prepare
 from ..sequence.blockwise import attend, attend_backward, finish
 from ..sequence.kv import split
 from ..sequence.options import AttentionOptions
+from .attention import in_order, reduce_scattered
 from .exchange import RingExchange
 
 LATENT_METHODS = ("auto", "ring", "allgather")
@@ -203,7 +204,7 @@ def latent_forward(call: AttentionCall, q: Any, latent: Any, rope_k: Any, w_uk: 
     mine = placement.spans(comm.rank)
     if method == "allgather":
         order, spans = placement.in_order()
-        whole = _take(comm.allgather(_joined(latent, rope_k), axis=1), order)
+        whole = in_order(comm.allgather(_joined(latent, rope_k), axis=1), order, axis=1)
         k, v = expand(*_split(whole, r), w_uk, w_uv)
         state = attend(call.kernel, q, k, v, call.blocks(mine, spans), call.scale)
     else:
@@ -228,12 +229,12 @@ def latent_backward(call: AttentionCall, dout: Any, q: Any, latent: Any, rope_k:
     dq = None
     if method == "allgather":
         order, spans = placement.in_order()
-        whole = _take(comm.allgather(_joined(latent, rope_k), axis=1), order)
-        held, _ = _split(whole, r)
-        k, v = expand(held, whole[..., r:], w_uk, w_uv)
+        whole = in_order(comm.allgather(_joined(latent, rope_k), axis=1), order, axis=1)
+        held, rope = _split(whole, r)
+        k, v = expand(held, rope, w_uk, w_uv)
         dq, dkv = attend_backward(kernel, dout, q, k, v, out, lse, call.blocks(mine, spans), scale)
         d_block, d_uk, d_uv = contract(*split(dkv, key_dim), held, w_uk, w_uv)
-        own = _reduce_scatter(_take(d_block, np.argsort(order)), comm)
+        own = reduce_scattered(in_order(d_block, np.argsort(order), axis=1), comm, axis=1)
     else:
         carried = None  # d[latent, rope_k] of the block one hop ahead, on its way around
         for source, block in RingExchange(comm).rotate(_joined(latent, rope_k)):
@@ -250,19 +251,3 @@ def latent_backward(call: AttentionCall, dout: Any, q: Any, latent: Any, rope_k:
     d_latent, d_rope = _split(own, r)
     return (xp.astype(dq, q.dtype), xp.astype(d_latent, latent.dtype),
             xp.astype(d_rope, rope_k.dtype), d_uk, d_uv)
-
-
-def _take(x: Any, order: np.ndarray) -> Any:
-    """``x`` [b, s, w] with its sequence axis permuted by ``order``."""
-    xp = namespace(x)
-    return xp.take(x, xp.asarray(order, device=device(x)), axis=1)
-
-
-def _reduce_scatter(d_whole: Any, comm) -> Any:
-    """[b, P*s, w] partial sums on every rank -> this rank's [b, s, w]
-    summed over ranks (an all-to-all, then a local sum)."""
-    xp = namespace(d_whole)
-    b, total, width = d_whole.shape
-    per_rank = xp.reshape(d_whole, (b, comm.size, total // comm.size, width))
-    received = comm.alltoall(contiguous(xp.permute_dims(per_rank, (1, 0, 2, 3))))
-    return xp.sum(received, axis=0)
