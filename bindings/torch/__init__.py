@@ -51,11 +51,11 @@ def _attention(q, k, v, comm, algorithm: str, options: AttentionOptions, *, layo
     if options.wire is not None:
         _wire_ops.refuse_gradients(comm, algorithm, options.wire, q, k, v,
                                    *([sinks] if isinstance(sinks, torch.Tensor) else []))
-    documents = options.cu_seqlens if isinstance(options.cu_seqlens, torch.Tensor) else None
-    values = (options if documents is None else options.without("cu_seqlens")).graph_values()
-    if values is None or not (sinks is None or isinstance(sinks, torch.Tensor)):
+    carried = _ops.graph_arguments(options, sinks)
+    if carried is None:
         return _ops.forward(algorithm, options, q, k, v, comm, layout, ulysses_size, sinks,
                             return_lse=False)
+    documents, values = carried
     op_args = (q, k, v, sinks, documents, algorithm, comm.handle, layout, ulysses_size, *values)
     if options.wire is not None:
         return _wire_ops.attention_wire(*op_args)

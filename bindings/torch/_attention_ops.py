@@ -66,6 +66,19 @@ def options_of(cu_seqlens: Optional[torch.Tensor], values: tuple) -> AttentionOp
     return options if cu_seqlens is None else replace(options, cu_seqlens=cu_seqlens)
 
 
+def graph_arguments(options: AttentionOptions, sinks: Any) -> Optional[tuple]:
+    """(documents, option values) an op takes for ``options`` and ``sinks``:
+    the documents' offsets as a tensor where they are one; None where no
+    graph can carry them (a window that is not a (left, right) pair of token
+    counts, a cap that is not a number, sinks that are not a tensor): the
+    caller runs the core, which refuses them on every rank."""
+    documents = options.cu_seqlens if isinstance(options.cu_seqlens, torch.Tensor) else None
+    values = (options if documents is None else options.without("cu_seqlens")).graph_values()
+    if values is None or not (sinks is None or isinstance(sinks, torch.Tensor)):
+        return None
+    return documents, values
+
+
 def _attention(q, k, v, sinks, cu_seqlens, algorithm, comm, layout, ulysses_size, *values):
     out, lse = forward(algorithm, options_of(cu_seqlens, values), q, k, v,
                        graph_names.lookup(comm), layout, ulysses_size, sinks, return_lse=True)

@@ -17,7 +17,7 @@ from commlib.namespace import accumulator_dtype
 from commlib.ring.latent import latent_ring_attention_backward_with, latent_ring_attention_with
 from commlib.sequence.options import AttentionOptions, graph_schema
 
-from ._attention_ops import options_of
+from ._attention_ops import graph_arguments, options_of
 
 CALL = "str comm, str layout, " + graph_schema()
 
@@ -89,11 +89,11 @@ def latent_call(q, latent, rope_k, w_uk, w_uv, comm, options: AttentionOptions, 
                 sinks: Optional[torch.Tensor]) -> torch.Tensor:
     """The op's out; options no graph can carry go to the core, which
     refuses them on every rank (as ``bindings.torch``'s attention)."""
-    documents = options.cu_seqlens if isinstance(options.cu_seqlens, torch.Tensor) else None
-    values = (options if documents is None else options.without("cu_seqlens")).graph_values()
-    if values is None or not (sinks is None or isinstance(sinks, torch.Tensor)):
+    carried = graph_arguments(options, sinks)
+    if carried is None:
         return latent_ring_attention_with(options, q, latent, rope_k, w_uk, w_uv, comm,
                                           layout=layout, sinks=sinks)
+    documents, values = carried
     out, _ = latent_attention(q, latent, rope_k, w_uk, w_uv, sinks, documents, comm.handle,
                               layout, *values)
     return out
