@@ -59,6 +59,43 @@ def test_kernel_forward_and_backward(impl, dtype, kv_heads, causal, which):
     assert all(_close(impl, g, w, 4 * tol) for g, w in zip(grads, want_grads))
 
 
+@pytest.mark.parametrize("queries", [1, 5])
+@pytest.mark.parametrize("hidden", ["causal", "mask", "none"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_few_queries_over_many_keys_are_attention(dtype, hidden, queries):
+    """Decode's shapes on the CPU (a few queries, many keys, one KV head for
+    four query heads, V narrower than K: multi-head latent attention's
+    absorbed form), which torch's kernel computes as two matrix products:
+    out and lse of softmax attention, top-left causal, a row the mask hides
+    wholly giving lse -inf and out 0."""
+    torch = requires.module("torch")
+    from commlib.kernels import torch_sdpa
+    keys = torch_sdpa.MANY_KEYS
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal(shape) for shape in
+               ((2, queries, 4, 12), (2, keys, 1, 12), (2, keys, 1, 8)))
+    mask = rng.random((queries, keys)) < 0.5 if hidden == "mask" else None
+    if mask is not None:
+        mask[0] = False
+    visible = np.tril(np.ones((queries, keys), bool)) if hidden == "causal" else mask
+    scores = np.einsum("bthd,bnd->bhtn", q, k[:, :, 0]) * 0.3
+    if visible is not None:
+        scores = np.where(visible, scores, -np.inf)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        want_lse = np.log(np.exp(scores).sum(axis=-1))
+        want = np.nan_to_num(np.einsum("bhtn,bnv->bthv", np.exp(scores - want_lse[..., None]),
+                                       v[:, :, 0]))
+    to = lambda x: torch.tensor(x, dtype=getattr(torch, dtype))  # noqa: E731
+    assert torch_sdpa._few(to(q), to(k))
+    out, lse = torch_sdpa.forward(to(q), to(k), to(v), hidden == "causal", 0.3,
+                                  mask=None if mask is None else torch.tensor(mask))
+    tol = TOLERANCE.get(dtype, 1e-12)
+    assert np.array_equal(np.isinf(lse.numpy()), np.isinf(want_lse))
+    assert _close(arrayimpl.IMPLS["torch"], out, want, tol)
+    assert _close(arrayimpl.IMPLS["torch"], torch.nan_to_num(lse, neginf=0.0),
+                  np.where(np.isinf(want_lse), 0.0, want_lse), tol)
+
+
 @pytest.mark.parametrize("impl", arrayimpl.params())
 def test_merge_of_two_key_blocks_is_attention_over_both(impl):
     (q, k, v, _), (rq, rk, rv, _) = _block(impl, "float32", 2, seed=1, seq=20)

@@ -30,6 +30,11 @@ turn's new tokens run replicated (every rank all of them: a recurrence
 reads its tokens in order, which the striped chunk is not); compiled decode
 is refused for them.
 
+Multi-head latent attention layers (DeepSeek-V2/V3, ...) cache their latent
+and rotary key, not expanded heads: the first prefill moves the latent
+around the ring, decode and later chunks attend in the absorbed form
+(``_generation_attention._latent_attention``, ``commlib.inference.latent``).
+
 With ``compile_decode=True`` the decode step (the model on one token) is
 ``torch.compile(fullgraph=True)``'d once: the cache's new tokens go to a
 ``bindings.torch._inference.DecodeCache`` (fixed buffers, positions and

@@ -14,12 +14,28 @@ import numpy as np
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 
-from commlib.inference import ShardedKVCache, chunk_attention, decode_attention
+from commlib.inference import (
+    ShardedKVCache,
+    chunk_attention,
+    decode_attention,
+    latent_chunk_attention,
+    latent_decode_attention,
+    latent_keys,
+)
 
-from ..torch import DecodeCache
-from ._attention import SINKS, SOFTCAP, check_call, implementations, mask_function, window_of
+from ..torch import DecodeCache, latent_ring_attention
+from ._attention import (
+    LAYOUTS,
+    SINKS,
+    SOFTCAP,
+    check_call,
+    implementations,
+    mask_function,
+    window_of,
+)
 from ._experts import IMPLEMENTATION as EXPERTS
 from ._experts import replicated_tokens
+from ._latent import LATENT_IMPLEMENTATIONS, expanded, take, up_projections
 from ._recurrent_generation import generation_states
 
 GENERATION = "commlib_generate"  # the attention implementation a generate call runs under
@@ -102,7 +118,7 @@ def generation_attention(model: torch.nn.Module, comm, name: str) -> Iterator[_D
     prefill by ``name``), and back afterwards."""
     attend = implementations(comm)[name]
     decoding = _Decoding()
-    AttentionInterface.register(GENERATION, _attention(attend, comm, decoding))
+    AttentionInterface.register(GENERATION, _attention(name, attend, comm, decoding))
     AttentionMaskInterface.register(GENERATION, mask_function(GENERATION, comm))
     previous = model.config._attn_implementation
     model.set_attn_implementation(GENERATION)
@@ -112,11 +128,13 @@ def generation_attention(model: torch.nn.Module, comm, name: str) -> Iterator[_D
         model.set_attn_implementation(previous)
 
 
-def _attention(attend: Callable, comm, decoding: _Decoding) -> Callable:
+def _attention(name: str, attend: Callable, comm, decoding: _Decoding) -> Callable:
     """The attention transformers calls per layer during generate: keep the
     step's K and V in the cache (in the first prefill, for the cache made
-    after it), then attend: the first prefill's sharded attention, a chunk
-    against the cache, or replicated tokens over it."""
+    after it), then attend: the first prefill's sharded attention (``name``'s
+    ``attend``), a chunk against the cache, or replicated tokens over it. A
+    multi-head latent attention layer keeps its latent instead
+    (``_latent_attention``)."""
 
     def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, attention_mask: Optional[torch.Tensor],
@@ -135,10 +153,14 @@ def _attention(attend: Callable, comm, decoding: _Decoding) -> Callable:
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         length = step.offsets[-1] if step.cache is None else step.cache.length
         window = window_of(GENERATION, sliding_window, length, causal)
+        latent = take(module, key)
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         slot = step.slot(module)
         settings = dict(causal=causal, window=window, softmax_scale=scaling,
                         sinks=kwargs.get(SINKS), softcap=kwargs.get(SOFTCAP))
+        if latent is not None:
+            return _latent_attention(module, q, latent, step, slot, name, attend, comm,
+                                     settings), None
         if step.cache is None:
             step.kept.append((k, v))
             return attend(q, k, v, cu_seqlens=step.offsets, **settings), None
@@ -154,6 +176,30 @@ def _attention(attend: Callable, comm, decoding: _Decoding) -> Callable:
 
     attention.__name__ = attention.__qualname__ = GENERATION
     return attention
+
+
+def _latent_attention(module: torch.nn.Module, q: torch.Tensor,
+                      latent: Tuple[torch.Tensor, torch.Tensor], step: ForwardStep, slot: int,
+                      name: str, attend: Callable, comm, settings: Dict[str, Any]
+                      ) -> torch.Tensor:
+    """A multi-head latent attention layer's call: its cache layer keeps the
+    tokens' latents and rotary keys (``latent_keys``), not expanded heads.
+    The first prefill moves the latent around the ring (``name`` a ring
+    implementation; one that splits heads gets them expanded), later steps
+    attend in the absorbed form over the cache."""
+    keys = latent_keys(*latent)
+    w_uk, w_uv = up_projections(module)
+    if step.cache is None:
+        step.kept.append((keys, None))
+        if name in LATENT_IMPLEMENTATIONS:
+            return latent_ring_attention(q, *latent, w_uk, w_uv, comm, layout=LAYOUTS[name],
+                                         cu_seqlens=step.offsets, **settings)
+        return attend(q, *expanded(module, *latent, name), cu_seqlens=step.offsets, **settings)
+    held, _ = step.cache.store(slot, keys, None)
+    where = dict(q_positions=step.positions, k_positions=step.cache.positions, **settings)
+    if step.replicated:
+        return latent_decode_attention(q, held, w_uk, w_uv, comm, **where)
+    return latent_chunk_attention(q, held, w_uk, w_uv, comm, method=step.method, **where)
 
 
 def _decode_attention(decoding: _Decoding, module: torch.nn.Module, query: torch.Tensor,

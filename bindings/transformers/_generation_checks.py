@@ -17,6 +17,7 @@ from commlib.inference import ShardedKVCache
 from ._attention import LAYOUTS, attention_chunk, temperature_floor
 from ._experts import expert_modules
 from ._generation_attention import Caller, caller_of, describe_caller
+from ._latent import is_latent_attention
 from ._model_check import model_problem
 from ._recurrent import has_parallel_recurrent_layers
 
@@ -141,6 +142,10 @@ def input_problem(model, input_ids: torch.Tensor, cache: Optional[ShardedKVCache
     if recurrent and compile_decode:
         return ValueError("compile_decode is not implemented for models with recurrent layers "
                           "(recurrent_parallel): generate them without it")
+    if compile_decode and any(is_latent_attention(module) for module in model.modules()):
+        return ValueError(f"compile_decode is not implemented for multi-head latent attention "
+                          f"({type(model).__name__}): its decode attends eagerly in the absorbed "
+                          f"form over the latent cache; generate it without compile_decode")
     if name not in LAYOUTS:
         return ValueError(f"prefill {name!r} is not one of commlib's attention "
                           f"implementations ({', '.join(LAYOUTS)})")

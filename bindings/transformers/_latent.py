@@ -24,13 +24,15 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
-__all__ = ["is_latent_attention", "install", "take", "up_projections", "LATENT_IMPLEMENTATIONS",
-           "sparse_indexer_problem"]
+__all__ = ["is_latent_attention", "install", "take", "expanded", "up_projections",
+           "LATENT_IMPLEMENTATIONS", "sparse_indexer_problem"]
 
 # the implementations that move the latent: the ring's (K and V are whole heads to Ulysses)
 LATENT_IMPLEMENTATIONS = ("commlib_ring", "commlib_ring_docs")
 # the ones that split heads, and so move them expanded
 EXPANDING_IMPLEMENTATIONS = ("commlib_ulysses", "commlib_hybrid")
+# generate's (_generation_attention.GENERATION): it caches the latent and expands where it must
+GENERATING = "commlib_generate"
 
 _kept: "weakref.WeakKeyDictionary[nn.Module, Tuple[torch.Tensor, torch.Tensor]]" = \
     weakref.WeakKeyDictionary()
@@ -73,7 +75,7 @@ def _expand_or_keep(module: nn.Module, kv_nope: torch.Tensor,
     latent kept for the attention call that follows and zero-stride
     stand-ins of K's and V's shapes."""
     implementation = getattr(module.config, "_attn_implementation", None)
-    if implementation not in LATENT_IMPLEMENTATIONS:
+    if implementation not in LATENT_IMPLEMENTATIONS + (GENERATING,):
         if implementation in EXPANDING_IMPLEMENTATIONS:
             _say_expanded(module, implementation)
         return type(module).expand_kv(module, kv_nope, k_rot)
@@ -83,6 +85,17 @@ def _expand_or_keep(module: nn.Module, kv_nope: torch.Tensor,
     zero = kv_nope.new_zeros(())
     return (zero.expand(b, heads, s, module.qk_nope_head_dim + module.qk_rope_head_dim),
             zero.expand(b, heads, s, module.v_head_dim))
+
+
+def expanded(module: nn.Module, latent: torch.Tensor, rope_k: torch.Tensor,
+             implementation: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """K [b, s, h, d_nope + d_rope] and V [b, s, h, d_v] of ``take``'s
+    latent, as transformers' ``expand_kv`` makes them, for
+    ``implementation`` (one that splits heads), after the warning that
+    says so."""
+    _say_expanded(module, implementation)
+    k, v = type(module).expand_kv(module, latent[:, None], rope_k[:, None])
+    return k.transpose(1, 2), v.transpose(1, 2)
 
 
 def _say_expanded(module: nn.Module, implementation: str) -> None:

@@ -16,10 +16,12 @@ query sees (causal, or inside a window) are one index range of the shard
 (``commlib.sequence.visibility.band_blocks``).
 
 Storage: per layer, K and V [batch, capacity, kv_heads, head_dim] (V's head
-size may differ: multi-head latent attention) in the
-framework, device and dtype of the first K/V stored, grown by doubling (so
-adding a token is amortised O(1)); ``keys(layer)`` / ``values(layer)`` are
-views of the filled part. JAX arrays are immutable: each write makes a new
+size may differ) in the framework, device and dtype of the first K/V
+stored, grown by doubling (so adding a token is amortised O(1));
+``keys(layer)`` / ``values(layer)`` are views of the filled part. A layer
+stored without V keeps K alone: multi-head latent attention's cache, whose
+"key" is each token's latent and rotary key and whose value is a part of
+it (``commlib.inference.latent``). JAX arrays are immutable: each write makes a new
 array.
 """
 
@@ -81,11 +83,16 @@ class ShardedKVCache:
         self._rows = np.asarray(rows, np.int64)
         self.length = length
 
-    def store(self, layer: int, k: Any, v: Any) -> Tuple[Any, Any]:
+    def store(self, layer: int, k: Any, v: Optional[Any]) -> Tuple[Any, Optional[Any]]:
         """Keep this step's admitted rows of ``k`` and ``v`` [b, t, hk, d]
-        in ``layer``; returns the layer's whole shard (keys, values)."""
+        in ``layer`` (``v`` None: K alone, every step of the layer); returns
+        the layer's whole shard (keys, values or None)."""
         xp = namespace(k)
         count = int(self._rows.size)
+        if self._keys[layer] is not None and (v is None) != (self._values[layer] is None):
+            raise ValueError(f"layer {layer} of the KV cache keeps "
+                             f"{'K alone' if v is not None else 'K and V'}: store it alike at "
+                             f"every step")
         if self._filled[layer] + count != self.positions.size:
             raise ValueError(f"layer {layer} of the KV cache stored "
                              f"{self._filled[layer]} tokens before this step, which adds "
@@ -95,30 +102,38 @@ class ShardedKVCache:
             index = xp.asarray(self._rows, device=device(k)) \
                 if count < k.shape[1] else None
             new_k = k if index is None else xp.take(k, index, axis=1)
-            new_v = v if index is None else xp.take(v, index, axis=1)
+            new_v = v if index is None or v is None else xp.take(v, index, axis=1)
             self._grow(layer, new_k, new_v, self._filled[layer] + count)
             start, stop = self._filled[layer], self._filled[layer] + count
             self._keys[layer] = xpx.at(self._keys[layer])[:, start:stop].set(new_k)
-            self._values[layer] = xpx.at(self._values[layer])[:, start:stop].set(new_v)
+            if v is not None:
+                self._values[layer] = xpx.at(self._values[layer])[:, start:stop].set(new_v)
             self._filled[layer] = stop
-        return self.keys(layer, like=k), self.values(layer, like=v)
+        values = None if v is None else self.values(layer, like=v)
+        return self.keys(layer, like=k), values
 
-    def _grow(self, layer: int, k: Any, v: Any, needed: int) -> None:
+    def _grow(self, layer: int, k: Any, v: Optional[Any], needed: int) -> None:
         """Capacity for ``needed`` tokens in ``layer``: doubled when short
         (K and V each in its own head size)."""
         held = self._keys[layer]
         capacity = 0 if held is None else held.shape[1]
         if needed <= capacity:
             return
-        xp = namespace(k)
         length = max(needed, 2 * capacity)
-        fresh = [xp.zeros((like.shape[0], length) + tuple(like.shape[2:]), dtype=like.dtype,
-                          device=device(like)) for like in (k, v)]
-        if held is not None:
-            filled = self._filled[layer]
-            fresh = [xpx.at(new)[:, :filled].set(old[:, :filled])
-                     for new, old in zip(fresh, (held, self._values[layer]))]
-        self._keys[layer], self._values[layer] = fresh
+        self._keys[layer] = self._grown(held, k, length, layer)
+        if v is not None:
+            self._values[layer] = self._grown(self._values[layer], v, length, layer)
+
+    def _grown(self, held: Optional[Any], like: Any, length: int, layer: int) -> Any:
+        """A buffer of ``length`` tokens shaped as ``like``, holding ``held``'s
+        filled part."""
+        xp = namespace(like)
+        fresh = xp.zeros((like.shape[0], length) + tuple(like.shape[2:]), dtype=like.dtype,
+                         device=device(like))
+        if held is None:
+            return fresh
+        filled = self._filled[layer]
+        return xpx.at(fresh)[:, :filled].set(held[:, :filled])
 
     # -- reading --------------------------------------------------------------
     def keys(self, layer: int, like: Any = None) -> Any:
@@ -126,6 +141,10 @@ class ShardedKVCache:
         return self._filled_part(self._keys[layer], layer, like)
 
     def values(self, layer: int, like: Any = None) -> Any:
+        """This rank's values of ``layer`` [b, n, hk, d_v]; None for a layer
+        that keeps K alone."""
+        if self._values[layer] is None and self._keys[layer] is not None:
+            return None
         return self._filled_part(self._values[layer], layer, like)
 
     def _filled_part(self, held: Any, layer: int, like: Any) -> Any:
@@ -144,9 +163,10 @@ class ShardedKVCache:
 
     def nbytes(self) -> int:
         """Bytes of K and V this rank holds (the filled part)."""
-        return sum(2 * self._filled[layer] * held.shape[0] * math.prod(held.shape[2:])
+        return sum(self._filled[layer] * held.shape[0] * math.prod(held.shape[2:])
                    * held.dtype.itemsize
-                   for layer, held in enumerate(self._keys) if held is not None)
+                   for layer in range(self.num_layers)
+                   for held in (self._keys[layer], self._values[layer]) if held is not None)
 
     def digest(self) -> str:
         """What every rank's cache must share (the world, the prefill, the

@@ -172,20 +172,25 @@ def test_bad_positions_and_shapes_raise_on_every_rank(comm, bad):
 def test_the_cache_keeps_this_ranks_positions_and_grows(comm, impl):
     """A prefill's shard, then one decoded token a step: each rank keeps
     the tokens at p % P == rank, the shard grows past its first capacity,
-    and every layer reads back exactly what it stored."""
+    and every layer reads back exactly what it stored: layer 0 K and a
+    narrower V, layer 1 K alone (a latent cache: no V held)."""
     cache = ShardedKVCache(2, comm.size, comm.rank)
     rng = np.random.default_rng(comm.rank)
+
+    def store(tokens):
+        for layer, v in enumerate((impl.asarray(tokens[..., :3] * 2), None)):
+            keys, values = cache.store(layer, impl.asarray(tokens * (layer + 1)), v)
+        return keys, values
+
     first = rng.standard_normal((1, 5, 2, 4)).astype(np.float32)
     cache.admit(np.arange(5) * comm.size + comm.rank, np.arange(5), 5 * comm.size)
+    store(first)
     stored = [first]
-    for layer in range(2):
-        cache.store(layer, impl.asarray(first), impl.asarray(first * (layer + 1)))
     for position in range(5 * comm.size, 5 * comm.size + 23):
         step = rng.standard_normal((1, 1, 2, 4)).astype(np.float32)
         keep = striped([position], comm.size, comm.rank)
         cache.admit(np.array([position])[keep], keep, position + 1)
-        for layer in range(2):
-            keys, values = cache.store(layer, impl.asarray(step), impl.asarray(step * (layer + 1)))
+        keys, values = store(step)
         if keep.size:
             stored.append(step)
     expected = np.concatenate(stored, axis=1)
@@ -193,7 +198,10 @@ def test_the_cache_keeps_this_ranks_positions_and_grows(comm, impl):
     assert all_ranks(np.all(kept % comm.size == comm.rank) and np.all(np.diff(kept) > 0)
                      and cache.tokens == expected.shape[1]
                      and np.array_equal(impl.to_numpy(cache.keys(0)), expected)
-                     and np.array_equal(impl.to_numpy(cache.values(1)), 2 * expected)
+                     and np.array_equal(impl.to_numpy(cache.values(0)), 2 * expected[..., :3])
+                     and np.array_equal(impl.to_numpy(keys), 2 * expected)
+                     and values is None and cache.values(1) is None
+                     and cache.nbytes() == cache.tokens * 2 * (4 + 3 + 4) * 4
                      and impl.is_native(keys) and cache.length == 5 * comm.size + 23)
 
 
@@ -205,3 +213,12 @@ def test_a_step_out_of_order_is_refused():
     with pytest.raises(ValueError, match="stores once per admitted step"):
         cache.admit([6], [0], 7)
         cache.store(0, np.zeros((1, 1, 1, 1)), np.zeros((1, 1, 1, 1)))
+
+
+def test_a_layer_stored_with_and_without_v_is_refused():
+    cache = ShardedKVCache(1, 1, 0)
+    cache.admit([0], [0], 1)
+    cache.store(0, np.zeros((1, 1, 1, 2)), None)
+    cache.admit([1], [0], 2)
+    with pytest.raises(ValueError, match="keeps K alone: store it alike"):
+        cache.store(0, np.zeros((1, 1, 1, 2)), np.zeros((1, 1, 1, 2)))

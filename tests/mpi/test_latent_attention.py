@@ -6,11 +6,13 @@ family the ring takes, with q/k's head size unlike v's; each rank's
 share of the weights' gradients adds up to the whole; only the latent
 travels; and what the latent path does not take is refused on every rank."""
 
+import functools
+
 import numpy as np
 import pytest
 
 from commlib.errors import CollectiveMismatchError
-from commlib.inference.latent import latent_decode_attention
+from commlib.inference import latent_chunk_attention, latent_decode_attention, latent_keys
 from commlib.ring import shard_sequence, unshard_sequence
 from commlib.ring.latent import latent_ring_attention, latent_ring_attention_backward
 
@@ -180,28 +182,37 @@ def expanded_decode_reference(q, latent, rope_k, w_uk, w_uv, visible):
     return np.einsum("bhtn,bnhv->bthv", weights, v)
 
 
+CHUNKS = {"decode": None, "pass_q": "pass_q", "pass_kv": "pass_kv"}
+
+
 @pytest.mark.parametrize("window", [None, (5, 0)])
+@pytest.mark.parametrize("step", sorted(CHUNKS))
 @pytest.mark.parametrize("impl", ["numpy", "torch"])
-def test_absorbed_decode_over_the_latent_cache_is_the_expanded_attention(comm, impl, window):
-    """Two new tokens over a 23-token cache striped by position: each rank
-    holds only its positions' latents and rotary keys, attends in the
-    latent space (the query multiplied into W_UK), and the merged output
-    equals attention over the whole cache's expanded K and V."""
-    cached, new = 23, 2
+def test_absorbed_attention_over_the_latent_cache_is_the_expanded_attention(comm, impl, step,
+                                                                          window):
+    """New tokens over a 23-token cache striped by position, each rank
+    holding only its positions' latents and rotary keys, attended in the
+    latent space (the query multiplied into W_UK): two tokens the same on
+    every rank (decode), or a chunk of 7 striped over the ranks (pass-Q,
+    pass-KV); the output equals attention over the whole cache's expanded
+    K and V."""
+    cached, new = 23, 2 if step == "decode" else 7
     full = full_inputs(cached + new, seed=7)
     positions = np.arange(cached + new)
     mine = positions[positions % comm.size == comm.rank]
+    asked = positions[cached:] if step == "decode" else mine[mine >= cached]
     array = arrayimpl.IMPLS[impl]
-    take = {name: array.asarray(full[name][:, mine], "float64") for name in ("latent", "rope_k")}
-    q = full["q"][:, cached:]
-    got = latent_decode_attention(
-        array.asarray(q, "float64"), take["latent"], take["rope_k"],
-        array.asarray(full["w_uk"], "float64"), array.asarray(full["w_uv"], "float64"), comm,
-        q_positions=positions[cached:], k_positions=mine, causal=True, window=window,
-        softmax_scale=SCALE)
-    gap = positions[cached:, None] - positions[None, :]
+    keys = latent_keys(*(array.asarray(full[name][:, mine], "float64")
+                         for name in ("latent", "rope_k")))
+    attend = latent_decode_attention if step == "decode" else \
+        functools.partial(latent_chunk_attention, method=CHUNKS[step])
+    got = attend(array.asarray(full["q"][:, asked], "float64"), keys,
+                 array.asarray(full["w_uk"], "float64"), array.asarray(full["w_uv"], "float64"),
+                 comm, q_positions=asked, k_positions=mine, causal=True, window=window,
+                 softmax_scale=SCALE)
+    gap = asked[:, None] - positions[None, :]
     visible = (gap >= 0) & ((gap <= window[0]) if window else True)
-    want = expanded_decode_reference(q, full["latent"], full["rope_k"], full["w_uk"],
-                                     full["w_uv"], visible)
+    want = expanded_decode_reference(full["q"][:, asked], full["latent"], full["rope_k"],
+                                     full["w_uk"], full["w_uv"], visible)
     assert array.is_native(got)
     assert all_ranks(relative_error(array.to_numpy(got), want) <= TOL)

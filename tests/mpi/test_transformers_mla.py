@@ -8,6 +8,7 @@ gradients equal the unsharded model's, also with the experts split by
 ``expert_parallel``; ``generate`` equals ``model.generate`` over two turns."""
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -156,20 +157,40 @@ def cache_of(out):
     return out.cache if "cache" in type(out).__dataclass_fields__ else out.past_key_values
 
 
+def latent_only(cache, model):
+    """Whether every layer of ``cache`` keeps K alone, [latent, rotary key]
+    a token: multi-head latent attention's cache, no expanded head."""
+    width = model.config.kv_lora_rank + model.config.qk_rope_head_dim
+    return all(cache.values(layer) is None and tuple(cache.keys(layer).shape[2:]) == (1, width)
+               for layer in range(cache.num_layers))
+
+
+@pytest.mark.parametrize("prefill", ["commlib_ring", "commlib_ulysses"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_generate_is_model_generate_over_two_turns(comm, family):
-    """A prompt of odd length, then a second turn over the sharded cache
-    (K and V of unequal head sizes): the tokens of ``model.generate``."""
+def test_generate_is_model_generate_over_two_turns(comm, family, prefill):
+    """A prompt of odd length, then a second turn over the sharded cache,
+    its new tokens a chunk striped over the ranks (each method), then one
+    too short to stripe: the tokens of ``model.generate``; every cache
+    layer holds the latent only (Ulysses' prefill expands, and says so)."""
     hf.register(comm)
     model = reference_of(family)["model"]
     first = torch.randint(0, VOCAB, (1, 13), generator=torch.Generator().manual_seed(3))
-    out = hf.generate(model, first, comm, max_new_tokens=4, return_dict_in_generate=True)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        out = hf.generate(model, first, comm, max_new_tokens=4, return_dict_in_generate=True,
+                          prefill=prefill)
+    expanding = any("moves them expanded" in str(w.message) for w in said)
     same = [torch.equal(out.sequences, model.generate(first, max_new_tokens=4, do_sample=False))]
-    more = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
-    ids = torch.cat([out.sequences, more], dim=1)
-    again = hf.generate(model, ids, comm, max_new_tokens=3, past_key_values=cache_of(out))
-    same.append(torch.equal(again, model.generate(ids, max_new_tokens=3, do_sample=False)))
-    assert all_ranks(all(same)), same
+    cache = cache_of(out)
+    for turn, (added, method) in enumerate([(5, "pass_q"), (4, "pass_kv"), (1, "auto")]):
+        more = torch.randint(0, VOCAB, (1, added), generator=torch.Generator().manual_seed(turn))
+        ids = torch.cat([out.sequences, more], dim=1)
+        out = hf.generate(model, ids, comm, max_new_tokens=2, past_key_values=cache,
+                          prefill_method=method, return_dict_in_generate=True)
+        same.append(torch.equal(out.sequences,
+                                model.generate(ids, max_new_tokens=2, do_sample=False)))
+    assert all_ranks(all(same) and latent_only(cache, model)
+                     and expanding == (prefill == "commlib_ulysses")), (same, expanding)
 
 
 def test_deepseek_v32_sparse_attention_is_refused_by_name(comm):
@@ -184,3 +205,14 @@ def test_deepseek_v32_sparse_attention_is_refused_by_name(comm):
     raises_everywhere(CollectiveMismatchError,
                       lambda: hf.shard_batch(batch(), comm, attn_implementation=model),
                       match="self_attn (DeepseekV32Attention): DeepSeek sparse attention's indexer")
+
+
+def test_compiled_decode_is_refused_by_name(comm):
+    """compile_decode's fixed buffers hold expanded heads: refused for an
+    MLA model on every rank, which decodes eagerly over its latent cache."""
+    hf.register(comm)
+    model = reference_of("deepseek_v3")["model"]
+    prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    raises_everywhere(ValueError, lambda: hf.generate(model, prompt, comm, max_new_tokens=2,
+                                                      compile_decode=True),
+                      match="compile_decode is not implemented for multi-head latent attention")

@@ -18,6 +18,12 @@ cores, all in one launch.
   alone on the whole sequence (expansion and PyTorch SDPA) while the other
   ranks sleep. DeepSeek-V3's head sizes and latent, with ``--heads`` heads
   (128 in the model; fewer to fit a CPU's time).
+- decode: one new token's attention over a ``--cached``-token sharded cache
+  (striped by position, as generate leaves it): the absorbed form over each
+  rank's latent cache (``latent_decode_attention``) against
+  ``decode_attention`` over an expanded-head cache, and rank 0 alone over
+  the whole latent cache (DeepSeek-V3's absorbed decode, its einsums, every
+  core's thread); with each cache's bytes per rank.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from mpi4py import MPI
 
 import commlib
 from commlib.bindings import torch as ct
+from commlib.inference import decode_attention, latent_decode_attention, latent_keys
+from commlib.inference.latent import absorbed_query
 from commlib.ring import shard_sequence
 from commlib.tools.bench.timing import (
     first_rank_alone,
@@ -140,7 +148,53 @@ def train_rows(comm, world, seq: int, heads: int, iters: int) -> List[dict]:
              "expanded_over_latent": expanded / latent, "one_process_over_latent": alone / latent}]
 
 
+def decode_rows(comm, world, cached: int, heads: int, iters: int) -> List[dict]:
+    """One decode step over a sharded cache of ``cached`` tokens: latent
+    (absorbed) against expanded heads against one process."""
+    full = _inputs(cached + 1, heads, seed=1)
+    mine = np.flatnonzero(np.arange(cached) % comm.size == comm.rank)
+    latent = latent_keys(full["latent"][:, mine], full["rope_k"][:, mine])
+    k, v = _expanded({name: t[:, mine] if name in ("latent", "rope_k") else t
+                      for name, t in full.items()})
+    q, weights = full["q"][:, cached:], (full["w_uk"], full["w_uv"])
+    where = dict(q_positions=[cached], k_positions=mine, causal=True)
+    contenders = {"latent": lambda: latent_decode_attention(q, latent, *weights, comm, **where),
+                  "expanded": lambda: decode_attention(q, k, v, comm, **where)}
+    whole = latent_keys(full["latent"][:, :cached], full["rope_k"][:, :cached])
+
+    def one_process():  # DeepSeek-V3's own absorbed decode (einsums), every core's thread
+        torch.set_num_threads(comm.size)
+        query = absorbed_query(q, full["w_uk"])
+        scores = torch.einsum("bthc,bnc->bthn", query, whole[:, :, 0]) * (NOPE + ROPE) ** -0.5
+        out = torch.einsum("bthn,bnr->bthr", scores.softmax(dim=-1), whole[:, :, 0, :RANK])
+        torch.einsum("bthr,rhv->bthv", out, full["w_uv"])
+        torch.set_num_threads(1)
+
+    with torch.no_grad():
+        times = interleaved(world, contenders, iters)
+        alone = min(first_rank_alone(world, lambda: slowest(MPI.COMM_SELF, one_process))
+                    for _ in range(iters))
+    latent_step, expanded_step = min(times["latent"]), min(times["expanded"])
+    held_latent = latent.numel() * latent.element_size()
+    return [{"test": "decode", "ranks": comm.size, "cached": cached, "heads": heads,
+             "t_latent_s": latent_step, "t_expanded_s": expanded_step, "t_one_process_s": alone,
+             "expanded_over_latent": expanded_step / latent_step,
+             "one_process_over_latent": alone / latent_step,
+             "latent_cache_bytes_per_rank": held_latent,
+             "expanded_cache_bytes_per_rank": (k.numel() + v.numel()) * k.element_size(),
+             "latent_cache_share": held_latent / (whole.numel() * whole.element_size())}]
+
+
 def describe(row: dict) -> str:
+    if row["test"] == "decode":
+        return (f"decode   {row['ranks']} ranks, {row['cached']} cached tokens, {row['heads']} "
+                f"heads: latent {row['t_latent_s'] * 1e3:.2f} ms, expanded "
+                f"{row['t_expanded_s'] * 1e3:.2f} ms ({row['expanded_over_latent']:.2f}x the "
+                f"latent's), one process {row['t_one_process_s'] * 1e3:.2f} ms "
+                f"({row['one_process_over_latent']:.2f}x); cache per rank "
+                f"{row['latent_cache_bytes_per_rank'] / 2**20:.0f} MiB latent against "
+                f"{row['expanded_cache_bytes_per_rank'] / 2**20:.0f} MiB expanded, "
+                f"{row['latent_cache_share']:.3f} of the whole latent cache")
     if row["test"] == "bytes":
         return (f"bytes    {row['ranks']} ranks, DeepSeek-V3 sizes: the ring sends "
                 f"{row['latent_bytes_per_token']:.0f} B a token a layer (latent) against "
@@ -156,21 +210,26 @@ def describe(row: dict) -> str:
 
 
 @click.command()
-@click.argument("tests", nargs=-1, type=click.Choice(["bytes", "train"]))
+@click.argument("tests", nargs=-1, type=click.Choice(["bytes", "train", "decode"]))
 @click.option("--seq", "seqs", default="8192", show_default=True,
               help="Global sequence lengths for train, comma-separated.")
 @click.option("--heads", default=8, show_default=True,
-              help="Heads for train (DeepSeek-V3: 128).")
+              help="Heads for train and decode (DeepSeek-V3: 128).")
+@click.option("--cached", default=65536, show_default=True,
+              help="Tokens in decode's cache, over all ranks.")
 @click.option("--iters", default=2, show_default=True)
 @json_option
-def main(tests, seqs: str, heads: int, iters: int, json_path: Optional[str]) -> None:
+def main(tests, seqs: str, heads: int, cached: int, iters: int,
+         json_path: Optional[str]) -> None:
     comm = commlib.init()
     world = comm.mpi_comm
     torch.set_num_threads(1)
     rows: List[dict] = []
-    for test in tests or ("bytes", "train"):
+    for test in tests or ("bytes", "train", "decode"):
         if test == "bytes":
             rows += bytes_rows(comm, world, 64)
+        elif test == "decode":
+            rows += decode_rows(comm, world, cached, heads, 10 * iters)
         else:
             for seq in (int(s) for s in seqs.split(",")):
                 rows += train_rows(comm, world, seq, heads, iters)
