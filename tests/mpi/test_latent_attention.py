@@ -93,7 +93,7 @@ CASES = [pytest.param(impl, layout, masking, method, id=f"{impl}-{layout}-{maski
          for impl in ("numpy", "torch", "torch-binding", "jax")
          for layout in ("contiguous", "zigzag")
          for masking in MASKINGS
-         for method in ("ring", "allgather")
+         for method in ("ring", "allgather", "expanded")
          if masking != "prefix_lm" or layout == "zigzag"]
 
 
@@ -112,10 +112,13 @@ def test_latent_attention_equals_the_expanded_attention(comm, impl, layout, mask
     assert all_ranks(max(errors) <= TOL), f"errors (out, dq, dlatent, drope, dw_uk, dw_uv) {errors}"
 
 
-def test_the_latent_is_all_that_travels(comm):
+@pytest.mark.parametrize("method", ["ring", "auto"])
+def test_the_latent_is_all_that_travels(comm, method):
     """The ring's forward sends the latent and the rotary key, (r + d_rope)
     values a token, P - 1 hops: against the expanded K and V's
-    h (d_nope + d_rope + d_v) values."""
+    h (d_nope + d_rope + d_v) values. "auto" sends the latent between
+    hosts and the expanded heads within one (where the latent's extra
+    expansion costs more than the bytes save)."""
     length = 4 * comm.size
     full = full_inputs(length)
     mine = {name: shard_sequence(full[name], comm, layout="zigzag")
@@ -129,11 +132,12 @@ def test_the_latent_is_all_that_travels(comm):
     comm.ring_shift_async = counting
     try:
         latent_ring_attention(*(mine[n] for n in ("q", "latent", "rope_k", "w_uk", "w_uv")),
-                              comm, layout="zigzag", causal=True, method="ring")
+                              comm, layout="zigzag", causal=True, method=method)
     finally:
         del comm.ring_shift_async
-    per_hop = (length // comm.size) * (RANK + ROPE) * 8
-    assert sent == [per_hop] * (comm.size - 1)
+    moved = RANK + ROPE if method == "ring" or comm.topology.num_nodes > 1 else \
+        HEADS * (NOPE + ROPE + VALUE)
+    assert all_ranks(sent == [(length // comm.size) * moved * 8] * (comm.size - 1)), sent
 
 
 @pytest.mark.parametrize("name, shape, named", [

@@ -13,11 +13,13 @@ cores, all in one launch.
   bytes per token per layer per rank, latent (absorbed decode's) against
   expanded heads.
 - train: one MLA layer's attention forward and backward (torch autograd,
-  float32, causal zigzag) at ``--seq`` tokens: the latent ring, the
-  expanded ring (the expansion of its own shard included), and rank 0
-  alone on the whole sequence (expansion and PyTorch SDPA) while the other
-  ranks sleep. DeepSeek-V3's head sizes and latent, with ``--heads`` heads
-  (128 in the model; fewer to fit a CPU's time).
+  float32, causal zigzag) at ``--seq`` tokens: the latent ring (method
+  "ring"), ``latent_ring_attention``'s "auto" (the expanded heads on one
+  host, the latent across hosts), the expanded ring (the expansion of its
+  own shard included), and rank 0 alone on the whole sequence (expansion
+  and PyTorch SDPA, V padded to q's head size as transformers' flash path
+  does) while the other ranks sleep. DeepSeek-V3's head sizes and latent,
+  with ``--heads`` heads (128 in the model; fewer to fit a CPU's time).
 - decode: one new token's attention over a ``--cached``-token sharded cache
   (striped by position, as generate leaves it): the absorbed form over each
   rank's latent cache (``latent_decode_attention``) against
@@ -40,6 +42,7 @@ from commlib.bindings import torch as ct
 from commlib.inference import decode_attention, latent_decode_attention, latent_keys
 from commlib.inference.latent import absorbed_query
 from commlib.ring import shard_sequence
+from commlib.ring.latent import resolved
 from commlib.tools.bench.timing import (
     first_rank_alone,
     interleaved,
@@ -116,11 +119,13 @@ def train_rows(comm, world, seq: int, heads: int, iters: int) -> List[dict]:
                    else t).clone().requires_grad_() for name, t in full.items()}
     scale = (NOPE + ROPE) ** -0.5
 
-    def latent_ring():
-        out = ct.latent_ring_attention(mine["q"], mine["latent"], mine["rope_k"], mine["w_uk"],
-                                       mine["w_uv"], comm, layout="zigzag", causal=True,
-                                       softmax_scale=scale, method="ring")
-        out.sum().backward()
+    def latent_call(method):
+        def run():
+            out = ct.latent_ring_attention(mine["q"], mine["latent"], mine["rope_k"],
+                                           mine["w_uk"], mine["w_uv"], comm, layout="zigzag",
+                                           causal=True, softmax_scale=scale, method=method)
+            out.sum().backward()
+        return run
 
     def expanded_ring():
         k, v = _expanded(mine)
@@ -133,19 +138,25 @@ def train_rows(comm, world, seq: int, heads: int, iters: int) -> List[dict]:
     def one_process():  # every core's thread, the other ranks asleep
         torch.set_num_threads(comm.size)
         k, v = _expanded(whole)
+        # V padded to q's head size, as transformers' flash path does for MLA: the fused
+        # kernel takes one head size (unpadded, SDPA falls back to its math path)
+        padded = torch.nn.functional.pad(v, (0, NOPE + ROPE - VALUE))
         out = torch.nn.functional.scaled_dot_product_attention(
-            whole["q"].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-            scale=scale)
+            whole["q"].transpose(1, 2), k.transpose(1, 2), padded.transpose(1, 2),
+            is_causal=True, scale=scale)[..., :VALUE]
         out.sum().backward()
         torch.set_num_threads(1)
 
-    times = interleaved(world, {"latent": latent_ring, "expanded": expanded_ring}, iters)
+    times = interleaved(world, {"latent": latent_call("ring"), "auto": latent_call("auto"),
+                                "expanded": expanded_ring}, iters)
     alone = min(first_rank_alone(world, lambda: slowest(MPI.COMM_SELF, one_process))
                 for _ in range(iters))
-    latent, expanded = min(times["latent"]), min(times["expanded"])
+    latent, auto, expanded = (min(times[name]) for name in ("latent", "auto", "expanded"))
     return [{"test": "train", "ranks": comm.size, "seq": seq, "heads": heads,
-             "t_latent_s": latent, "t_expanded_s": expanded, "t_one_process_s": alone,
-             "expanded_over_latent": expanded / latent, "one_process_over_latent": alone / latent}]
+             "auto_method": resolved(comm, "auto"), "t_latent_s": latent, "t_auto_s": auto,
+             "t_expanded_s": expanded, "t_one_process_s": alone,
+             "expanded_over_latent": expanded / latent, "expanded_over_auto": expanded / auto,
+             "one_process_over_latent": alone / latent}]
 
 
 def decode_rows(comm, world, cached: int, heads: int, iters: int) -> List[dict]:
@@ -206,7 +217,9 @@ def describe(row: dict) -> str:
     return (f"train    {row['ranks']} ranks, {row['seq']} tokens, {row['heads']} heads: latent "
             f"ring {row['t_latent_s']:.2f} s, expanded ring {row['t_expanded_s']:.2f} s "
             f"({row['expanded_over_latent']:.2f}x the latent's; target >= 1), one process "
-            f"{row['t_one_process_s']:.2f} s ({row['one_process_over_latent']:.2f}x)")
+            f"{row['t_one_process_s']:.2f} s ({row['one_process_over_latent']:.2f}x); method "
+            f"auto ({row['auto_method']}) {row['t_auto_s']:.2f} s (the expanded ring "
+            f"{row['expanded_over_auto']:.2f}x its time)")
 
 
 @click.command()
