@@ -63,9 +63,10 @@ def test_kernel_forward_and_backward(impl, dtype, kv_heads, causal, which):
 @pytest.mark.parametrize("hidden", ["causal", "mask", "none"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_few_queries_over_many_keys_are_attention(dtype, hidden, queries):
-    """Decode's shapes on the CPU (a few queries, many keys, one KV head for
-    four query heads, V narrower than K: multi-head latent attention's
-    absorbed form), which torch's kernel computes as two matrix products:
+    """Decode's shapes on the CPU (a few queries, many keys, a KV head for
+    two query heads, V narrower than K: multi-head latent attention's
+    absorbed form has one for all), which torch's kernel computes as two
+    matrix products:
     out and lse of softmax attention, top-left causal, a row the mask hides
     wholly giving lse -inf and out 0."""
     torch = requires.module("torch")
@@ -73,18 +74,19 @@ def test_few_queries_over_many_keys_are_attention(dtype, hidden, queries):
     keys = torch_sdpa.MANY_KEYS
     rng = np.random.default_rng(3)
     q, k, v = (rng.standard_normal(shape) for shape in
-               ((2, queries, 4, 12), (2, keys, 1, 12), (2, keys, 1, 8)))
+               ((2, queries, 4, 12), (2, keys, 2, 12), (2, keys, 2, 8)))
     mask = rng.random((queries, keys)) < 0.5 if hidden == "mask" else None
     if mask is not None:
         mask[0] = False
     visible = np.tril(np.ones((queries, keys), bool)) if hidden == "causal" else mask
-    scores = np.einsum("bthd,bnd->bhtn", q, k[:, :, 0]) * 0.3
+    k_of_head, v_of_head = (np.repeat(x, 2, axis=2) for x in (k, v))  # query head i: kv i // 2
+    scores = np.einsum("bthd,bnhd->bhtn", q, k_of_head) * 0.3
     if visible is not None:
         scores = np.where(visible, scores, -np.inf)
     with np.errstate(invalid="ignore", divide="ignore"):
         want_lse = np.log(np.exp(scores).sum(axis=-1))
-        want = np.nan_to_num(np.einsum("bhtn,bnv->bthv", np.exp(scores - want_lse[..., None]),
-                                       v[:, :, 0]))
+        want = np.nan_to_num(np.einsum("bhtn,bnhv->bthv", np.exp(scores - want_lse[..., None]),
+                                       v_of_head))
     to = lambda x: torch.tensor(x, dtype=getattr(torch, dtype))  # noqa: E731
     assert torch_sdpa._few(to(q), to(k))
     out, lse = torch_sdpa.forward(to(q), to(k), to(v), hidden == "causal", 0.3,

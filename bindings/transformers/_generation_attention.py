@@ -61,7 +61,7 @@ class ForwardStep:
     method: str = "auto"                  # a chunk's pass-Q or pass-KV
     states: Any = None                    # a hybrid model's recurrent states (a transformers Cache)
     calls: List[Caller] = field(default_factory=list)  # this forward's attention calls so far
-    kept: List[Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    kept: List[Tuple[torch.Tensor, Optional[torch.Tensor]]] = field(default_factory=list)
 
     def slot(self, module: torch.nn.Module) -> int:
         """The cache layer of this attention call: its place among the
@@ -184,9 +184,10 @@ def _latent_attention(module: torch.nn.Module, q: torch.Tensor,
                       ) -> torch.Tensor:
     """A multi-head latent attention layer's call: its cache layer keeps the
     tokens' latents and rotary keys (``latent_keys``), not expanded heads.
-    The first prefill moves the latent around the ring (``name`` a ring
-    implementation; one that splits heads gets them expanded), later steps
-    attend in the absorbed form over the cache."""
+    The first prefill runs ``latent_ring_attention`` (``name`` a ring
+    implementation: the latent travels between hosts; one that splits heads
+    gets them expanded), later steps attend in the absorbed form over the
+    cache."""
     keys = latent_keys(*latent)
     w_uk, w_uv = up_projections(module)
     if step.cache is None:

@@ -8,8 +8,10 @@ and V of every head, right before the attention call. On a layer
 ``shard_batch`` checked, commlib's ``expand_kv`` keeps the two for the
 attention function instead, and gives it zero-stride stand-ins of the
 expanded shapes (no memory, no compute); the ring implementations then run
-``latent_ring_attention`` on the latent, with W_UK and W_UV read as views
-of ``kv_b_proj.weight`` (its gradient flows through them). Ulysses and the
+``latent_ring_attention`` on the latent (its method "auto": the latent
+travels between hosts; on one host each rank expands its own shard), with
+W_UK and W_UV read as views of ``kv_b_proj.weight`` (its gradient flows
+through them). Ulysses and the
 hybrid split the heads, so they need them expanded: under those the
 layer expands as transformers does, and says so in a warning that names
 the bytes each way."""
@@ -105,8 +107,8 @@ def _say_expanded(module: nn.Module, implementation: str) -> None:
     latent = module.kv_lora_rank + module.qk_rope_head_dim
     warnings.warn(f"{type(module).__name__}: {implementation} splits the heads, so this "
                   f"multi-head latent attention layer moves them expanded, {expanded} values a "
-                  f"token; commlib_ring moves its latent, {latent} ({expanded / latent:.0f}x "
-                  f"fewer bytes)", stacklevel=3)
+                  f"token; commlib_ring moves its latent between hosts, {latent} "
+                  f"({expanded / latent:.0f}x fewer bytes)", stacklevel=3)
 
 
 def take(module: nn.Module, key: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:

@@ -65,6 +65,7 @@ class ShardedKVCache:
         self._rows = np.zeros(0, np.int64)       # rows of this step's new K/V to keep
         self._keys: List[Any] = [None] * num_layers
         self._values: List[Any] = [None] * num_layers
+        self._keys_only: List[Optional[bool]] = [None] * num_layers  # set by the first store
         self._filled = [0] * num_layers
 
     # -- steps ----------------------------------------------------------------
@@ -89,10 +90,11 @@ class ShardedKVCache:
         the layer's whole shard (keys, values or None)."""
         xp = namespace(k)
         count = int(self._rows.size)
-        if self._keys[layer] is not None and (v is None) != (self._values[layer] is None):
+        if self._keys_only[layer] not in (None, v is None):
             raise ValueError(f"layer {layer} of the KV cache keeps "
                              f"{'K alone' if v is not None else 'K and V'}: store it alike at "
                              f"every step")
+        self._keys_only[layer] = v is None
         if self._filled[layer] + count != self.positions.size:
             raise ValueError(f"layer {layer} of the KV cache stored "
                              f"{self._filled[layer]} tokens before this step, which adds "
@@ -143,7 +145,7 @@ class ShardedKVCache:
     def values(self, layer: int, like: Any = None) -> Any:
         """This rank's values of ``layer`` [b, n, hk, d_v]; None for a layer
         that keeps K alone."""
-        if self._values[layer] is None and self._keys[layer] is not None:
+        if self._keys_only[layer]:
             return None
         return self._filled_part(self._values[layer], layer, like)
 

@@ -157,8 +157,10 @@ def ring_forward(call: AttentionCall, q: Any, k: Any, v: Any, comm, method: str,
 
 
 def ring_backward(call: AttentionCall, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
-                  comm, method: str):
-    """(dq, dk, dv) of checked and agreed inputs (``ring_forward``'s mirror)."""
+                  comm, method: str, *, accumulated: bool = False):
+    """(dq, dk, dv) of checked and agreed inputs (``ring_forward``'s mirror);
+    ``accumulated``: dk and dv left in the accumulator dtype, for a caller
+    that reduces them further (the latent's contraction)."""
     xp, placement, kernel, scale = call.xp, call.placement, call.kernel, call.scale
     mine = placement.spans(comm.rank)
     dq = None
@@ -181,6 +183,8 @@ def ring_backward(call: AttentionCall, dout: Any, q: Any, k: Any, v: Any, out: A
             carried = comm.ring_shift_async(grads, lane=1)  # overlaps the next K/V hop
         own = carried.wait()  # this rank's own block, every rank's part added
     dk, dv = split(own, k.shape[-1])
+    if accumulated:
+        return xp.astype(dq, q.dtype), dk, dv
     return xp.astype(dq, q.dtype), xp.astype(dk, k.dtype), xp.astype(dv, v.dtype)
 
 

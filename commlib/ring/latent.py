@@ -98,8 +98,10 @@ def latent_ring_attention(q: Any, latent: Any, rope_k: Any, w_uk: Any, w_uv: Any
     ``shard_sequence(..., layout=layout)`` makes them) by ``w_uk`` [r, h,
     d_nope] and ``w_uv`` [r, h, d_v] (``expand``). Returns out [b, s/P, h,
     d_v] (and, with ``return_lse``, lse [b, h, s/P]). The options are
-    ``ring_attention``'s; ``softmax_scale`` defaults to 1/sqrt(d_nope +
-    d_rope) (DeepSeek's YaRN scaling multiplies it: pass it)."""
+    ``ring_attention``'s, but ``method``: "auto" (the latent between hosts,
+    "expanded" on one), "ring", "allgather" or "expanded" (the module's
+    docstring); ``softmax_scale`` defaults to 1/sqrt(d_nope + d_rope)
+    (DeepSeek's YaRN scaling multiplies it: pass it)."""
     options = AttentionOptions(causal=causal, window=window, cu_seqlens=cu_seqlens, mask=mask,
                                softmax_scale=softmax_scale, softcap=softcap, kernel=kernel,
                                method=method)
@@ -244,15 +246,11 @@ def latent_backward(call: AttentionCall, dout: Any, q: Any, latent: Any, rope_k:
     xp, placement, kernel, scale = call.xp, call.placement, call.kernel, call.scale
     r, key_dim = latent.shape[-1], q.shape[-1]
     mine = placement.spans(comm.rank)
-    wide = accumulator_dtype(q)
-    d_uk = xp.zeros(w_uk.shape, dtype=wide, device=device(q))
-    d_uv = xp.zeros(w_uv.shape, dtype=wide, device=device(q))
-    dq = None
     method = resolved(comm, method)
     if method == "expanded":
         dq, dk, dv = ring_backward(call, dout, q, *expand(latent, rope_k, w_uk, w_uv), out, lse,
-                                   comm, "ring")
-        own, d_uk, d_uv = contract(xp.astype(dk, wide), xp.astype(dv, wide), latent, w_uk, w_uv)
+                                   comm, "ring", accumulated=True)
+        own, d_uk, d_uv = contract(dk, dv, latent, w_uk, w_uv)
     elif method == "allgather":
         order, spans = placement.in_order()
         whole = in_order(comm.allgather(_joined(latent, rope_k), axis=1), order, axis=1)
@@ -262,7 +260,10 @@ def latent_backward(call: AttentionCall, dout: Any, q: Any, latent: Any, rope_k:
         d_block, d_uk, d_uv = contract(*split(dkv, key_dim), held, w_uk, w_uv)
         own = reduce_scattered(in_order(d_block, np.argsort(order), axis=1), comm, axis=1)
     else:
-        carried = None  # d[latent, rope_k] of the block one hop ahead, on its way around
+        wide = accumulator_dtype(q)
+        d_uk = xp.zeros(w_uk.shape, dtype=wide, device=device(q))
+        d_uv = xp.zeros(w_uv.shape, dtype=wide, device=device(q))
+        dq = carried = None  # carried: d[latent, rope_k] of the block one hop ahead
         for source, block in RingExchange(comm).rotate(_joined(latent, rope_k)):
             held, rope = _split(block, r)
             k, v = expand(held, rope, w_uk, w_uv)

@@ -216,9 +216,12 @@ def test_a_step_out_of_order_is_refused():
 
 
 def test_a_layer_stored_with_and_without_v_is_refused():
-    cache = ShardedKVCache(1, 1, 0)
-    cache.admit([0], [0], 1)
+    """A layer keeps K alone from its first store on, even one that admits
+    no token of this rank (so every rank refuses alike)."""
+    cache = ShardedKVCache(1, 2, 1)
+    cache.admit([], [], 1)  # position 0 is rank 0's
     cache.store(0, np.zeros((1, 1, 1, 2)), None)
+    assert cache.values(0) is None
     cache.admit([1], [0], 2)
     with pytest.raises(ValueError, match="keeps K alone: store it alike"):
         cache.store(0, np.zeros((1, 1, 1, 2)), np.zeros((1, 1, 1, 2)))

@@ -1,9 +1,11 @@
 """transformers' multi-head latent attention models over commlib: tiny
 DeepSeek-V3 (MLA, MoE and first_k_dense_replace; Kimi-K2 is this
 architecture), DeepSeek-V2, GLM-4-MoE-lite and LongCat-Flash configs, with
-v's head size below q's and k's as every released one has it. Under the
-ring the latent travels (``latent_ring_attention``, once a layer), under
-Ulysses the expanded heads (and the layer warns so); either way loss and
+v's head size below q's and k's as every released one has it. The ring
+runs ``latent_ring_attention`` once a layer: its "auto" moves expanded heads
+on one host (here) and the latent between hosts (forced here too: every
+case both ways); Ulysses moves the expanded heads (and the layer warns
+so); either way loss and
 gradients equal the unsharded model's, also with the experts split by
 ``expert_parallel``; ``generate`` equals ``model.generate`` over two turns."""
 
@@ -45,7 +47,9 @@ FAMILIES = {
         moe_topk=2,
         expert_ffn_hidden_size=32, zero_expert_num=1),
 }
-IMPLEMENTATIONS = ("commlib_ring", "commlib_ulysses")
+# (implementation, what the ring moves: "auto"'s choice on this one host, or the latent)
+IMPLEMENTATIONS = (("commlib_ring", "auto"), ("commlib_ring", "latent"),
+                   ("commlib_ulysses", "auto"))
 
 
 def reference_of(family):
@@ -116,10 +120,14 @@ def _is_mla(module):
     return is_latent_attention(module)
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation, moves", IMPLEMENTATIONS)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_loss_and_gradients_match_the_unsharded_model(comm, family, implementation,
-                                                      latent_calls):
+def test_loss_and_gradients_match_the_unsharded_model(comm, family, implementation, moves,
+                                                      latent_calls, monkeypatch):
+    if moves == "latent":  # as between hosts, where "auto" moves the latent
+        from commlib.ring import latent as core
+        monkeypatch.setattr(core, "resolved",
+                            lambda comm, method: "ring" if method == "auto" else method)
     hf.register(comm)
     want = reference_of(family)
     model = transformers.AutoModelForCausalLM.from_config(
