@@ -7,8 +7,7 @@ Each file of tests/mpi names the world sizes at which it tests something
 layouts care, 4 where two hosts or a Ulysses x Ring grid do). The full tier
 launches every file at each of its sizes, the whole matrices at 2 and 3 ranks
 and their samples where a launch repeats a world (the ``sampled`` tier:
-1 rank, 4 ranks on two hosts, the checked rerun, and the whole models at 3
-ranks, whose odd-size layouts the 3-rank core launches cover); the quick tier
+1 rank, 4 ranks on two hosts, the checked rerun); the quick tier
 (tests/tiers.py) launches every file once at 2 ranks and the files that name
 3 at 3, leaving out their tests marked ``full``."""
 
@@ -53,9 +52,7 @@ SERVING = ("test_conformance.py", "test_generate.py", "test_inference.py", "test
 
 # whole models (transformers, diffusers, the Trainer, compiled models) at 2
 # and 3 ranks in a launch of their own: with them, the 2-rank launch came
-# within a minute of its 1200 s on a loaded machine. At 3 ranks they run
-# sampled: the layouts an odd size changes are the core's, whole at 3 (239 s
-# of CI's time unsampled)
+# within a minute of its 1200 s on a loaded machine
 MODELS = ("test_compile.py", "test_compile_inference.py", "test_compile_models.py",
           "test_diffusers.py", "test_generate.py", "test_generate_rebalance.py",
           "test_generate_recurrent.py", "test_model_axis.py", "test_trainer.py",
@@ -121,7 +118,7 @@ def _launches():
             _launch(2, _files(2, MODELS), "0", "2-models"),
             _launch(3, _files(3, exclude=MODELS + SERVING), "0", "3"),
             _launch(3, _files(3, SERVING, exclude=MODELS), "0", "3-serving"),
-            _launch(3, _files(3, MODELS), "0", "3-models", "sampled"),
+            _launch(3, _files(3, MODELS), "0", "3-models"),
             _launch(4, _files(4, MPI_LAYER), "0", "4-mpi-layer", "sampled"),
             _launch(4, _files(4, exclude=MPI_LAYER + SERVING), "0", "4-frameworks", "sampled"),
             _launch(4, _files(4, SERVING), "0", "4-serving", "sampled"),

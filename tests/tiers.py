@@ -7,8 +7,7 @@ world size each multi-rank file names, the whole matrices at 2 and 3 ranks.
 parametrized cases and matrices: what the full tier runs in the launches that
 repeat a world's coverage for another reason (one rank, the degenerate
 world; 4 ranks on two hosts, for the transport and the 2 x 2 grids; the
-rerun with ``COMMLIB_CHECK=1``; the whole models at 3 ranks, whose odd-size
-layouts are the core's), so that the whole matrices run where their
+rerun with ``COMMLIB_CHECK=1``), so that the whole matrices run where their
 layouts differ, at 2 and 3 ranks, and once.
 
 A test that only the full tier runs carries ``@pytest.mark.full`` (a file:
