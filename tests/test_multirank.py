@@ -136,6 +136,8 @@ def test_mpi_suite(nprocs, hosts, files, check, tier, tmp_path, request):
     argv = [sys.executable, str(TESTS / "mpi_pytest.py"), str(tmp_path),
             *(str(MPI_TESTS / name) for name in files)]
     env = {"COMMLIB_CHECK": check, "COMMLIB_TIMEOUT": "120", tiers.TIER_ENV: tier}
+    if nprocs != 2:  # JAX's programs compiled as users do at 2 ranks (tests/tiers.py)
+        env["XLA_FLAGS"] = tiers.quick_xla_flags()
     try:
         result = run(nprocs, argv, timeout=TIMEOUT_S, env=env, hosts=hosts)
     except subprocess.TimeoutExpired:
