@@ -65,10 +65,10 @@ def test_kernel_forward_and_backward(impl, dtype, kv_heads, causal, which):
 def test_few_queries_over_many_keys_are_attention(dtype, hidden, queries):
     """Decode's shapes on the CPU (a few queries, many keys, a KV head for
     two query heads, V narrower than K: multi-head latent attention's
-    absorbed form has one for all), which torch's kernel computes as two
-    matrix products:
-    out and lse of softmax attention, top-left causal, a row the mask hides
-    wholly giving lse -inf and out 0."""
+    absorbed form has one for all), which torch's kernel hands to the
+    tiled kernel (a causal block, a square elsewhere, stays with the fused
+    kernel): out and lse of softmax attention, top-left causal, a row the
+    mask hides wholly giving lse -inf and out 0."""
     torch = requires.module("torch")
     from commlib.kernels import torch_sdpa
     keys = torch_sdpa.MANY_KEYS
@@ -88,7 +88,7 @@ def test_few_queries_over_many_keys_are_attention(dtype, hidden, queries):
         want = np.nan_to_num(np.einsum("bhtn,bnhv->bthv", np.exp(scores - want_lse[..., None]),
                                        v_of_head))
     to = lambda x: torch.tensor(x, dtype=getattr(torch, dtype))  # noqa: E731
-    assert torch_sdpa._few(to(q), to(k))
+    assert torch_sdpa._few(to(q), to(k), hidden == "causal") == (hidden != "causal")
     out, lse = torch_sdpa.forward(to(q), to(k), to(v), hidden == "causal", 0.3,
                                   mask=None if mask is None else torch.tensor(mask))
     tol = TOLERANCE.get(dtype, 1e-12)

@@ -13,9 +13,10 @@ serves (float64 on CUDA, say), the tiled array-API kernel runs in torch,
 in float64 for float64. Inputs and outputs are
 [batch, seq, heads, head_dim]; the kernels see [b, h, s, d] views.
 
-A few queries over many keys (decode) on the CPU are two matrix products
-instead (``_few_queries``): the CPU flash kernel works a query row at a
-time, and it would have a narrower V padded, a copy of the whole cache.
+A few queries over many keys (decode) on the CPU go to the tiled kernel
+instead (``_few``), whose GQA folds the query heads a KV head serves into
+the rows of one product: the CPU flash kernel works a query row at a time,
+and it would have a narrower V padded, a copy of the whole cache.
 
 A ``mask`` (packed documents, sliding windows) goes to the CPU kernel as an
 additive bias; a row it hides wholly gets lse -inf (the kernel says 0). On
@@ -89,8 +90,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     attention: 192 against 128), the narrower side is padded with zero
     columns, which change neither a score (the scale is explicit) nor a real
     output column."""
-    if _few(q, k):
-        return _few_queries(q, k, v, causal, scale, mask)
+    if _few(q, k, causal):
+        return tiled.attention_forward(q, k, v, causal, scale, tile=MANY_KEYS, mask=mask)
     if v.shape[-1] != q.shape[-1]:
         width = max(q.shape[-1], v.shape[-1])
         out, lse = _forward(*(_padded(x, width) for x in (q, k, v)), causal, scale, mask)
@@ -99,43 +100,18 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 
 
 # at most this many queries over at least this many keys (a cache, not a
-# ring's block), and scores of at most this many elements
-FEW_QUERIES, MANY_KEYS, MOST_SCORES = 16, 1024, 1 << 26
+# ring's block); the tiled kernel then takes keys this many a tile (its
+# square default is sized for many queries: a few queries' score tile
+# stays small)
+FEW_QUERIES, MANY_KEYS = 16, 1024
 
 
-def _few(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether ``_few_queries`` serves: the CPU, float32 or float64 (the
-    products keep the accumulator's precision), few queries over many
-    keys, and scores that fit in a modest buffer."""
-    b, t, h, _ = q.shape
+def _few(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
+    """Whether a few queries over many keys go to the tiled kernel: on the
+    CPU, float32 or float64 (the tiled kernel answers in the accumulator's
+    dtype, which is theirs), not causal (a causal block is a square)."""
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
-            and t <= FEW_QUERIES and k.shape[1] >= MANY_KEYS
-            and b * h * t * k.shape[1] <= MOST_SCORES)
-
-
-def _few_queries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                 scale: float, mask: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``forward`` as softmax(q k^T) v in two matrix products, the query
-    heads each KV head serves folded into the rows of one product (one
-    latent "head" serves all of multi-head latent attention's absorbed
-    queries); ``causal`` is top-left aligned, as the fused kernels'."""
-    b, t, h, d = q.shape
-    kv_heads, n, value = k.shape[2], k.shape[1], v.shape[-1]
-    group = h // kv_heads
-    rows = q.reshape(b, t, kv_heads, group, d).permute(0, 2, 3, 1, 4)
-    scores = torch.matmul(rows.reshape(b, kv_heads, group * t, d), k.permute(0, 2, 3, 1))
-    scores.mul_(scale)
-    visible = mask
-    if causal:
-        below = torch.ones(t, n, dtype=torch.bool, device=q.device).tril()
-        visible = below if visible is None else visible & below
-    if visible is not None:
-        scores.masked_fill_(~visible.repeat(group, 1), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    weights = torch.exp(scores.sub_(lse[..., None])).nan_to_num_(0.0)  # hidden rows: 0
-    out = torch.matmul(weights, v.permute(0, 2, 1, 3))                  # [b, hk, g t, dv]
-    out = out.reshape(b, kv_heads, group, t, value).permute(0, 3, 1, 2, 4)
-    return out.reshape(b, t, h, value), lse.reshape(b, h, t)
+            and not causal and q.shape[1] <= FEW_QUERIES and k.shape[1] >= MANY_KEYS)
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
