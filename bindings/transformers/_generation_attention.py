@@ -35,11 +35,8 @@ from ._attention import (
 )
 from ._experts import IMPLEMENTATION as EXPERTS
 from ._experts import replicated_tokens
-from ._latent import LATENT_IMPLEMENTATIONS, expanded, take, up_projections
+from ._latent import GENERATION, LATENT_IMPLEMENTATIONS, expanded, take, up_projections
 from ._recurrent_generation import generation_states
-
-GENERATION = "commlib_generate"  # the attention implementation a generate call runs under
-
 
 # who made an attention call: the module's class and layer_idx
 Caller = Tuple[str, Optional[int]]

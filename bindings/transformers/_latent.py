@@ -33,8 +33,9 @@ __all__ = ["is_latent_attention", "install", "take", "expanded", "up_projections
 LATENT_IMPLEMENTATIONS = ("commlib_ring", "commlib_ring_docs")
 # the ones that split heads, and so move them expanded
 EXPANDING_IMPLEMENTATIONS = ("commlib_ulysses", "commlib_hybrid")
-# generate's (_generation_attention.GENERATION): it caches the latent and expands where it must
-GENERATING = "commlib_generate"
+# the attention implementation a generate call runs under (``_generation_attention``):
+# it caches the latent and expands where it must
+GENERATION = "commlib_generate"
 
 _kept: "weakref.WeakKeyDictionary[nn.Module, Tuple[torch.Tensor, torch.Tensor]]" = \
     weakref.WeakKeyDictionary()
@@ -77,7 +78,7 @@ def _expand_or_keep(module: nn.Module, kv_nope: torch.Tensor,
     latent kept for the attention call that follows and zero-stride
     stand-ins of K's and V's shapes."""
     implementation = getattr(module.config, "_attn_implementation", None)
-    if implementation not in LATENT_IMPLEMENTATIONS + (GENERATING,):
+    if implementation not in LATENT_IMPLEMENTATIONS + (GENERATION,):
         if implementation in EXPANDING_IMPLEMENTATIONS:
             _say_expanded(module, implementation)
         return type(module).expand_kv(module, kv_nope, k_rot)
